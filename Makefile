@@ -1,0 +1,37 @@
+# The two commands of the README: `make demo` and `make test`. Each creates what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_LIBS := libibverbs1 libnuma1 librdmacm1
+
+.PHONY: demo test env test-env clean
+
+demo: $(BIN)/.stamp-base
+	$(BIN)/layerkv demo
+
+test: $(BIN)/.stamp-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+env: $(BIN)/.stamp-base
+test-env: $(BIN)/.stamp-test
+
+# Base environment: CPU torch pinned to the wheel kept on this machine, layerkv editable.
+$(BIN)/.stamp-base: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[engine,bench]'
+	touch $@
+
+# Test environment: Mooncake client + master (and the Debian libraries its wheel links),
+# test tools.
+$(BIN)/.stamp-test: $(BIN)/.stamp-base requirements/test.txt
+	dpkg -s $(APT_LIBS) >/dev/null 2>&1 || \
+	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(APT_LIBS))
+	$(BIN)/pip install -q -r requirements/test.txt
+	$(BIN)/pip install -q -e '.[engine,bench,test,mooncake]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

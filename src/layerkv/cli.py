@@ -1,0 +1,35 @@
+"""`layerkv` command line: one sub-command per module in layerkv.commands. Each module has
+`add_parser(subparsers)` (cheap: no heavy imports) and sets `func` to its runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Sub-command modules, in the order `layerkv --help` lists them.
+COMMANDS = ("demo", "master", "doctor", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerkv", description="Layerwise KV-cache pool for LLM inference engines.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"layerkv.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"layerkv.commands.{name}":
+                raise
+            continue  # a command not built yet
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

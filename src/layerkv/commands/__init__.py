@@ -1,0 +1,1 @@
+"""Sub-commands of the `layerkv` CLI; each module: add_parser(subparsers) -> sets args.func."""

@@ -1,0 +1,117 @@
+"""The connector hook contract, named as vLLM's KVConnectorBase_V1 hooks, in engine-neutral
+types. Engines (the reference engine, the vLLM facade) call these; `connector.py` implements
+them. Scheduler hooks run on the engine's scheduler thread; worker hooks on the engine's
+compute thread (one worker connector per TP rank).
+
+Call order per engine step (as vLLM does it):
+
+    scheduler:  get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
+                -> build_connector_meta(step) --meta--> worker
+    worker:     bind_connector_metadata(meta); start_load_kv()
+                for each layer: wait_for_layer_load(name) -> attention -> save_kv_layer(name)
+                wait_for_save(); get_finished(...); get_block_ids_with_load_errors()
+                clear_connector_metadata()
+    scheduler:  update_connector_output(report); request_finished(...) when a request ends
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from layerkv.messages import RequestView, ReqId, SchedulerStep, WorkerReport
+
+
+class SchedulerHooks(Protocol):
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens the pool can provide beyond `num_computed_tokens`, load_async=False)."""
+        ...
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None: ...
+
+    def build_connector_meta(self, step: SchedulerStep) -> Any:
+        """A picklable metadata object for the workers of this step."""
+        ...
+
+    def update_connector_output(self, report: WorkerReport) -> None: ...
+
+    def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks?, kv_transfer_params). layerkv never delays."""
+        ...
+
+
+class WorkerHooks(Protocol):
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        """`kv_caches`: layer name -> tensor or tuple of tensors (see layout.py)."""
+        ...
+
+    def bind_connector_metadata(self, meta: Any) -> None: ...
+
+    def start_load_kv(self) -> None: ...
+
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    def save_kv_layer(self, layer_name: str) -> None: ...
+
+    def wait_for_save(self) -> None: ...
+
+    def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId] | None, set[ReqId] | None]: ...
+
+    def get_block_ids_with_load_errors(self) -> set[int]: ...
+
+    def clear_connector_metadata(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class NullScheduler:
+    """Scheduler hooks of an engine without a pool: no hits, nothing to do."""
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, step: SchedulerStep) -> Any:
+        return None
+
+    def update_connector_output(self, report: WorkerReport) -> None:
+        return None
+
+    def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+
+class NullWorker:
+    """Worker hooks of an engine without a pool."""
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        return None
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        return None
+
+    def start_load_kv(self) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId] | None, set[ReqId] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def clear_connector_metadata(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,84 @@
+"""Engine-neutral messages between an engine adapter (vLLM, the reference engine) and the
+connector: what the engine tells the connector about requests, steps and the deployment.
+Plain frozen dataclasses, picklable, no behaviour; built on the engine's scheduler thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+ReqId = str
+BlockHash = bytes  # the engine's chained block hash (already salted: cache salt, LoRA, mm)
+
+
+class KVRole(str, Enum):
+    PRODUCER = "kv_producer"  # saves only
+    CONSUMER = "kv_consumer"  # loads only
+    BOTH = "kv_both"
+
+    @property
+    def loads(self) -> bool:
+        return self is not KVRole.PRODUCER
+
+    @property
+    def saves(self) -> bool:
+        return self is not KVRole.CONSUMER
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What makes two deployments' objects (in)compatible, plus this worker's coordinates."""
+
+    model_id: str  # e.g. "meta-llama/Llama-3.1-8B" or a local path
+    kv_dtype: str  # e.g. "float16", "bfloat16", "float32", "fp8_e4m3"
+    block_size: int  # tokens per KV block
+    num_kv_heads: int  # total KV heads of the model (MLA: 1)
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    model_revision: str = ""
+    is_mla: bool = False
+    role: KVRole = KVRole.BOTH
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A request as the connector's scheduler side sees it."""
+
+    req_id: ReqId
+    num_prompt_tokens: int
+    num_tokens: int  # prompt + output so far
+    block_hashes: tuple[BlockHash, ...]  # one per full block of the request's tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request in one engine step, after the scheduler allocated its blocks."""
+
+    req_id: ReqId
+    block_ids: tuple[int, ...]  # all local block ids of the request, in token order
+    num_computed_tokens: int  # tokens whose KV is in local blocks before this step's compute
+    #                           (includes tokens the connector loads in this step)
+    num_scheduled_tokens: int  # tokens the engine computes in this step
+    block_hashes: tuple[BlockHash, ...]  # hashes of the request's full blocks known so far
+    resumed: bool = False  # re-scheduled after preemption: block_ids were replaced
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStep:
+    """Everything the connector's scheduler side needs to build one step's worker metadata."""
+
+    requests: tuple[ScheduledRequest, ...]
+    finished_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
+    preempted_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What a worker returns to the scheduler side after a step (vLLM's KVConnectorOutput)."""
+
+    finished_sending: frozenset[ReqId] = field(default_factory=frozenset)
+    finished_recving: frozenset[ReqId] = field(default_factory=frozenset)
+    invalid_block_ids: frozenset[int] = field(default_factory=frozenset)

@@ -1,0 +1,1 @@
+"""Store backends behind one batch session protocol (see base.py)."""

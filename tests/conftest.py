@@ -1,0 +1,8 @@
+"""Shared pytest fixtures. Backend fixtures (embedded, real mooncake_master) live in
+tests/conftest_backends.py and are registered here."""
+
+from __future__ import annotations
+
+import logging
+
+logging.getLogger("layerkv").setLevel(logging.INFO)
