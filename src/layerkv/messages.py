@@ -41,6 +41,10 @@ class Deployment:
     model_revision: str = ""
     is_mla: bool = False
     role: KVRole = KVRole.BOTH
+    # Per-layer cache shapes as both the scheduler and the workers can compute them (e.g.
+    # "L0:k[16,2,64]f16+v[16,2,64]f16;L1:..."); part of the key namespace, so deployments
+    # with different cache layouts never share objects.
+    kv_signature: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,167 @@
+"""Scheduler side of the connector: pool hit planning (windowed exists queries that stop at
+the first miss) and the per-step plan (blocks to load, new full blocks to save). Runs on the
+engine's scheduler thread only; no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from layerkv.config import LayerKVConfig
+from layerkv.keys import block_keys, namespace_for, storage_placement
+from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
+from layerkv.plan import BlockSpec, StepPlan
+from layerkv.stats import SchedulerStats
+from layerkv.store.base import KVStore
+
+log = logging.getLogger(__name__)
+
+
+class PoolLookup:
+    """Asks the store which blocks are readable: a block counts only if every storage rank's
+    key is COMPLETE. Results outside {0, 1} are errors, never hits."""
+
+    def __init__(self, store: KVStore, namespace: str, num_storage_ranks: int, window_blocks: int, stats: SchedulerStats) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._ranks = range(num_storage_ranks)
+        self._window_blocks = window_blocks
+        self._stats = stats
+
+    def present(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Per block: are all storage ranks' keys readable? One exists call (the store splits it)."""
+        if not hashes:
+            return []
+        keys_by_rank = [block_keys(self._namespace, hashes, rank) for rank in self._ranks]
+        keys = [key for rank_keys in zip(*keys_by_rank) for key in rank_keys]  # block-major
+        results = self._store.batch_is_exist(keys)
+        self._stats.exists_calls += 1
+        self._stats.keys_queried += len(keys)
+        num_ranks = len(self._ranks)
+        present = []
+        for block in range(len(hashes)):
+            row = results[block * num_ranks : (block + 1) * num_ranks]
+            if any(value not in (0, 1) for value in row):
+                self._stats.lookup_errors += 1
+                log.warning("layerkv: exists query failed for block %d (%s); treated as a miss", block, row)
+            present.append(all(value == 1 for value in row))
+        return present
+
+    def count_hit_blocks(self, hashes: Sequence[BlockHash], start_block: int, end_block: int) -> int:
+        """Length of the run of present blocks from `start_block` (exclusive `end_block`),
+        asking one window at a time and stopping at the first window with a miss."""
+        hit = 0
+        for window_start in range(start_block, end_block, self._window_blocks):
+            window = hashes[window_start : min(window_start + self._window_blocks, end_block)]
+            present = self.present(window)
+            for flag in present:
+                if not flag:
+                    return hit
+                hit += 1
+        return hit
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    start_block: int
+    num_blocks: int
+
+
+class SchedulerConnector:
+    """The scheduler hooks (see hooks.SchedulerHooks) backed by a store."""
+
+    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: KVStore | None = None) -> None:
+        from layerkv.store.factory import open_checked_store
+
+        self.config = config
+        self.deployment = deployment
+        self.store = store if store is not None else open_checked_store(config)
+        self.namespace = namespace_for(deployment, config.tenant)
+        self.stats = SchedulerStats()
+        placement = storage_placement(deployment)
+        self._lookup = PoolLookup(self.store, self.namespace, placement.num_storage_ranks, config.exists_window_blocks, self.stats)
+        self._block_size = deployment.block_size
+        self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
+        self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc
+        self._ended: set[ReqId] = set()
+
+    # -- hooks ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        self._matched.pop(request.req_id, None)
+        if not self.deployment.role.loads or num_computed_tokens % self._block_size:
+            return 0, False
+        # A full hit keeps at least the last token for the engine to compute.
+        end_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
+        start_block = num_computed_tokens // self._block_size
+        if start_block >= end_block:
+            return 0, False
+        self.stats.lookups += 1
+        hit_blocks = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
+        if hit_blocks == 0:
+            return 0, False
+        self.stats.hit_blocks += hit_blocks
+        self._matched[request.req_id] = _PendingLoad(start_block, hit_blocks)
+        return hit_blocks * self._block_size, False
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+        matched = self._matched.pop(request.req_id, None)
+        if matched is None or num_external_tokens <= 0:
+            return
+        num_blocks = min(matched.num_blocks, num_external_tokens // self._block_size)
+        first, last = matched.start_block, matched.start_block + num_blocks
+        if last > len(block_ids):
+            raise ValueError(f"request {request.req_id}: {len(block_ids)} blocks allocated, {last} needed for the pool hit")
+        self._pending[request.req_id] = BlockSpec(request.req_id, tuple(request.block_hashes[first:last]), tuple(block_ids[first:last]))
+
+    def build_connector_meta(self, step: SchedulerStep) -> StepPlan:
+        scheduled = {r.req_id for r in step.requests}
+        loads = tuple(self._pending.pop(req_id) for req_id in list(self._pending) if req_id in scheduled)
+        self._pending.clear()  # a hit whose request was not scheduled is planned again later
+        saves = self._plan_saves(step, {spec.req_id for spec in loads}) if self.deployment.role.saves else ()
+        ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
+        self._ended.clear()
+        self.stats.steps += 1
+        self.stats.load_blocks += sum(len(spec) for spec in loads)
+        self.stats.save_blocks += sum(len(spec) for spec in saves)
+        return StepPlan(loads=loads, saves=saves, ended_req_ids=ended)
+
+    def update_connector_output(self, report: WorkerReport) -> None:
+        self.stats.load_failures += len(report.invalid_block_ids)
+
+    def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
+        self._matched.pop(request.req_id, None)
+        self._pending.pop(request.req_id, None)
+        self._ended.add(request.req_id)
+        return False, None
+
+    # -- save planning --------------------------------------------------------------------
+    def _plan_saves(self, step: SchedulerStep, loading: set[ReqId]) -> tuple[BlockSpec, ...]:
+        """New full blocks of this step whose keys are not all in the pool yet."""
+        candidates: list[tuple[ReqId, BlockHash, int]] = []
+        seen: set[BlockHash] = set()
+        for request in step.requests:
+            first = request.num_computed_tokens // self._block_size
+            last = min(
+                (request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,
+                len(request.block_hashes),
+                len(request.block_ids),
+            )
+            for block in range(first, last):
+                block_hash = request.block_hashes[block]
+                if block_hash not in seen:  # two requests computing the same block: save once
+                    seen.add(block_hash)
+                    candidates.append((request.req_id, block_hash, request.block_ids[block]))
+        if not candidates:
+            return ()
+        present = self._lookup.present([block_hash for _, block_hash, _ in candidates])
+        per_request: dict[ReqId, tuple[list[BlockHash], list[int]]] = {}
+        for (req_id, block_hash, block_id), exists in zip(candidates, present):
+            if exists:
+                self.stats.save_skipped_existing += 1
+                continue
+            hashes, ids = per_request.setdefault(req_id, ([], []))
+            hashes.append(block_hash)
+            ids.append(block_id)
+        return tuple(BlockSpec(req_id, tuple(h), tuple(i)) for req_id, (h, i) in per_request.items())

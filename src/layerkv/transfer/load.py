@@ -1,0 +1,174 @@
+"""One step's layerwise load: the receive thread reads layer l's ranges for every key while
+the compute thread may be at most `prefetch_layers` layers behind, verifies headers with layer
+0, fans a shared key out to every local block that wants it, and ends the get sessions only
+after its last read returned. Touched by the compute thread (wait_layer) and the receive thread
+(run); shared state guarded by JobState.cond.
+
+    compute:  start ─ wait(0) ── attn 0 ── wait(1) ── attn 1 ── wait(2) ── ...
+    receive:  read 0 ─ read 1 ──────────── read 2 ──────────── read 3 ...   (prefetch 2)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from layerkv.errors import HeaderError
+from layerkv.header import Header
+from layerkv.layout import CacheLayout
+from layerkv.messages import BlockHash, ReqId
+from layerkv.store.base import KVStore, ObjectKey
+from layerkv.transfer.thread import JobState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadKey:
+    """One remote object to read: into `block_id`, then copied to `extra_block_ids`."""
+
+    key: ObjectKey
+    block_hash: BlockHash
+    block_id: int
+    extra_block_ids: tuple[int, ...]
+    owners: frozenset[ReqId]
+
+
+class LoadJob(JobState):
+    """Reads `keys` (whose get sessions are open) layer by layer. Failures are published as
+    invalid block ids / tainted requests before the compute thread is woken."""
+
+    def __init__(
+        self,
+        keys: list[LoadKey],
+        *,
+        store: KVStore,
+        layout: CacheLayout,
+        header: Header,
+        staging: np.ndarray,  # uint8 [>= len(keys), header_nbytes], registered with the store
+        prefetch_layers: int,
+        end_sessions: Callable[[], None],
+        on_failed: Callable[[list[LoadKey], str], None],
+    ) -> None:
+        super().__init__("layerkv load")
+        self.keys = keys
+        self._store = store
+        self._layout = layout
+        self._header = header
+        self._staging = staging
+        self._prefetch = prefetch_layers
+        self._end_sessions = end_sessions
+        self._on_failed = on_failed
+        self._block_ids = np.array([k.block_id for k in keys], dtype=np.int64)
+        self._slots = np.arange(len(keys), dtype=np.int64)
+        self._header_tpl = layout.header_template(staging.ctypes.data, staging.shape[0], staging.strides[0])
+        self.failed = np.zeros(len(keys), dtype=bool)  # guarded by cond
+        self.layers_done = 0  # guarded by cond
+        self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
+        self.loaded_bytes = 0  # receive thread only, read after finished
+        self.read_s = 0.0  # receive thread only
+
+    # -- compute thread -------------------------------------------------------------------
+    def wait_layer(self, layer_idx: int, timeout_s: float) -> None:
+        """Let the receive thread run ahead to layer_idx + prefetch - 1, then wait for layer_idx."""
+        with self.cond:
+            if layer_idx > self.compute_layer:
+                self.compute_layer = layer_idx
+                self.cond.notify_all()
+        self.wait_until(lambda: self.layers_done > layer_idx or self.finished, timeout_s, f"layer {layer_idx}")
+
+    # -- receive thread -------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            for layer_idx in range(self._layout.num_layers):
+                if not self._wait_allowed(layer_idx):
+                    self._fail(np.flatnonzero(~self.failed), "cancelled before all layers were read")
+                    break
+                self._read_layer(layer_idx)
+                with self.cond:
+                    self.layers_done = layer_idx + 1
+                    self.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - published to the compute thread
+            log.exception("layerkv: load thread failed; every block of this step is invalid")
+            self._fail(np.flatnonzero(~self.failed), f"transfer thread error: {exc!r}", exc)
+        finally:
+            try:
+                self._end_sessions()  # every read of this job has returned
+            finally:
+                with self.cond:
+                    self.finished = True
+                    self.cond.notify_all()
+
+    def _wait_allowed(self, layer_idx: int) -> bool:
+        with self.cond:
+            while layer_idx >= self.compute_layer + self._prefetch and not self.cancelled:
+                self.cond.wait(0.5)
+            return not self.cancelled
+
+    def _read_layer(self, layer_idx: int) -> None:
+        with self.cond:
+            active = np.flatnonzero(~self.failed)
+        if active.size == 0:
+            return
+        ids = self._block_ids[active]
+        if layer_idx == 0:
+            ranges = self._layout.ranges_with_header(0, ids, self._header_tpl, self._slots[active])
+        else:
+            ranges = self._layout.ranges(layer_idx, ids)
+        expected = int(np.sum(ranges.sizes[0]))
+        keys = [self.keys[i].key for i in active]
+        start = time.perf_counter()
+        results = np.asarray(
+            self._store.batch_get_into_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx),  # type: ignore[call-arg]
+            dtype=np.int64,
+        )
+        self.read_s += time.perf_counter() - start
+        bad = active[results != expected]
+        if bad.size:
+            codes = sorted(set(results[results != expected].tolist()))
+            self._fail(bad, f"layer {layer_idx} read returned {codes} (expected {expected} bytes)")
+        good = active[results == expected]
+        self.loaded_bytes += expected * int(good.size)
+        if layer_idx == 0:
+            good = self._verify_headers(good)
+        self._fan_out(layer_idx, good)
+
+    def _verify_headers(self, rows: np.ndarray) -> np.ndarray:
+        ok = []
+        for row in rows.tolist():
+            try:
+                self._header.verify(self._staging[row], self.keys[row].block_hash)
+                ok.append(row)
+            except HeaderError as exc:
+                self._fail(np.array([row]), str(exc))
+        return np.array(ok, dtype=np.int64)
+
+    def _fan_out(self, layer_idx: int, rows: np.ndarray) -> None:
+        """Copy the layer from the block it was read into to the other blocks wanting the key."""
+        template = self._layout.template(layer_idx)
+        for row in rows.tolist():
+            extra = self.keys[row].extra_block_ids
+            if not extra:
+                continue
+            src, sizes, _ = template.columns(np.array([self.keys[row].block_id]))
+            dst, _, _ = template.columns(np.array(extra))
+            for target in dst:
+                for s_ptr, d_ptr, nbytes in zip(src[0].tolist(), target.tolist(), sizes[0].tolist()):
+                    ctypes.memmove(d_ptr, s_ptr, nbytes)
+
+    def _fail(self, rows: np.ndarray, reason: str, exc: BaseException | None = None) -> None:
+        """Publish failed rows (invalid blocks, tainted requests) before waking the compute thread."""
+        with self.cond:
+            new = rows[~self.failed[rows]]
+            self.failed[new] = True
+            if exc is not None:
+                self.error = exc
+        if new.size:
+            self._on_failed([self.keys[i] for i in new.tolist()], reason)
+        with self.cond:
+            self.cond.notify_all()

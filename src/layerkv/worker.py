@@ -1,0 +1,290 @@
+"""Worker side of the connector (one per TP rank): registers the KV caches, turns each step's
+plan into get/put sessions, runs the layerwise load and save jobs on two named threads, and
+reports blocks whose load failed. Hooks are called on the engine's compute thread; the jobs run
+on `layerkv-recv-<rank>` / `layerkv-send-<rank>`; shared state is guarded by `_lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from layerkv.config import LayerKVConfig
+from layerkv.errors import StoreError, TransferError
+from layerkv.header import Header
+from layerkv.keys import block_keys, namespace_for, storage_placement
+from layerkv.layout import CacheLayout
+from layerkv.messages import Deployment, ReqId
+from layerkv.plan import BlockSpec, StepPlan
+from layerkv.session import SessionTracker
+from layerkv.stats import WorkerStats
+from layerkv.store.base import Code, KVStore, ObjectKey
+from layerkv.transfer.load import LoadJob, LoadKey
+from layerkv.transfer.save import SaveJob, SaveKey, SaveOutcome
+from layerkv.transfer.thread import TransferThread
+
+log = logging.getLogger(__name__)
+
+
+class WorkerConnector:
+    """The worker hooks (see hooks.WorkerHooks) backed by a store."""
+
+    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: KVStore | None = None) -> None:
+        from layerkv.store.factory import open_checked_store
+
+        self.config = config
+        self.deployment = deployment
+        self.store = store if store is not None else open_checked_store(config)
+        self.placement = storage_placement(deployment)
+        self.namespace = namespace_for(deployment, config.tenant)
+        self.tracker = SessionTracker()
+        self.layout: CacheLayout | None = None
+        self._header: Header | None = None
+        self._lock = threading.Lock()
+        self._stats = WorkerStats()  # guarded by _lock
+        self._invalid_block_ids: set[int] = set()  # guarded by _lock
+        self._tainted_reqs: set[ReqId] = set()  # guarded by _lock; requests that read bad KV this step
+        self._plan: StepPlan | None = None  # compute thread only
+        self._load: LoadJob | None = None  # compute thread only
+        self._save: SaveJob | None = None  # compute thread only
+        self._staging: dict[str, np.ndarray] = {}  # "load"/"save" -> registered header rows
+        rank = deployment.tp_rank
+        self._recv = TransferThread(f"layerkv-recv-{rank}")
+        self._send = TransferThread(f"layerkv-send-{rank}")
+
+    # -- registration ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        self.layout = CacheLayout.from_caches(kv_caches, num_blocks, max_transfer_bytes=self.config.max_transfer_bytes)
+        if self.layout.device_type != "cpu" and self.config.backend == "embedded":
+            raise StoreError(
+                f"the embedded store needs host memory; the KV caches live on {self.layout.device_type}. "
+                "Use backend='mooncake' for device memory"
+            )
+        self._header = Header(self.namespace.digest, self.layout)
+        for region_ptr, region_nbytes in _memory_regions(kv_caches):
+            self.store.register_buffer(region_ptr, region_nbytes)
+        log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
+                 self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self.namespace.name)
+
+    # -- per step -------------------------------------------------------------------------
+    def bind_connector_metadata(self, meta: Any) -> None:
+        if meta is not None and not isinstance(meta, StepPlan):
+            raise TypeError(f"layerkv worker got metadata of type {type(meta).__name__}, expected StepPlan")
+        self._finish_step_jobs()
+        self._plan = meta
+
+    def start_load_kv(self) -> None:
+        plan = self._plan
+        if plan is None:
+            return
+        for req_id in plan.ended_req_ids:
+            self.tracker.forget_request(req_id)
+        if self.layout is None and (plan.loads or plan.saves):
+            raise TransferError("layerkv: start_load_kv before register_kv_caches")
+        with self._lock:
+            self._stats.steps += 1
+            self._tainted_reqs.clear()
+        if plan.loads and self.deployment.role.loads:
+            self._load = self._start_loads(plan.loads)
+        if plan.saves and self.deployment.role.saves and self.placement.writes:
+            self._save = self._start_saves(plan.saves)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._load
+        if job is None or self.layout is None:
+            return
+        layer_idx = self.layout.layer_index(layer_name)
+        start = time.perf_counter()
+        job.wait_layer(layer_idx, self.config.load_timeout_s)
+        with self._lock:
+            self._stats.load_wait_s += time.perf_counter() - start
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        job = self._save
+        if job is None or self.layout is None:
+            return
+        event = None
+        if self.layout.device_type == "cuda":  # pragma: no cover - no GPU here
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        job.hand_layer(self.layout.layer_index(layer_name), event)
+
+    def wait_for_save(self) -> None:
+        """End of the forward: loads must be done (their failures taint this step's saves),
+        then the save job commits and this returns once every put session is closed."""
+        if self._load is not None:
+            self._load.wait_finished(self.config.load_timeout_s)
+        if self._save is not None:
+            with self._lock:
+                tainted = frozenset(self._tainted_reqs)
+            self._save.finalize(tainted)
+            self._save.wait_finished(self.config.save_timeout_s)
+
+    def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId] | None, set[ReqId] | None]:
+        for req_id in finished_req_ids:
+            self.tracker.forget_request(req_id)
+        return None, None  # loads are synchronous, saves complete within the step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def clear_connector_metadata(self) -> None:
+        self._finish_step_jobs()
+        self._plan = None
+
+    def shutdown(self) -> None:
+        try:
+            self._finish_step_jobs()
+        finally:
+            self._recv.close()
+            self._send.close()
+            for staging in self._staging.values():
+                self.store.unregister_buffer(staging.ctypes.data)
+            self._staging.clear()
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            snapshot = WorkerStats()
+            snapshot.add(self._stats)
+        return snapshot
+
+    # -- internals ------------------------------------------------------------------------
+    def _finish_step_jobs(self) -> None:
+        """Make sure the previous step's jobs are over: a save that was never finalized is
+        revoked, a load the engine stopped waiting for is cancelled; both joined (bounded)."""
+        load, save = self._load, self._save
+        self._load = self._save = None
+        if save is not None:
+            if not save.finished:
+                save.cancel()
+            save.wait_finished(self.config.save_timeout_s)
+        if load is not None:
+            if not load.finished:
+                load.cancel()
+            load.wait_finished(self.config.load_timeout_s)
+
+    def _start_loads(self, specs: tuple[BlockSpec, ...]) -> LoadJob | None:
+        assert self.layout is not None and self._header is not None
+        by_key: dict[ObjectKey, tuple[bytes, list[int], set[ReqId]]] = {}
+        for spec in specs:
+            keys = block_keys(self.namespace, spec.block_hashes, self.placement.storage_rank)
+            for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
+                entry = by_key.setdefault(key, (block_hash, [], set()))
+                entry[1].append(block_id)
+                entry[2].add(spec.req_id)
+        keys = list(by_key)
+        self.tracker.acquire_gets({key: by_key[key][2] for key in keys})
+        results = self.store.batch_get_session_start(keys)
+        load_keys = [
+            LoadKey(key, by_key[key][0], by_key[key][1][0], tuple(by_key[key][1][1:]), frozenset(by_key[key][2]))
+            for key in keys
+        ]
+        ok = [k for k, code in zip(load_keys, results) if code == 0]
+        failed = [k for k, code in zip(load_keys, results) if code != 0]
+        with self._lock:
+            self._stats.load_keys += len(keys)
+            self._stats.load_blocks += sum(len(spec) for spec in specs)
+        if failed:
+            codes = sorted({code for code in results if code != 0})
+            self._on_load_failed(failed, f"get session start returned {codes}")
+            self._release_gets(failed, end=False)
+        if not ok:
+            return None
+        job = LoadJob(
+            ok,
+            store=self.store,
+            layout=self.layout,
+            header=self._header,
+            staging=self._staging_rows("load", len(ok)),
+            prefetch_layers=self.config.prefetch_layers,
+            end_sessions=lambda: self._release_gets(ok, end=True),
+            on_failed=self._on_load_failed,
+        )
+        self._recv.submit(job)
+        return job
+
+    def _start_saves(self, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
+        assert self.layout is not None and self._header is not None
+        by_key: dict[ObjectKey, tuple[bytes, int, set[ReqId]]] = {}
+        for spec in specs:
+            keys = block_keys(self.namespace, spec.block_hashes, self.placement.storage_rank)
+            for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
+                by_key.setdefault(key, (block_hash, block_id, set()))[2].add(spec.req_id)
+        keys = list(by_key)
+        results = self.store.batch_put_session_start(keys, [self.layout.object_nbytes] * len(keys), self.config.placement)
+        started = [key for key, code in zip(keys, results) if code == 0]
+        existing = sum(1 for code in results if code == Code.OBJECT_EXISTS)
+        with self._lock:
+            self._stats.save_keys += len(started)
+            self._stats.save_skipped_existing += existing
+            self._stats.save_failed_keys += len(keys) - len(started) - existing
+        if not started:
+            return None
+        self.tracker.open_puts({key: [(req, by_key[key][1]) for req in by_key[key][2]] for key in started})
+        staging = self._staging_rows("save", len(started))
+        self._header.encode_into(staging, np.arange(len(started)), [by_key[key][0] for key in started])
+        save_keys = [SaveKey(key, by_key[key][1], frozenset(by_key[key][2])) for key in started]
+        job = SaveJob(save_keys, store=self.store, layout=self.layout, staging=staging, on_closed=self._on_save_closed)
+        self._send.submit(job)
+        return job
+
+    def _on_load_failed(self, keys: list[Any], reason: str) -> None:
+        """Called from either thread before the compute thread is woken."""
+        blocks = {b for k in keys for b in (k.block_id, *k.extra_block_ids)}
+        with self._lock:
+            self._invalid_block_ids |= blocks
+            for k in keys:
+                self._tainted_reqs |= k.owners
+            self._stats.load_failed_blocks += len(blocks)
+        log.warning("layerkv: %d keys failed to load (%s); %d blocks will be recomputed", len(keys), reason, len(blocks))
+
+    def _release_gets(self, keys: list[LoadKey], *, end: bool) -> None:
+        """Drop the step's owners; end (exactly once) the sessions whose last owner left."""
+        owners = {req for k in keys for req in k.owners}
+        to_end = self.tracker.release_gets(owners, [k.key for k in keys])
+        if end and to_end:
+            self.store.batch_get_session_end(to_end)
+
+    def _on_save_closed(self, outcome: SaveOutcome) -> None:
+        self.tracker.close_puts(outcome.committed, committed=True)
+        self.tracker.close_puts(outcome.revoked, committed=False)
+        with self._lock:
+            self._stats.committed_keys += len(outcome.committed)
+            self._stats.revoked_keys += len(outcome.revoked)
+            self._stats.tainted_keys += len(outcome.tainted)
+            self._stats.save_failed_keys += len(outcome.failed)
+
+    def _staging_rows(self, kind: str, num_rows: int) -> np.ndarray:
+        """Registered host rows for `num_rows` headers (grown by doubling, re-registered)."""
+        assert self.layout is not None
+        staging = self._staging.get(kind)
+        if staging is None or staging.shape[0] < num_rows:
+            if staging is not None:
+                self.store.unregister_buffer(staging.ctypes.data)
+            rows = max(num_rows, 2 * (staging.shape[0] if staging is not None else 32))
+            staging = np.zeros((rows, self.layout.header_nbytes), dtype=np.uint8)  # [rows, header_nbytes]
+            self.store.register_buffer(staging.ctypes.data, staging.nbytes)
+            self._staging[kind] = staging
+        return staging
+
+
+def _memory_regions(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """Distinct (ptr, nbytes) memory regions of the registered tensors / arrays."""
+    regions: dict[int, int] = {}
+    for value in kv_caches.values():
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(tensor, "data_ptr"):
+                ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+            else:
+                ptr, nbytes = tensor.ctypes.data, tensor.nbytes
+            regions[ptr] = max(regions.get(ptr, 0), nbytes)
+    return sorted(regions.items())
