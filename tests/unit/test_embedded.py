@@ -211,5 +211,5 @@ def test_threads_hammering_one_store_keep_it_consistent() -> None:
     exists = store.batch_is_exist(live)
     assert store.batch_remove(live) == [0 if e else Code.OBJECT_NOT_FOUND for e in exists]
     assert store.used_bytes == 0
-    assert store._pool.arena.free_extents() == [(0, 16 * MiB)]  # every extent came back, merged
+    assert store._table.arena.free_extents() == [(0, 16 * MiB)]  # every extent came back, merged
     store.close()

@@ -11,19 +11,15 @@ its own put/get sessions, as a second Mooncake client would have.
 
 from __future__ import annotations
 
-import itertools
 import operator
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from layerkv.errors import StoreError
-from layerkv.store.arena import Arena, copy_ranges
+from layerkv.store.arena import copy_ranges
 from layerkv.store.base import Code, ObjectKey, Placement
+from layerkv.store.object_table import ClientId, GetSession, ObjectState, ObjectTable, StoredObject
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
@@ -36,46 +32,6 @@ _EXISTS = int(Code.OBJECT_EXISTS)
 _NOT_READY = int(Code.REPLICA_NOT_READY)
 _NO_SPACE = int(Code.NO_SPACE)
 _EXPIRED = int(Code.LEASE_EXPIRED)
-
-ClientId = int
-
-
-class ObjectState(Enum):
-    PROCESSING = "processing"  # reserved by one client's put session, not readable
-    COMPLETE = "complete"  # committed, readable, evictable when no live lease
-
-
-@dataclass(slots=True, eq=False)
-class _Object:
-    offset: int  # in the arena
-    nbytes: int
-    state: ObjectState
-    owner: ClientId  # the client holding the put session (meaningful while PROCESSING)
-    started_s: float
-    num_leases: int = 0  # live get sessions on this object
-    lease_until_s: float = 0.0  # the latest lease expiry handed out
-
-
-@dataclass(slots=True, eq=False)
-class _GetSession:
-    obj: _Object
-    expires_s: float
-
-
-class _Pool:
-    """The state all handles of one store share."""
-
-    def __init__(self, capacity_bytes: int, clock: Callable[[], float]) -> None:
-        self.lock = threading.Lock()
-        self.clock = clock
-        self.arena = Arena(capacity_bytes)  # guarded by lock
-        self.objects: dict[ObjectKey, _Object] = {}  # guarded by lock
-        self.processing: dict[ObjectKey, _Object] = {}  # guarded by lock; oldest put start first
-        self.lru: OrderedDict[ObjectKey, None] = OrderedDict()  # guarded by lock; COMPLETE, oldest first
-        self.get_sessions: dict[ClientId, dict[ObjectKey, _GetSession]] = {}  # guarded by lock
-        self.client_ids = itertools.count(1)
-        self.num_handles = 0  # guarded by lock
-        self.closed = False  # guarded by lock
 
 
 class EmbeddedStore:
@@ -101,7 +57,7 @@ class EmbeddedStore:
         self.capacity_bytes = capacity_bytes
         self.lease_ttl_s = lease_ttl_s
         self.put_timeout_s = put_timeout_s
-        self._pool = _Pool(capacity_bytes, clock)
+        self._table = ObjectTable(capacity_bytes, clock)
         self._attach()
 
     @classmethod
@@ -114,19 +70,19 @@ class EmbeddedStore:
         other = object.__new__(EmbeddedStore)
         other.name, other.capacity_bytes = self.name, self.capacity_bytes
         other.lease_ttl_s, other.put_timeout_s = self.lease_ttl_s, self.put_timeout_s
-        other._pool = self._pool
+        other._table = self._table
         other._attach()
         return other
 
     def _attach(self) -> None:
-        pool = self._pool
-        with pool.lock:
-            if pool.closed:
+        table = self._table
+        with table.lock:
+            if table.closed:
                 raise StoreError(f"embedded store {self.name!r} is closed")
-            self._client_id: ClientId = next(pool.client_ids)
+            self._client_id: ClientId = next(table.client_ids)
             self._closed = False
-            pool.num_handles += 1
-            pool.get_sessions[self._client_id] = {}
+            table.num_handles += 1
+            table.get_sessions[self._client_id] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def register_buffer(self, ptr: int, nbytes: int) -> None:
@@ -137,41 +93,37 @@ class EmbeddedStore:
 
     @property
     def used_bytes(self) -> int:
-        with self._pool.lock:
-            return self._pool.arena.used_bytes
+        with self._table.lock:
+            return self._table.arena.used_bytes
 
     def close(self) -> None:
         """Revoke this handle's put sessions, drop its get sessions; free the arena when this
         was the last handle. Idempotent."""
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             if self._closed:
                 return
             self._closed = True
-            for key, obj in list(pool.processing.items()):
+            for key, obj in list(table.processing.items()):
                 if obj.owner == self._client_id:
-                    self._drop_object(key, obj)
-            for session in pool.get_sessions.pop(self._client_id, {}).values():
+                    self._table.drop(key, obj)
+            for session in table.get_sessions.pop(self._client_id, {}).values():
                 session.obj.num_leases -= 1
-            pool.num_handles -= 1
-            if pool.num_handles == 0:
-                pool.closed = True
-                pool.objects.clear()
-                pool.processing.clear()
-                pool.lru.clear()
-                pool.arena.close()
+            table.num_handles -= 1
+            if table.num_handles == 0:
+                table.close()
 
     def _check_open(self) -> None:  # under lock
-        if self._closed or self._pool.closed:
+        if self._closed or self._table.closed:
             raise StoreError(f"embedded store {self.name!r} is closed")
 
     # ---- exists / put sessions ---------------------------------------------------------------
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
-            return [1 if (o := pool.objects.get(k)) is not None and o.state is ObjectState.COMPLETE else 0 for k in keys]
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            return [1 if (o := table.objects.get(k)) is not None and o.state is ObjectState.COMPLETE else 0 for k in keys]
 
     def batch_put_session_start(
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], placement: Placement | None = None
@@ -180,27 +132,27 @@ class EmbeddedStore:
         another client holds it; -200 no space even after evicting unleased committed objects."""
         if len(sizes) != len(keys):
             return [_INVALID] * len(keys)
-        with self._pool.lock:
+        with self._table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
             return [self._start_put(key, nbytes) for key, nbytes in zip(keys, sizes)]
 
     def _start_put(self, key: ObjectKey, nbytes: int) -> int:  # under lock
-        pool = self._pool
+        table = self._table
         if isinstance(nbytes, bool) or not _is_index(nbytes) or nbytes <= 0:
             return _INVALID
         nbytes = int(nbytes)
-        existing = pool.objects.get(key)
+        existing = table.objects.get(key)
         if existing is not None:
             if existing.state is ObjectState.PROCESSING and existing.owner == self._client_id:
                 return _INVALID
             return _EXISTS
-        offset = self._alloc_evicting(nbytes)
+        offset = self._table.alloc_evicting(nbytes)
         if offset is None:
             return _NO_SPACE
-        obj = _Object(offset, nbytes, ObjectState.PROCESSING, self._client_id, pool.clock())
-        pool.objects[key] = obj
-        pool.processing[key] = obj
+        obj = StoredObject(offset, nbytes, ObjectState.PROCESSING, self._client_id, table.clock())
+        table.objects[key] = obj
+        table.processing[key] = obj
         return _OK
 
     def batch_put_from_multi_buffer_ranges(
@@ -216,10 +168,10 @@ class EmbeddedStore:
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Commit: 0, or -600 when this client holds no put session on the key."""
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
             results = []
             for key in keys:
                 obj = self._own_put(key)
@@ -227,42 +179,42 @@ class EmbeddedStore:
                     results.append(_INVALID)
                     continue
                 obj.state = ObjectState.COMPLETE
-                del pool.processing[key]
-                pool.lru[key] = None
+                del table.processing[key]
+                table.lru[key] = None
                 results.append(_OK)
             return results
 
     def batch_put_session_revoke(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Abandon: 0, or -600 when this client holds no put session on the key."""
-        with self._pool.lock:
+        with self._table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
             results = []
             for key in keys:
                 obj = self._own_put(key)
                 if obj is None:
                     results.append(_INVALID)
                     continue
-                self._drop_object(key, obj)
+                self._table.drop(key, obj)
                 results.append(_OK)
             return results
 
-    def _own_put(self, key: ObjectKey) -> _Object | None:  # under lock
-        obj = self._pool.processing.get(key)
+    def _own_put(self, key: ObjectKey) -> StoredObject | None:  # under lock
+        obj = self._table.processing.get(key)
         return obj if obj is not None and obj.owner == self._client_id else None
 
     # ---- get sessions ------------------------------------------------------------------------
     def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
         """0 and a lease of lease_ttl_s; -704 missing; -703 still PROCESSING."""
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
-            now = pool.clock()
-            sessions = pool.get_sessions[self._client_id]
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            now = table.clock()
+            sessions = table.get_sessions[self._client_id]
             results = []
             for key in keys:
-                obj = pool.objects.get(key)
+                obj = table.objects.get(key)
                 if obj is None:
                     results.append(_NOT_FOUND)
                     continue
@@ -272,10 +224,10 @@ class EmbeddedStore:
                 old = sessions.get(key)
                 if old is not None:
                     old.obj.num_leases -= 1
-                sessions[key] = _GetSession(obj, now + self.lease_ttl_s)
+                sessions[key] = GetSession(obj, now + self.lease_ttl_s)
                 obj.num_leases += 1
                 obj.lease_until_s = max(obj.lease_until_s, now + self.lease_ttl_s)
-                pool.lru.move_to_end(key)
+                table.lru.move_to_end(key)
                 results.append(_OK)
             return results
 
@@ -292,10 +244,10 @@ class EmbeddedStore:
 
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
         """Drop this client's get sessions on `keys`; 0 (also for keys without a session)."""
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            sessions = pool.get_sessions[self._client_id]
+            sessions = table.get_sessions[self._client_id]
             for key in keys:
                 session = sessions.pop(key, None)
                 if session is not None:
@@ -314,11 +266,11 @@ class EmbeddedStore:
     ) -> list[int]:
         if not len(keys) == len(ptrs) == len(sizes) == len(offsets):
             return [_INVALID] * len(keys)
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
-            base = pool.arena.base_ptr
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            base = table.arena.base_ptr
             results: list[int] = []
             host: list[int] = []
             arena: list[int] = []
@@ -343,17 +295,17 @@ class EmbeddedStore:
                 copy_ranges(host, arena, nbytes)
             return results
 
-    def _live_get(self, key: ObjectKey) -> _Object | int | None:  # under lock
-        pool = self._pool
-        sessions = pool.get_sessions[self._client_id]
+    def _live_get(self, key: ObjectKey) -> StoredObject | int | None:  # under lock
+        table = self._table
+        sessions = table.get_sessions[self._client_id]
         session = sessions.get(key)
         if session is None:
             return None
-        if pool.clock() >= session.expires_s:
+        if table.clock() >= session.expires_s:
             del sessions[key]
             session.obj.num_leases -= 1
             return _EXPIRED
-        if pool.objects.get(key) is not session.obj:  # removed (force) under the session
+        if table.objects.get(key) is not session.obj:  # removed (force) under the session
             del sessions[key]
             return _NOT_FOUND
         return session.obj
@@ -369,18 +321,18 @@ class EmbeddedStore:
         """Start, write and commit each object in one step: 0 or the put start error."""
         if not len(keys) == len(ptrs) == len(sizes):
             return [_INVALID] * len(keys)
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
             results = []
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
                 code = _INVALID if not ptr else self._start_put(key, nbytes)
                 if code == _OK:
-                    obj = pool.processing.pop(key)
-                    copy_ranges([pool.arena.base_ptr + obj.offset], [ptr], [nbytes])
+                    obj = table.processing.pop(key)
+                    copy_ranges([table.arena.base_ptr + obj.offset], [ptr], [nbytes])
                     obj.state = ObjectState.COMPLETE
-                    pool.lru[key] = None
+                    table.lru[key] = None
                 results.append(code)
             return results
 
@@ -388,13 +340,13 @@ class EmbeddedStore:
         """Bytes read per key; -704 missing, -703 PROCESSING, -600 buffer smaller than the object."""
         if not len(keys) == len(ptrs) == len(sizes):
             return [_INVALID] * len(keys)
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
-            self._reclaim_stale_puts()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
             results = []
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
-                obj = pool.objects.get(key)
+                obj = table.objects.get(key)
                 if obj is None:
                     results.append(_NOT_FOUND)
                 elif obj.state is ObjectState.PROCESSING:
@@ -402,67 +354,28 @@ class EmbeddedStore:
                 elif not ptr or nbytes < obj.nbytes:
                     results.append(_INVALID)
                 else:
-                    copy_ranges([ptr], [pool.arena.base_ptr + obj.offset], [obj.nbytes])
-                    pool.lru.move_to_end(key)
+                    copy_ranges([ptr], [table.arena.base_ptr + obj.offset], [obj.nbytes])
+                    table.lru.move_to_end(key)
                     results.append(obj.nbytes)
             return results
 
     def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Remove committed objects (leases notwithstanding, like Mooncake's force remove):
         0, -704 missing, -703 PROCESSING (revoke it instead)."""
-        pool = self._pool
-        with pool.lock:
+        table = self._table
+        with table.lock:
             self._check_open()
             results = []
             for key in keys:
-                obj = pool.objects.get(key)
+                obj = table.objects.get(key)
                 if obj is None:
                     results.append(_NOT_FOUND)
                 elif obj.state is ObjectState.PROCESSING:
                     results.append(_NOT_READY)
                 else:
-                    self._drop_object(key, obj)
+                    self._table.drop(key, obj)
                     results.append(_OK)
             return results
-
-    # ---- allocation, eviction, reclaim (all under lock) --------------------------------------
-    def _alloc_evicting(self, nbytes: int) -> int | None:
-        """An arena offset for `nbytes`, evicting unleased COMPLETE objects oldest first; None
-        if that cannot make room (then nothing is evicted when it could never be enough)."""
-        pool = self._pool
-        arena = pool.arena
-        if nbytes > arena.capacity_bytes:
-            return None
-        offset = arena.alloc(nbytes)
-        if offset is not None:
-            return offset
-        now = pool.clock()
-        victims = [k for k in pool.lru if _evictable(pool.objects[k], now)]
-        if arena.free_bytes + sum(pool.objects[k].nbytes for k in victims) < nbytes:
-            return None
-        for key in victims:
-            self._drop_object(key, pool.objects[key])
-            offset = arena.alloc(nbytes)
-            if offset is not None:
-                return offset
-        return None
-
-    def _reclaim_stale_puts(self) -> None:
-        pool = self._pool
-        if not pool.processing:
-            return
-        deadline = pool.clock() - self.put_timeout_s
-        for key, obj in list(pool.processing.items()):
-            if obj.started_s > deadline:
-                break  # insertion order is start order
-            self._drop_object(key, obj)
-
-    def _drop_object(self, key: ObjectKey, obj: _Object) -> None:
-        pool = self._pool
-        del pool.objects[key]
-        pool.processing.pop(key, None)
-        pool.lru.pop(key, None)
-        pool.arena.free(obj.offset, obj.nbytes)
 
 
 def _is_index(value: object) -> bool:
@@ -471,10 +384,6 @@ def _is_index(value: object) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _evictable(obj: _Object, now: float) -> bool:
-    return obj.num_leases <= 0 or now >= obj.lease_until_s
 
 
 def _check_ranges(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int], object_nbytes: int) -> int:
