@@ -1,0 +1,412 @@
+"""The embedded store: an in-process backend with Mooncake's batch session semantics and codes.
+Any side; thread-safe: one lock guards objects, sessions and the arena (copies run under it so
+an object can never be freed mid-copy). `client()` gives another handle on the same objects with
+its own put/get sessions, as a second Mooncake client would have.
+
+    object lifecycle:  put start -> PROCESSING --put end--> COMPLETE --evict/remove--> gone
+                                        |  revoke / put_timeout_s
+                                        v
+                                      gone
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from layerkv.errors import StoreError
+from layerkv.store.arena import copy_ranges
+from layerkv.store.base import Code, ObjectKey, Placement
+from layerkv.store.object_table import ClientId, GetSession, ObjectState, ObjectTable, StoredObject
+
+if TYPE_CHECKING:
+    from layerkv.config import LayerKVConfig
+
+GiB = 1 << 30
+_OK = int(Code.OK)
+_INVALID = int(Code.INVALID_PARAMS)
+_NOT_FOUND = int(Code.OBJECT_NOT_FOUND)
+_EXISTS = int(Code.OBJECT_EXISTS)
+_NOT_READY = int(Code.REPLICA_NOT_READY)
+_NO_SPACE = int(Code.NO_SPACE)
+_EXPIRED = int(Code.LEASE_EXPIRED)
+
+
+class EmbeddedStore:
+    """In-process `KVStore`. Every batch call returns one int per key (Mooncake's codes), except
+    `batch_get_session_end` (one int). Pointers are raw host addresses; device memory cannot
+    be detected from an int, so callers holding tensors should call `check_host` first.
+
+    Calls on a closed handle raise `StoreError`.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int = 1 * GiB,
+        lease_ttl_s: float = 10.0,
+        put_timeout_s: float = 600.0,
+        name: str = "embedded",
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lease_ttl_s <= 0 or put_timeout_s <= 0:
+            raise ValueError(f"lease_ttl_s={lease_ttl_s} and put_timeout_s={put_timeout_s} must be > 0")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.lease_ttl_s = lease_ttl_s
+        self.put_timeout_s = put_timeout_s
+        self._table = ObjectTable(capacity_bytes, clock)
+        self._attach()
+
+    @classmethod
+    def from_config(cls, config: LayerKVConfig) -> EmbeddedStore:
+        return cls(config.embedded_capacity_bytes, config.embedded_lease_ttl_s, config.embedded_put_timeout_s)
+
+    def client(self) -> EmbeddedStore:
+        """Another handle on the same objects with its own put and get sessions (like a second
+        Mooncake client). Close it on its own; the memory goes when the last handle closes."""
+        other = object.__new__(EmbeddedStore)
+        other.name, other.capacity_bytes = self.name, self.capacity_bytes
+        other.lease_ttl_s, other.put_timeout_s = self.lease_ttl_s, self.put_timeout_s
+        other._table = self._table
+        other._attach()
+        return other
+
+    def _attach(self) -> None:
+        table = self._table
+        with table.lock:
+            if table.closed:
+                raise StoreError(f"embedded store {self.name!r} is closed")
+            self._client_id: ClientId = next(table.client_ids)
+            self._closed = False
+            table.num_handles += 1
+            table.get_sessions[self._client_id] = {}
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        """Nothing to register in-process (host memory is accessible as is)."""
+
+    def unregister_buffer(self, ptr: int) -> None:
+        """Nothing to unregister."""
+
+    @property
+    def used_bytes(self) -> int:
+        with self._table.lock:
+            return self._table.arena.used_bytes
+
+    def close(self) -> None:
+        """Revoke this handle's put sessions, drop its get sessions; free the arena when this
+        was the last handle. Idempotent."""
+        table = self._table
+        with table.lock:
+            if self._closed:
+                return
+            self._closed = True
+            for key, obj in list(table.processing.items()):
+                if obj.owner == self._client_id:
+                    self._table.drop(key, obj)
+            for session in table.get_sessions.pop(self._client_id, {}).values():
+                session.obj.num_leases -= 1
+            table.num_handles -= 1
+            if table.num_handles == 0:
+                table.close()
+
+    def _check_open(self) -> None:  # under lock
+        if self._closed or self._table.closed:
+            raise StoreError(f"embedded store {self.name!r} is closed")
+
+    # ---- exists / put sessions ---------------------------------------------------------------
+    def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
+        table = self._table
+        with table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            return [1 if (o := table.objects.get(k)) is not None and o.state is ObjectState.COMPLETE else 0 for k in keys]
+
+    def batch_put_session_start(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], placement: Placement | None = None
+    ) -> list[int]:
+        """0 per reserved key; -600 zero size / this client already holds it; -705 committed or
+        another client holds it; -200 no space even after evicting unleased committed objects."""
+        if len(sizes) != len(keys):
+            return [_INVALID] * len(keys)
+        with self._table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            return [self._start_put(key, nbytes) for key, nbytes in zip(keys, sizes)]
+
+    def _start_put(self, key: ObjectKey, nbytes: int) -> int:  # under lock
+        table = self._table
+        if isinstance(nbytes, bool) or not _is_index(nbytes) or nbytes <= 0:
+            return _INVALID
+        nbytes = int(nbytes)
+        existing = table.objects.get(key)
+        if existing is not None:
+            if existing.state is ObjectState.PROCESSING and existing.owner == self._client_id:
+                return _INVALID
+            return _EXISTS
+        offset = self._table.alloc_evicting(nbytes)
+        if offset is None:
+            return _NO_SPACE
+        obj = StoredObject(offset, nbytes, ObjectState.PROCESSING, self._client_id, table.clock())
+        table.objects[key] = obj
+        table.processing[key] = obj
+        return _OK
+
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        dst_offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Bytes written per key; -600 without this client's put session or for a range outside
+        the object (then nothing of that key is written)."""
+        return self._copy_ranges(keys, ptrs, sizes, dst_offsets, to_store=True)
+
+    def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """Commit: 0, or -600 when this client holds no put session on the key."""
+        table = self._table
+        with table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            results = []
+            for key in keys:
+                obj = self._own_put(key)
+                if obj is None:
+                    results.append(_INVALID)
+                    continue
+                obj.state = ObjectState.COMPLETE
+                del table.processing[key]
+                table.lru[key] = None
+                results.append(_OK)
+            return results
+
+    def batch_put_session_revoke(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """Abandon: 0, or -600 when this client holds no put session on the key."""
+        with self._table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            results = []
+            for key in keys:
+                obj = self._own_put(key)
+                if obj is None:
+                    results.append(_INVALID)
+                    continue
+                self._table.drop(key, obj)
+                results.append(_OK)
+            return results
+
+    def _own_put(self, key: ObjectKey) -> StoredObject | None:  # under lock
+        obj = self._table.processing.get(key)
+        return obj if obj is not None and obj.owner == self._client_id else None
+
+    # ---- get sessions ------------------------------------------------------------------------
+    def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """0 and a lease of lease_ttl_s; -704 missing; -703 still PROCESSING."""
+        table = self._table
+        with table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            now = table.clock()
+            sessions = table.get_sessions[self._client_id]
+            results = []
+            for key in keys:
+                obj = table.objects.get(key)
+                if obj is None:
+                    results.append(_NOT_FOUND)
+                    continue
+                if obj.state is ObjectState.PROCESSING:
+                    results.append(_NOT_READY)
+                    continue
+                old = sessions.get(key)
+                if old is not None:
+                    old.obj.num_leases -= 1
+                sessions[key] = GetSession(obj, now + self.lease_ttl_s)
+                obj.num_leases += 1
+                obj.lease_until_s = max(obj.lease_until_s, now + self.lease_ttl_s)
+                table.lru.move_to_end(key)
+                results.append(_OK)
+            return results
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Bytes read per key; -600 no session / range outside the object; -707 the lease
+        expired (the session is dropped, so the next read is -600); -704 the object is gone."""
+        return self._copy_ranges(keys, ptrs, sizes, src_offsets, to_store=False)
+
+    def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
+        """Drop this client's get sessions on `keys`; 0 (also for keys without a session)."""
+        table = self._table
+        with table.lock:
+            self._check_open()
+            sessions = table.get_sessions[self._client_id]
+            for key in keys:
+                session = sessions.pop(key, None)
+                if session is not None:
+                    session.obj.num_leases -= 1
+            return _OK
+
+    # ---- ranges ------------------------------------------------------------------------------
+    def _copy_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+        *,
+        to_store: bool,
+    ) -> list[int]:
+        if not len(keys) == len(ptrs) == len(sizes) == len(offsets):
+            return [_INVALID] * len(keys)
+        table = self._table
+        with table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            base = table.arena.base_ptr
+            results: list[int] = []
+            host: list[int] = []
+            arena: list[int] = []
+            nbytes: list[int] = []
+            for key, key_ptrs, key_sizes, key_offsets in zip(keys, ptrs, sizes, offsets):
+                obj = self._own_put(key) if to_store else self._live_get(key)
+                if isinstance(obj, int):
+                    results.append(obj)
+                    continue
+                if obj is None:
+                    results.append(_INVALID)
+                    continue
+                total = _check_ranges(key_ptrs, key_sizes, key_offsets, obj.nbytes)
+                results.append(total)
+                if total > 0:
+                    host.extend(key_ptrs)
+                    arena.extend(base + obj.offset + off for off in key_offsets)
+                    nbytes.extend(key_sizes)
+            if to_store:
+                copy_ranges(arena, host, nbytes)
+            else:
+                copy_ranges(host, arena, nbytes)
+            return results
+
+    def _live_get(self, key: ObjectKey) -> StoredObject | int | None:  # under lock
+        table = self._table
+        sessions = table.get_sessions[self._client_id]
+        session = sessions.get(key)
+        if session is None:
+            return None
+        if table.clock() >= session.expires_s:
+            del sessions[key]
+            session.obj.num_leases -= 1
+            return _EXPIRED
+        if table.objects.get(key) is not session.obj:  # removed (force) under the session
+            del sessions[key]
+            return _NOT_FOUND
+        return session.obj
+
+    # ---- whole objects -----------------------------------------------------------------------
+    def batch_put_from(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        placement: Placement | None = None,
+    ) -> list[int]:
+        """Start, write and commit each object in one step: 0 or the put start error."""
+        if not len(keys) == len(ptrs) == len(sizes):
+            return [_INVALID] * len(keys)
+        table = self._table
+        with table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            results = []
+            for key, ptr, nbytes in zip(keys, ptrs, sizes):
+                code = _INVALID if not ptr else self._start_put(key, nbytes)
+                if code == _OK:
+                    obj = table.processing.pop(key)
+                    copy_ranges([table.arena.base_ptr + obj.offset], [ptr], [nbytes])
+                    obj.state = ObjectState.COMPLETE
+                    table.lru[key] = None
+                results.append(code)
+            return results
+
+    def batch_get_into(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Bytes read per key; -704 missing, -703 PROCESSING, -600 buffer smaller than the object."""
+        if not len(keys) == len(ptrs) == len(sizes):
+            return [_INVALID] * len(keys)
+        table = self._table
+        with table.lock:
+            self._check_open()
+            self._table.reclaim_stale_puts(self.put_timeout_s)
+            results = []
+            for key, ptr, nbytes in zip(keys, ptrs, sizes):
+                obj = table.objects.get(key)
+                if obj is None:
+                    results.append(_NOT_FOUND)
+                elif obj.state is ObjectState.PROCESSING:
+                    results.append(_NOT_READY)
+                elif not ptr or nbytes < obj.nbytes:
+                    results.append(_INVALID)
+                else:
+                    copy_ranges([ptr], [table.arena.base_ptr + obj.offset], [obj.nbytes])
+                    table.lru.move_to_end(key)
+                    results.append(obj.nbytes)
+            return results
+
+    def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """Remove committed objects (leases notwithstanding, like Mooncake's force remove):
+        0, -704 missing, -703 PROCESSING (revoke it instead)."""
+        table = self._table
+        with table.lock:
+            self._check_open()
+            results = []
+            for key in keys:
+                obj = table.objects.get(key)
+                if obj is None:
+                    results.append(_NOT_FOUND)
+                elif obj.state is ObjectState.PROCESSING:
+                    results.append(_NOT_READY)
+                else:
+                    self._table.drop(key, obj)
+                    results.append(_OK)
+            return results
+
+
+def _is_index(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return True
+
+
+def _check_ranges(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int], object_nbytes: int) -> int:
+    """Total bytes of a key's ranges, or -600 if any range is malformed or outside the object."""
+    if not len(ptrs) == len(sizes) == len(offsets):
+        return _INVALID
+    total = 0
+    for ptr, nbytes, offset in zip(ptrs, sizes, offsets):
+        if nbytes < 0 or offset < 0 or offset + nbytes > object_nbytes or (nbytes and not ptr):
+            return _INVALID
+        total += nbytes
+    return total
+
+
+def check_host(tensor: Any) -> None:
+    """Raise StoreError unless `tensor` (torch tensor or numpy array) lives in host memory: the
+    embedded store copies with memmove and cannot read device memory."""
+    device = getattr(tensor, "device", None)
+    device_type = getattr(device, "type", device)
+    if device is None or device_type == "cpu":
+        return
+    shape = tuple(getattr(tensor, "shape", ()))
+    raise StoreError(
+        f"embedded store needs host memory; got device {device} (tensor shape {shape}); "
+        "use backend=mooncake or stage through a host buffer"
+    )
