@@ -43,3 +43,12 @@ def close_shared_stores() -> None:
         _shared.clear()
     for root in roots:
         root.close()
+
+
+def open_checked_store(config: LayerKVConfig) -> KVStore:
+    """`open_store` wrapped in the one place that splits batches by `max_transfer_blocks`,
+    validates every result and writes the range audit (LAYERKV_RANGE_DEBUG=1)."""
+    from layerkv.store.audit import RangeAudit
+    from layerkv.store.checked import CheckedStore
+
+    return CheckedStore(open_store(config), max_batch_keys=config.max_transfer_blocks, audit=RangeAudit.from_config(config))
