@@ -228,3 +228,200 @@ def test_bad_max_transfer_bytes_and_mixed_devices() -> None:
     device_only = CacheLayout.from_caches({"layers.1": FakeDeviceTensor()}, 4, max_transfer_bytes=MiB)
     assert device_only.device_type == "cuda" and device_only.layers[0][0].dtype == "float16"
     assert device_only.ranges(0, np.array([3])).ptrs == [[(1 << 20) + 3 * 16]]
+
+
+# --------------------------------------------------------------------------------------------
+# Property: ranges of all layers + header tile each object exactly, and move the right bytes
+
+KINDS = ("kv_first", "kv_adjacent", "tuple_split", "tuple", "padded", "mla_tuple", "mixed_stride")
+
+
+@dataclass
+class Spec:
+    num_blocks: int
+    kinds: list[str]
+    extras: list[bool]  # an indexer cache with the same layer index
+    registration_order: list[int]
+    mtp: bool
+    shared_buffer: bool  # every main layer is a view of one [num_blocks, layers, rows, cols] tensor
+    dtype: torch.dtype
+    rows: int
+    cols: int
+    pad: int
+    max_transfer_bytes: int
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> Spec:
+    num_layers = draw(st.integers(1, 4))
+    return Spec(
+        num_blocks=draw(st.sampled_from([1, 3, 4, 5])),  # 2 is ambiguous for [2, 2, ...]: tested above
+        kinds=draw(st.lists(st.sampled_from(KINDS), min_size=num_layers, max_size=num_layers)),
+        extras=draw(st.lists(st.booleans(), min_size=num_layers, max_size=num_layers)),
+        registration_order=draw(st.permutations(range(num_layers))),
+        mtp=draw(st.booleans()),
+        shared_buffer=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.int8, torch.float16, torch.float32])),
+        rows=draw(st.integers(1, 3)),
+        cols=draw(st.integers(1, 5)),
+        pad=draw(st.integers(0, 2)),
+        max_transfer_bytes=draw(st.sampled_from([1, 3, 8, 40, MiB])),
+    )
+
+
+def _rand(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    raw = torch.randint(0, 256, (*shape, torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def build_caches(spec: Spec, seed: int | None) -> tuple[dict[str, object], list[list[torch.Tensor]]]:
+    """Registered caches plus, per expected layer (object order), the entry views [num_blocks, ...].
+    seed None: all zeros (a destination for loads)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+
+    def make(*shape: int) -> torch.Tensor:
+        t = _rand(gen, spec.dtype, *shape)
+        return t if seed is not None else torch.zeros_like(t)
+
+    nb, r, c, num_layers = spec.num_blocks, spec.rows, spec.cols, len(spec.kinds)
+    big = make(nb, num_layers, r, c) if spec.shared_buffer else None
+    values: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    for i, kind in enumerate(spec.kinds):
+        if big is not None:
+            values[i] = (big[:, i], [big[:, i]])
+        elif kind == "kv_first":
+            t = make(2, nb, r, c)
+            values[i] = (t, [t[0], t[1]])
+        elif kind == "kv_adjacent":
+            t = make(nb, 2, r, c)
+            values[i] = (t, [t])
+        elif kind == "tuple_split":
+            t = make(nb, 2, r, c)
+            values[i] = ((t[:, 0], t[:, 1]), [t[:, 0], t[:, 1]])
+        elif kind == "tuple":
+            k, v = make(nb, r, c), make(nb, r, c)
+            values[i] = ((k, v), [k, v])
+        elif kind == "padded":
+            t = make(nb, r + spec.pad, c)[:, :r]
+            values[i] = (t, [t])
+        elif kind == "mixed_stride":
+            # K in even slots, V starts right after K's block 0 but with another stride: no merge
+            buf = make(4 * nb, r, c)
+            k, v = buf[0 : 2 * nb : 2], buf[1::4][:nb]
+            values[i] = ((k, v), [k, v])
+        else:  # mla_tuple: latent + rope
+            latent, rope = make(nb, r, c), make(nb, 1, c)
+            values[i] = ((latent, rope), [latent, rope])
+    caches: dict[str, object] = {}
+    for i in spec.registration_order:
+        caches[f"model.layers.{i}.self_attn.attn"] = values[i][0]
+    expected = [list(values[i][1]) for i in range(num_layers)]
+    for i, extra in enumerate(spec.extras):
+        if extra:
+            idx = make(nb, c, r + 1)
+            caches[f"model.layers.{i}.self_attn.indexer.k_cache"] = idx
+            expected[i].append(idx)
+    if spec.mtp:
+        m = make(2, nb, r, c)
+        caches[f"model.layers.{num_layers}.mtp.attn"] = m
+        expected.append([m[0], m[1]])
+    return caches, expected
+
+
+def check_tiling(ranges: RangeLists, object_nbytes: int) -> None:
+    for sizes, offsets in zip(ranges.sizes, ranges.offsets):
+        spans = sorted(zip(offsets, sizes))
+        end = 0
+        for offset, size in spans:
+            assert size > 0 and offset == end, f"gap or overlap at {offset} (covered up to {end})"
+            end = offset + size
+        assert end == object_nbytes
+
+
+def move(ranges: RangeLists, objects: list[bytearray], *, to_object: bool) -> None:
+    for ptrs, sizes, offsets, obj in zip(ranges.ptrs, ranges.sizes, ranges.offsets, objects):
+        base = address_of(obj)
+        for ptr, size, offset in zip(ptrs, sizes, offsets):
+            assert offset + size <= len(obj)
+            if to_object:
+                ctypes.memmove(base + offset, ptr, size)
+            else:
+                ctypes.memmove(ptr, base + offset, size)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(), data=st.data())
+def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.DataObject) -> None:
+    caches, expected = build_caches(spec, seed=7)
+    layout = CacheLayout.from_caches(caches, spec.num_blocks, max_transfer_bytes=spec.max_transfer_bytes)
+    assert layout.num_layers == len(expected)
+    assert [[e.block_nbytes for e in layer] for layer in layout.layers] == [
+        [v[0].numel() * v.element_size() for v in layer] for layer in expected
+    ]
+    assert layout.object_nbytes == layout.header_nbytes + sum(
+        v[0].numel() * v.element_size() for layer in expected for v in layer
+    )
+    block_ids = np.array(data.draw(st.lists(st.integers(0, spec.num_blocks - 1), min_size=1, max_size=4, unique=True)))
+    num_keys = len(block_ids)
+    staging = np.zeros((num_keys, layout.header_nbytes), np.uint8)
+    header = Header(bytes(range(16)), layout)
+    header.encode_into(staging, np.arange(num_keys), [bytes([b]) for b in block_ids.tolist()])
+    hdr = layout.header_template(staging.ctypes.data, num_keys)
+    slots = np.arange(num_keys)
+
+    per_layer = [layout.ranges_with_header(0, block_ids, hdr, slots)]
+    per_layer += [layout.ranges(i, block_ids) for i in range(1, layout.num_layers)]
+    assert [r.num_segments for r in per_layer[1:]] == list(layout.segments_per_layer()[1:])
+    assert per_layer[0].num_segments == 1 + layout.segments_per_layer()[0]
+    for r in per_layer[1:]:
+        assert max(max(s) for s in r.sizes) <= spec.max_transfer_bytes
+    joined = RangeLists(
+        [sum((r.ptrs[k] for r in per_layer), []) for k in range(num_keys)],
+        [sum((r.sizes[k] for r in per_layer), []) for k in range(num_keys)],
+        [sum((r.offsets[k] for r in per_layer), []) for k in range(num_keys)],
+        sum(r.num_segments for r in per_layer),
+    )
+    check_tiling(joined, layout.object_nbytes)
+    whole = join_ranges((hdr, slots), (layout.object_template(), block_ids))
+    check_tiling(whole, layout.object_nbytes)
+    if spec.shared_buffer and not any(spec.extras) and not spec.mtp and spec.max_transfer_bytes == MiB:
+        assert layout.object_template().num_segments == 1
+
+    # save: layer by layer into one object per key; the whole-object template gives the same bytes
+    objects = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
+    for r in per_layer:
+        move(r, objects, to_object=True)
+    for k, b in enumerate(block_ids.tolist()):
+        want = staging[k].tobytes() + b"".join(block_bytes(v, b) for layer in expected for v in layer)
+        assert bytes(objects[k]) == want
+        header.verify(objects[k][: layout.header_nbytes], bytes([b]))
+    again = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
+    move(whole, again, to_object=True)
+    assert again == objects
+
+    # load: into zeroed caches of the same structure (header goes to a fresh staging buffer)
+    dst_caches, dst_expected = build_caches(spec, seed=None)
+    dst = CacheLayout.from_caches(dst_caches, spec.num_blocks, max_transfer_bytes=spec.max_transfer_bytes)
+    assert dst.digest == layout.digest
+    dst_staging = np.zeros_like(staging)
+    dst_hdr = dst.header_template(dst_staging.ctypes.data, num_keys)
+    move(dst.ranges_with_header(0, block_ids, dst_hdr, slots), objects, to_object=False)
+    for i in range(1, dst.num_layers):
+        move(dst.ranges(i, block_ids), objects, to_object=False)
+    assert (dst_staging == staging).all()
+    for layer_src, layer_dst in zip(expected, dst_expected):
+        for src, out in zip(layer_src, layer_dst):
+            for b in range(spec.num_blocks):
+                got = block_bytes(out, b)
+                assert got == (block_bytes(src, b) if b in block_ids else bytes(len(got)))
+
+
+def test_merge_needs_adjacency_in_memory_and_in_the_object() -> None:
+    from layerkv.ranges import Segment, merge_segments, split_segment
+
+    a = Segment(1000, 64, 16, 200)
+    assert merge_segments([a, Segment(1016, 64, 16, 216)]) == [Segment(1000, 64, 32, 200)]
+    assert len(merge_segments([a, Segment(1016, 64, 16, 300)])) == 2  # gap in the object
+    assert len(merge_segments([a, Segment(1020, 64, 16, 216)])) == 2  # gap in memory
+    assert len(merge_segments([a, Segment(1016, 128, 16, 216)])) == 2  # other block stride
+    assert split_segment(Segment(0, 64, 10, 5), 4) == [Segment(0, 64, 4, 5), Segment(4, 64, 4, 9), Segment(8, 64, 2, 13)]
