@@ -1,0 +1,149 @@
+"""Namespaces, storage ranks and block keys (pure functions, no state). Used on both sides: the
+scheduler builds every storage rank's keys for exists queries, the worker builds its own rank's
+keys for sessions. Any thread.
+
+    key = <namespace>@<block_hash_hex>@<storage_rank>      namespace = <model-basename>-<digest16hex>
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from layerkv.errors import ConfigError, UnsupportedSetupError
+from layerkv.header import DIGEST_NBYTES, SCHEMA_VERSION
+from layerkv.messages import Deployment
+
+if TYPE_CHECKING:
+    from layerkv.layout import CacheLayout
+
+ObjectKey = str
+_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]+")
+_SHORT_DIGEST_HEX = 16
+_MAX_BASENAME = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StoragePlacement:
+    """Where this TP rank's KV goes: `put_step` ranks share the same heads; one of them writes."""
+
+    put_step: int
+    storage_rank: int  # the object suffix this rank loads (and writes, if `writes`)
+    writes: bool  # tp_rank % put_step == 0
+    num_storage_ranks: int  # every one must be COMPLETE for a block to count as a hit
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """`name` prefixes every key; `digest` (16 bytes) goes into the object header."""
+
+    name: str
+    digest: bytes
+
+
+def storage_placement(deployment: Deployment) -> StoragePlacement:
+    """Storage rank rule of SPEC §1. MLA counts as one head: storage rank 0, only tp_rank 0 writes.
+    Raises ConfigError for out-of-range ranks, UnsupportedSetupError for head splits that do not divide."""
+    d = deployment
+    if d.tp_size < 1 or not 0 <= d.tp_rank < d.tp_size:
+        raise ConfigError(f"tp_rank={d.tp_rank} must be 0 <= tp_rank < tp_size={d.tp_size} (and tp_size >= 1)")
+    if d.pp_size < 1 or not 0 <= d.pp_rank < d.pp_size:
+        raise ConfigError(f"pp_rank={d.pp_rank} must be 0 <= pp_rank < pp_size={d.pp_size} (and pp_size >= 1)")
+    if d.is_mla:
+        return StoragePlacement(d.tp_size, 0, d.tp_rank == 0, 1)
+    if d.num_kv_heads < 1:
+        raise ConfigError(f"num_kv_heads={d.num_kv_heads} must be >= 1 (MLA: set is_mla=True)")
+    if d.num_kv_heads >= d.tp_size:
+        if d.num_kv_heads % d.tp_size:
+            raise UnsupportedSetupError(
+                f"num_kv_heads={d.num_kv_heads} is not divisible by tp_size={d.tp_size}: "
+                f"uneven KV head partitions are not supported"
+            )
+        put_step = 1
+    else:
+        if d.tp_size % d.num_kv_heads:
+            raise UnsupportedSetupError(
+                f"tp_size={d.tp_size} is not a multiple of num_kv_heads={d.num_kv_heads}: "
+                f"replicated KV heads must be shared by equal groups of ranks"
+            )
+        put_step = d.tp_size // d.num_kv_heads
+    return StoragePlacement(put_step, d.tp_rank // put_step, d.tp_rank % put_step == 0, d.tp_size // put_step)
+
+
+def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout) -> Namespace:
+    """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
+    JSON; never Python's hash()) of everything that makes objects incompatible. The worker's own
+    tp_rank / pp_rank within a stage are excluded where they do not change the objects."""
+    placement = storage_placement(deployment)
+    if not tenant or "@" in tenant:
+        raise ConfigError(f"tenant={tenant!r} must be a non-empty string without '@'")
+    d = deployment
+    fields = {
+        "schema_version": SCHEMA_VERSION,
+        "tenant": tenant,
+        "model_id": d.model_id,
+        "model_revision": d.model_revision,
+        "kv_dtype": d.kv_dtype,
+        "block_size": d.block_size,
+        "layout_digest": layout.digest.hex(),
+        "tp_size": d.tp_size,
+        "num_kv_heads": d.num_kv_heads,
+        "is_mla": d.is_mla,
+        "put_step": placement.put_step,
+        "pp_size": d.pp_size,
+        "pp_rank": d.pp_rank,  # each pipeline stage holds different layers
+    }
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()[:DIGEST_NBYTES]
+    return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest)
+
+
+def model_basename(model_id: str) -> str:
+    """Last path component of a model id / path, with anything but [A-Za-z0-9._-] replaced by '_'."""
+    base = model_id.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    base = _UNSAFE_RE.sub("_", base).strip("_")[:_MAX_BASENAME]
+    return base or "model"
+
+
+def block_hash_bytes(block_hash: bytes | int) -> bytes:
+    """Bytes of an engine block hash. Ints (older engines): 8 bytes big-endian (negative values in
+    int64 range as two's complement), or as many bytes as a larger non-negative int needs."""
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        raw = bytes(block_hash)
+        if not raw:
+            raise ConfigError("block hash must not be empty")
+        return raw
+    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
+        if -(1 << 63) <= block_hash < 0:
+            return (block_hash & ((1 << 64) - 1)).to_bytes(8, "big")
+        if block_hash < 0:
+            raise ConfigError(f"block hash {block_hash} is a negative int outside int64")
+        return block_hash.to_bytes(max(8, -(-block_hash.bit_length() // 8)), "big")
+    raise ConfigError(f"block hash must be bytes or int, got {type(block_hash).__name__}")
+
+
+def block_key(namespace: Namespace | str, block_hash: bytes | int, storage_rank: int) -> ObjectKey:
+    """`<namespace>@<block_hash_hex>@<storage_rank>`."""
+    name = namespace.name if isinstance(namespace, Namespace) else namespace
+    return f"{name}@{block_hash_bytes(block_hash).hex()}@{storage_rank}"
+
+
+def block_keys(namespace: Namespace | str, block_hashes: Iterable[bytes | int], storage_rank: int) -> list[ObjectKey]:
+    """Keys of many blocks for one storage rank, in the order of `block_hashes`."""
+    name = namespace.name if isinstance(namespace, Namespace) else namespace
+    suffix = f"@{storage_rank}"
+    return [f"{name}@{block_hash_bytes(h).hex()}{suffix}" for h in block_hashes]
+
+
+def block_keys_all_ranks(
+    namespace: Namespace | str, block_hashes: Sequence[bytes | int], num_storage_ranks: int
+) -> list[list[ObjectKey]]:
+    """Keys of every storage rank per block: result[i][r] is block i's key on storage rank r.
+    The scheduler counts a block as a hit only when all of result[i] are COMPLETE."""
+    name = namespace.name if isinstance(namespace, Namespace) else namespace
+    suffixes = [f"@{r}" for r in range(num_storage_ranks)]
+    prefixes = [f"{name}@{block_hash_bytes(h).hex()}" for h in block_hashes]
+    return [[p + s for s in suffixes] for p in prefixes]

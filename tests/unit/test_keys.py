@@ -1,0 +1,192 @@
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from layerkv.errors import ConfigError, UnsupportedSetupError
+from layerkv.keys import (
+    Namespace,
+    block_hash_bytes,
+    block_key,
+    block_keys,
+    block_keys_all_ranks,
+    model_basename,
+    namespace_for,
+    storage_placement,
+)
+from layerkv.layout import CacheLayout
+from layerkv.messages import Deployment
+
+NUM_BLOCKS = 4
+BASE = Deployment(model_id="meta-llama/Llama-3.1-8B", kv_dtype="float16", block_size=16, num_kv_heads=8, tp_size=2)
+
+
+def make_layout(num_layers: int = 2, head_dim: int = 4) -> CacheLayout:
+    # [2, num_blocks, block_size, heads, head_dim] per layer
+    caches = {f"model.layers.{i}.attn": np.zeros((2, NUM_BLOCKS, 16, 2, head_dim), np.float16) for i in range(num_layers)}
+    return CacheLayout.from_caches(caches, NUM_BLOCKS, max_transfer_bytes=1 << 20)
+
+
+def test_namespace_format_and_key_format() -> None:
+    ns = namespace_for(BASE, "default", make_layout())
+    assert ns.name.startswith("Llama-3.1-8B-") and len(ns.name.rsplit("-", 1)[1]) == 16
+    assert len(ns.digest) == 16 and ns.digest.hex().startswith(ns.name.rsplit("-", 1)[1])
+    assert block_key(ns, b"\xab\x01", 3) == f"{ns.name}@ab01@3"
+    assert block_key("ns", b"\x00", 0) == "ns@00@0"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_id": "meta-llama/Llama-3.1-70B"},
+        {"model_revision": "abc123"},
+        {"kv_dtype": "bfloat16"},
+        {"block_size": 32},
+        {"tp_size": 4, "num_kv_heads": 8},
+        {"num_kv_heads": 4},
+        {"num_kv_heads": 2},  # tp 2, 2 heads: same put_step 1 but a different head partition
+        {"pp_size": 2},
+        {"pp_size": 2, "pp_rank": 1},
+        {"is_mla": True},
+    ],
+)
+def test_every_deployment_input_changes_the_digest(change: dict) -> None:
+    layout = make_layout()
+    base = namespace_for(BASE, "default", layout)
+    other = namespace_for(dataclasses.replace(BASE, **change), "default", layout)
+    assert other.digest != base.digest and other.name != base.name
+
+
+def test_tenant_and_layout_change_the_digest() -> None:
+    layout = make_layout()
+    base = namespace_for(BASE, "default", layout)
+    assert namespace_for(BASE, "team-b", layout).digest != base.digest
+    assert namespace_for(BASE, "default", make_layout(num_layers=3)).digest != base.digest
+    assert namespace_for(BASE, "default", make_layout(head_dim=8)).digest != base.digest
+
+
+def test_tp_rank_alone_does_not_change_the_namespace() -> None:
+    layout = make_layout()
+    rank1 = dataclasses.replace(BASE, tp_rank=1)
+    assert namespace_for(rank1, "default", layout) == namespace_for(BASE, "default", layout)
+
+
+_SCRIPT = """
+import numpy as np
+from layerkv.keys import namespace_for
+from layerkv.layout import CacheLayout
+from layerkv.messages import Deployment
+caches = {f"model.layers.{i}.attn": np.zeros((2, 4, 16, 2, 4), np.float16) for i in range(2)}
+layout = CacheLayout.from_caches(caches, 4, max_transfer_bytes=1 << 20)
+d = Deployment(model_id="meta-llama/Llama-3.1-8B", kv_dtype="float16", block_size=16, num_kv_heads=8, tp_size=2)
+print(namespace_for(d, "default", layout).name)
+"""
+
+
+def test_namespace_is_stable_across_processes() -> None:
+    here = namespace_for(BASE, "default", make_layout()).name
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    names = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.path.abspath(src)}
+        out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=60, check=True)
+        names.add(out.stdout.strip())
+    assert names == {here}
+
+
+# (tp_size, num_kv_heads) -> put_step; num_storage_ranks = tp_size // put_step
+PUT_STEP_TABLE = {
+    (1, 1): 1, (1, 2): 1, (1, 4): 1, (1, 8): 1,
+    (2, 1): 2, (2, 2): 1, (2, 4): 1, (2, 8): 1,
+    (4, 1): 4, (4, 2): 2, (4, 4): 1, (4, 8): 1,
+    (8, 1): 8, (8, 2): 4, (8, 4): 2, (8, 8): 1,
+}
+
+
+@pytest.mark.parametrize(("tp_size", "num_kv_heads"), sorted(PUT_STEP_TABLE))
+def test_put_step_table(tp_size: int, num_kv_heads: int) -> None:
+    put_step = PUT_STEP_TABLE[(tp_size, num_kv_heads)]
+    placements = [
+        storage_placement(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=num_kv_heads))
+        for r in range(tp_size)
+    ]
+    assert {p.put_step for p in placements} == {put_step}
+    assert [p.storage_rank for p in placements] == [r // put_step for r in range(tp_size)]
+    assert [p.writes for p in placements] == [r % put_step == 0 for r in range(tp_size)]
+    assert {p.num_storage_ranks for p in placements} == {min(tp_size, num_kv_heads)}
+    # every storage rank has exactly one writer
+    assert sorted(p.storage_rank for p in placements if p.writes) == list(range(tp_size // put_step))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
+def test_mla_has_one_storage_rank_written_by_rank_0(tp_size: int) -> None:
+    placements = [
+        storage_placement(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=1, is_mla=True))
+        for r in range(tp_size)
+    ]
+    assert [p.storage_rank for p in placements] == [0] * tp_size
+    assert [p.writes for p in placements] == [True] + [False] * (tp_size - 1)
+    assert {p.num_storage_ranks for p in placements} == {1}
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"tp_rank": 2}, ConfigError, r"tp_rank=2 must be 0 <= tp_rank < tp_size=2"),
+        ({"tp_rank": -1}, ConfigError, r"tp_rank=-1 must be 0 <= tp_rank < tp_size=2"),
+        ({"pp_rank": 1}, ConfigError, r"pp_rank=1 must be 0 <= pp_rank < pp_size=1"),
+        ({"num_kv_heads": 0}, ConfigError, r"num_kv_heads=0 must be >= 1"),
+        ({"num_kv_heads": 3, "tp_size": 2}, UnsupportedSetupError, r"num_kv_heads=3 is not divisible by tp_size=2"),
+        ({"num_kv_heads": 3, "tp_size": 4}, UnsupportedSetupError, r"tp_size=4 is not a multiple of num_kv_heads=3"),
+    ],
+)
+def test_bad_placements_raise_clear_errors(change: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        storage_placement(dataclasses.replace(BASE, **change))
+
+
+def test_bad_tenant_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"tenant='a@b' must be a non-empty string without '@'"):
+        namespace_for(BASE, "a@b", make_layout())
+
+
+@pytest.mark.parametrize(
+    ("model_id", "basename"),
+    [
+        ("meta-llama/Llama-3.1-8B", "Llama-3.1-8B"),
+        ("/models/qwen@v2/", "qwen_v2"),
+        ("C:\\models\\phi 3", "phi_3"),
+        ("@@@", "model"),
+    ],
+)
+def test_model_basename_is_sanitised(model_id: str, basename: str) -> None:
+    assert model_basename(model_id) == basename
+    name = namespace_for(dataclasses.replace(BASE, model_id=model_id), "default", make_layout()).name
+    assert "@" not in name and "/" not in name and name.startswith(basename + "-")
+
+
+def test_block_hash_ints_and_bad_values() -> None:
+    assert block_hash_bytes(1) == b"\x00" * 7 + b"\x01"
+    assert block_hash_bytes(-1) == b"\xff" * 8
+    assert block_hash_bytes(1 << 70) == (1 << 70).to_bytes(9, "big")
+    assert block_key("ns", 255, 1) == "ns@00000000000000ff@1"
+    with pytest.raises(ConfigError, match="block hash must be bytes or int, got str"):
+        block_hash_bytes("ab")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="block hash must not be empty"):
+        block_hash_bytes(b"")
+    with pytest.raises(ConfigError, match="negative int outside int64"):
+        block_hash_bytes(-(1 << 64))
+
+
+def test_vectorised_key_builders_match_block_key() -> None:
+    ns = Namespace("m-0123", b"\0" * 16)
+    hashes = [bytes([i]) * 4 for i in range(5)] + [7]
+    assert block_keys(ns, hashes, 2) == [block_key(ns, h, 2) for h in hashes]
+    grid = block_keys_all_ranks(ns, hashes, 3)
+    assert grid == [[block_key(ns, h, r) for r in range(3)] for h in hashes]
+    assert block_keys(ns, np.array([], dtype=object), 0) == []

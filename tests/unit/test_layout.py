@@ -1,0 +1,427 @@
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from layerkv.errors import LayoutError
+from layerkv.header import Header
+from layerkv.layout import CacheLayout
+from layerkv.ranges import RangeLists, join_ranges
+
+MiB = 1 << 20
+
+
+def address_of(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+def block_bytes(view: torch.Tensor, block_id: int) -> bytes:
+    return view[block_id].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# Layer order, entries, offsets
+
+
+def test_llama_style_layout_offsets_and_names() -> None:
+    nb = 5
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, nb, 16, 2, 8, dtype=torch.float16) for i in (1, 0)}
+    layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
+    block = 16 * 2 * 8 * 2
+    assert layout.num_layers == 2 and layout.header_nbytes == 192
+    assert layout.object_nbytes == 192 + 4 * block
+    assert layout.layer_index("model.layers.0.self_attn.attn") == 0
+    assert layout.layer_index("model.layers.1.self_attn.attn") == 1
+    assert [layout.layer_offset(i) for i in range(2)] == [192, 192 + 2 * block]
+    assert layout.entry_offset(1, 1) == 192 + 3 * block
+    k0 = layout.layers[0][0]
+    t = caches["model.layers.0.self_attn.attn"]
+    assert (k0.base_ptr, k0.block_stride_nbytes, k0.block_nbytes) == (t.data_ptr(), block, block)
+    assert layout.layers[0][1].base_ptr == t[1].data_ptr()
+    assert layout.segments_per_layer() == (2, 2)  # K and V blocks are not adjacent in memory
+    assert layout.device_type == "cpu" and k0.dtype == "float16"
+    with pytest.raises(LayoutError, match="layer name 'model.layers.9.attn' was not registered"):
+        layout.layer_index("model.layers.9.attn")
+
+
+def test_indexer_cache_joins_its_layer_and_mtp_goes_last() -> None:
+    nb = 3
+    caches = {
+        "model.layers.0.mtp_block.attn": np.zeros((nb, 4, 4), np.float32),  # draft: after main layers
+        "model.layers.1.self_attn.attn": np.zeros((nb, 2, 4, 4), np.float16),
+        "model.layers.0.self_attn.attn": np.zeros((nb, 2, 4, 4), np.float16),
+        "model.layers.0.self_attn.indexer.k_cache": np.zeros((nb, 4, 2), np.uint8),
+        "draft.layers.0.attn": np.zeros((nb, 4, 4), np.float32),
+    }
+    layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
+    assert layout.num_layers == 3
+    names = [[e.layer_name for e in layer] for layer in layout.layers]
+    assert names == [
+        ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache"],
+        ["model.layers.1.self_attn.attn"],
+        ["model.layers.0.mtp_block.attn", "draft.layers.0.attn"],  # same draft index: registration order
+    ]
+    assert layout.layer_index("model.layers.0.self_attn.indexer.k_cache") == 0
+    assert layout.layer_index("draft.layers.0.attn") == 2
+    assert layout.layer_names[:2] == ("model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache")
+    assert layout.layer_nbytes(0) == 2 * 4 * 4 * 2 + 4 * 2
+
+
+def test_draft_layers_with_same_index_share_a_layer() -> None:
+    nb = 3
+    caches = {
+        "model.layers.2.attn": np.zeros((nb, 8), np.float32),
+        "mtp.layers.0.attn": np.zeros((nb, 8), np.float32),
+        "mtp.layers.0.indexer": np.zeros((nb, 8), np.float32),
+    }
+    layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
+    assert layout.num_layers == 2
+    assert [e.layer_name for e in layout.layers[1]] == ["mtp.layers.0.attn", "mtp.layers.0.indexer"]
+
+
+def test_signature_ignores_addresses_but_not_shapes() -> None:
+    def build(dtype: np.dtype, shape: tuple[int, ...]) -> CacheLayout:
+        return CacheLayout.from_caches({"layers.0": np.zeros(shape, dtype)}, 4, max_transfer_bytes=MiB)
+
+    a, b = build(np.float16, (4, 2, 8)), build(np.float16, (4, 2, 8))
+    assert a.digest == b.digest and a.signature == b.signature and len(a.digest) == 16
+    assert build(np.float16, (4, 8, 2)).digest != a.digest  # same bytes, different block shape
+    assert build(np.int16, (4, 2, 8)).digest != a.digest  # same bytes, different dtype
+    assert build(np.float16, (2, 4, 2, 4)).digest != a.digest  # K/V split: two entries
+
+
+def test_kv_adjacent_tuple_merges_and_large_segments_split() -> None:
+    nb = 4
+    base = torch.zeros(nb, 2, 8, 16, dtype=torch.float32)  # [num_blocks, K/V, tokens, dim]: 512 B each
+    layout = CacheLayout.from_caches({"layers.0": (base[:, 0], base[:, 1])}, nb, max_transfer_bytes=300)
+    tpl = layout.template(0)
+    # one merged 1024-byte segment split into 300 + 300 + 300 + 124
+    assert tpl.num_segments == 4 and tpl.nbytes.tolist() == [300, 300, 300, 124]
+    ranges = tpl.ranges(np.array([2, 0]))
+    assert ranges.num_keys == 2 and ranges.num_segments == 4
+    assert ranges.ptrs[0][0] == base[2].data_ptr() and ranges.ptrs[1][3] == base[0].data_ptr() + 900
+    assert ranges.offsets[0] == [192, 492, 792, 1092]
+    assert ranges.sizes[1] == [300, 300, 300, 124]
+
+
+def test_whole_object_template_merges_layers_of_one_buffer() -> None:
+    nb = 3
+    big = torch.zeros(nb, 4, 2, 8, dtype=torch.float16)  # [num_blocks, layers, K/V, dim]
+    caches = {f"layers.{i}": big[:, i] for i in range(4)}
+    layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
+    assert layout.segments_per_layer() == (1, 1, 1, 1)
+    assert layout.object_template().num_segments == 1
+    assert layout.object_template().nbytes.tolist() == [4 * 2 * 8 * 2]
+
+
+def test_header_template_and_join() -> None:
+    layout = CacheLayout.from_caches({"layers.0": np.zeros((4, 64), np.float32)}, 4, max_transfer_bytes=4096)
+    staging = np.zeros((8, 256), np.uint8)
+    hdr = layout.header_template(staging.ctypes.data, num_slots=8, slot_stride_nbytes=256)
+    out = layout.ranges_with_header(0, np.array([3, 1]), hdr, np.array([5, 6]))
+    assert out.num_segments == 2
+    assert out.ptrs[0] == [staging.ctypes.data + 5 * 256, layout.layers[0][0].base_ptr + 3 * 256]
+    assert out.sizes[1] == [192, 256] and out.offsets[1] == [0, 192]
+    with pytest.raises(LayoutError, match="slot_stride_nbytes=100 must be >= header_nbytes=192"):
+        layout.header_template(staging.ctypes.data, 8, 100)
+    with pytest.raises(LayoutError, match=r"join_ranges needs one id per key in every part, got lengths \[1, 2\]"):
+        join_ranges((hdr, np.array([0])), (layout.template(0), np.array([0, 1])))
+
+
+def test_ranges_check_block_ids() -> None:
+    layout = CacheLayout.from_caches({"layers.0": np.zeros((4, 64), np.float32)}, 4, max_transfer_bytes=4096)
+    with pytest.raises(LayoutError, match=r"block ids must be in \[0, 4\), got min=0 max=4"):
+        layout.ranges(0, np.array([0, 4]))
+    with pytest.raises(LayoutError, match=r"block ids must be a 1-D integer array, got float64"):
+        layout.ranges(0, np.array([0.0]))
+    assert layout.ranges(0, np.array([], dtype=np.int64)) == RangeLists([], [], [], 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad layouts: each error names the layer and the shape
+
+
+@pytest.mark.parametrize(
+    ("caches", "num_blocks", "message"),
+    [
+        ({}, 4, "no KV caches registered"),
+        ({"layers.0": np.zeros((4, 8))}, 0, "num_blocks=0 must be >= 1"),
+        ({"attn": np.zeros((4, 8))}, 4, "cannot parse a layer index from cache name 'attn'"),
+        ({"layers.0": np.zeros((3, 8))}, 4, r"cache 'layers.0' has unsupported shape \[3, 8\] for num_blocks=4"),
+        ({"layers.0": np.zeros((4,))}, 4, r"cache 'layers.0' has unsupported shape \[4\]"),
+        ({"layers.0": np.zeros((2, 3, 8))}, 4, r"cache 'layers.0' has unsupported shape \[2, 3, 8\]"),
+        (
+            {"layers.0": np.zeros((2, 2, 8))},
+            2,
+            r"cache 'layers.0' shape \[2, 2, 8\] is ambiguous with num_blocks=2.*pass kv_first=True or kv_first=False",
+        ),
+        (
+            {"layers.0": (np.zeros((4, 8)), np.zeros((3, 8)))},
+            4,
+            r"cache 'layers.0' element 1 has shape \[3, 8\]; tuple elements must be \[num_blocks=4, ...\]",
+        ),
+        ({"layers.0": ()}, 4, "cache 'layers.0' is an empty tuple"),
+        ({"layers.0": [1, 2]}, 4, "cache 'layers.0' is a int; expected a torch tensor, numpy array"),
+        ({"layers.0": np.zeros((4, 0))}, 4, r"cache 'layers.0' shape \[4, 0\] has zero bytes per block"),
+        (
+            {"layers.0": np.zeros((4, 8, 6))[:, :, :3]},
+            4,
+            r"cache 'layers.0' shape \[4, 8, 3\] strides\(bytes\) \[384, 48, 8\]: one block is not contiguous",
+        ),
+        (
+            {"layers.0": np.zeros((8, 4)).T},
+            4,
+            r"cache 'layers.0' shape \[4, 8\] strides\(bytes\) \[8, 32\]: one block is not contiguous",
+        ),
+        (
+            {"layers.0": np.lib.stride_tricks.as_strided(np.zeros(64), shape=(4, 8), strides=(16, 8))},
+            4,
+            r"cache 'layers.0' shape \[4, 8\]: block stride 16 bytes is smaller than one block \(64 bytes\)",
+        ),
+    ],
+)
+def test_bad_layouts_raise_layout_error(caches: dict, num_blocks: int, message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        CacheLayout.from_caches(caches, num_blocks, max_transfer_bytes=MiB)
+
+
+def test_ambiguous_shape_resolved_by_hint() -> None:
+    t = np.zeros((2, 2, 8), np.float32)
+    kv = CacheLayout.from_caches({"layers.0": t}, 2, max_transfer_bytes=MiB, kv_first=True)
+    assert [e.block_nbytes for e in kv.layers[0]] == [32, 32]
+    assert kv.layers[0][0].block_stride_nbytes == 32 and kv.layers[0][1].base_ptr == t.ctypes.data + 64
+    blocks = CacheLayout.from_caches({"layers.0": t}, 2, max_transfer_bytes=MiB, kv_first=False)
+    assert [e.block_nbytes for e in blocks.layers[0]] == [64]
+
+
+def test_bad_max_transfer_bytes_and_mixed_devices() -> None:
+    with pytest.raises(LayoutError, match="max_transfer_bytes=0 must be > 0; default is 16 MiB"):
+        CacheLayout.from_caches({"layers.0": np.zeros((4, 8))}, 4, max_transfer_bytes=0)
+
+    @dataclass
+    class _Device:
+        type: str
+
+    class FakeDeviceTensor:  # a device tensor as layerkv sees one (no device memory is touched)
+        shape = (4, 8)
+        device = _Device("cuda")
+        dtype = "torch.float16"
+
+        def data_ptr(self) -> int:
+            return 1 << 20
+
+        def stride(self) -> tuple[int, ...]:
+            return (8, 1)
+
+        def element_size(self) -> int:
+            return 2
+
+    caches = {"layers.0": np.zeros((4, 8)), "layers.1": FakeDeviceTensor()}
+    with pytest.raises(LayoutError, match=r"KV caches live on several device types \['cpu', 'cuda'\]"):
+        CacheLayout.from_caches(caches, 4, max_transfer_bytes=MiB)
+    device_only = CacheLayout.from_caches({"layers.1": FakeDeviceTensor()}, 4, max_transfer_bytes=MiB)
+    assert device_only.device_type == "cuda" and device_only.layers[0][0].dtype == "float16"
+    assert device_only.ranges(0, np.array([3])).ptrs == [[(1 << 20) + 3 * 16]]
+
+
+# --------------------------------------------------------------------------------------------
+# Property: ranges of all layers + header tile each object exactly, and move the right bytes
+
+KINDS = ("kv_first", "kv_adjacent", "tuple_split", "tuple", "padded", "mla_tuple", "mixed_stride")
+
+
+@dataclass
+class Spec:
+    num_blocks: int
+    kinds: list[str]
+    extras: list[bool]  # an indexer cache with the same layer index
+    registration_order: list[int]
+    mtp: bool
+    shared_buffer: bool  # every main layer is a view of one [num_blocks, layers, rows, cols] tensor
+    dtype: torch.dtype
+    rows: int
+    cols: int
+    pad: int
+    max_transfer_bytes: int
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> Spec:
+    num_layers = draw(st.integers(1, 4))
+    return Spec(
+        num_blocks=draw(st.sampled_from([1, 3, 4, 5])),  # 2 is ambiguous for [2, 2, ...]: tested above
+        kinds=draw(st.lists(st.sampled_from(KINDS), min_size=num_layers, max_size=num_layers)),
+        extras=draw(st.lists(st.booleans(), min_size=num_layers, max_size=num_layers)),
+        registration_order=draw(st.permutations(range(num_layers))),
+        mtp=draw(st.booleans()),
+        shared_buffer=draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.int8, torch.float16, torch.float32])),
+        rows=draw(st.integers(1, 3)),
+        cols=draw(st.integers(1, 5)),
+        pad=draw(st.integers(0, 2)),
+        max_transfer_bytes=draw(st.sampled_from([1, 3, 8, 40, MiB])),
+    )
+
+
+def _rand(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    raw = torch.randint(0, 256, (*shape, torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def build_caches(spec: Spec, seed: int | None) -> tuple[dict[str, object], list[list[torch.Tensor]]]:
+    """Registered caches plus, per expected layer (object order), the entry views [num_blocks, ...].
+    seed None: all zeros (a destination for loads)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+
+    def make(*shape: int) -> torch.Tensor:
+        t = _rand(gen, spec.dtype, *shape)
+        return t if seed is not None else torch.zeros_like(t)
+
+    nb, r, c, num_layers = spec.num_blocks, spec.rows, spec.cols, len(spec.kinds)
+    big = make(nb, num_layers, r, c) if spec.shared_buffer else None
+    values: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    for i, kind in enumerate(spec.kinds):
+        if big is not None:
+            values[i] = (big[:, i], [big[:, i]])
+        elif kind == "kv_first":
+            t = make(2, nb, r, c)
+            values[i] = (t, [t[0], t[1]])
+        elif kind == "kv_adjacent":
+            t = make(nb, 2, r, c)
+            values[i] = (t, [t])
+        elif kind == "tuple_split":
+            t = make(nb, 2, r, c)
+            values[i] = ((t[:, 0], t[:, 1]), [t[:, 0], t[:, 1]])
+        elif kind == "tuple":
+            k, v = make(nb, r, c), make(nb, r, c)
+            values[i] = ((k, v), [k, v])
+        elif kind == "padded":
+            t = make(nb, r + spec.pad, c)[:, :r]
+            values[i] = (t, [t])
+        elif kind == "mixed_stride":
+            # K in even slots, V starts right after K's block 0 but with another stride: no merge
+            buf = make(4 * nb, r, c)
+            k, v = buf[0 : 2 * nb : 2], buf[1::4][:nb]
+            values[i] = ((k, v), [k, v])
+        else:  # mla_tuple: latent + rope
+            latent, rope = make(nb, r, c), make(nb, 1, c)
+            values[i] = ((latent, rope), [latent, rope])
+    caches: dict[str, object] = {}
+    for i in spec.registration_order:
+        caches[f"model.layers.{i}.self_attn.attn"] = values[i][0]
+    expected = [list(values[i][1]) for i in range(num_layers)]
+    for i, extra in enumerate(spec.extras):
+        if extra:
+            idx = make(nb, c, r + 1)
+            caches[f"model.layers.{i}.self_attn.indexer.k_cache"] = idx
+            expected[i].append(idx)
+    if spec.mtp:
+        m = make(2, nb, r, c)
+        caches[f"model.layers.{num_layers}.mtp.attn"] = m
+        expected.append([m[0], m[1]])
+    return caches, expected
+
+
+def check_tiling(ranges: RangeLists, object_nbytes: int) -> None:
+    for sizes, offsets in zip(ranges.sizes, ranges.offsets):
+        spans = sorted(zip(offsets, sizes))
+        end = 0
+        for offset, size in spans:
+            assert size > 0 and offset == end, f"gap or overlap at {offset} (covered up to {end})"
+            end = offset + size
+        assert end == object_nbytes
+
+
+def move(ranges: RangeLists, objects: list[bytearray], *, to_object: bool) -> None:
+    for ptrs, sizes, offsets, obj in zip(ranges.ptrs, ranges.sizes, ranges.offsets, objects):
+        base = address_of(obj)
+        for ptr, size, offset in zip(ptrs, sizes, offsets):
+            assert offset + size <= len(obj)
+            if to_object:
+                ctypes.memmove(base + offset, ptr, size)
+            else:
+                ctypes.memmove(ptr, base + offset, size)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(), data=st.data())
+def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.DataObject) -> None:
+    caches, expected = build_caches(spec, seed=7)
+    layout = CacheLayout.from_caches(caches, spec.num_blocks, max_transfer_bytes=spec.max_transfer_bytes)
+    assert layout.num_layers == len(expected)
+    assert [[e.block_nbytes for e in layer] for layer in layout.layers] == [
+        [v[0].numel() * v.element_size() for v in layer] for layer in expected
+    ]
+    assert layout.object_nbytes == layout.header_nbytes + sum(
+        v[0].numel() * v.element_size() for layer in expected for v in layer
+    )
+    block_ids = np.array(data.draw(st.lists(st.integers(0, spec.num_blocks - 1), min_size=1, max_size=4, unique=True)))
+    num_keys = len(block_ids)
+    staging = np.zeros((num_keys, layout.header_nbytes), np.uint8)
+    header = Header(bytes(range(16)), layout)
+    header.encode_into(staging, np.arange(num_keys), [bytes([b]) for b in block_ids.tolist()])
+    hdr = layout.header_template(staging.ctypes.data, num_keys)
+    slots = np.arange(num_keys)
+
+    per_layer = [layout.ranges_with_header(0, block_ids, hdr, slots)]
+    per_layer += [layout.ranges(i, block_ids) for i in range(1, layout.num_layers)]
+    assert [r.num_segments for r in per_layer[1:]] == list(layout.segments_per_layer()[1:])
+    assert per_layer[0].num_segments == 1 + layout.segments_per_layer()[0]
+    for r in per_layer[1:]:
+        assert max(max(s) for s in r.sizes) <= spec.max_transfer_bytes
+    joined = RangeLists(
+        [sum((r.ptrs[k] for r in per_layer), []) for k in range(num_keys)],
+        [sum((r.sizes[k] for r in per_layer), []) for k in range(num_keys)],
+        [sum((r.offsets[k] for r in per_layer), []) for k in range(num_keys)],
+        sum(r.num_segments for r in per_layer),
+    )
+    check_tiling(joined, layout.object_nbytes)
+    whole = join_ranges((hdr, slots), (layout.object_template(), block_ids))
+    check_tiling(whole, layout.object_nbytes)
+    if spec.shared_buffer and not any(spec.extras) and not spec.mtp and spec.max_transfer_bytes == MiB:
+        assert layout.object_template().num_segments == 1
+
+    # save: layer by layer into one object per key; the whole-object template gives the same bytes
+    objects = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
+    for r in per_layer:
+        move(r, objects, to_object=True)
+    for k, b in enumerate(block_ids.tolist()):
+        want = staging[k].tobytes() + b"".join(block_bytes(v, b) for layer in expected for v in layer)
+        assert bytes(objects[k]) == want
+        header.verify(objects[k][: layout.header_nbytes], bytes([b]))
+    again = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
+    move(whole, again, to_object=True)
+    assert again == objects
+
+    # load: into zeroed caches of the same structure (header goes to a fresh staging buffer)
+    dst_caches, dst_expected = build_caches(spec, seed=None)
+    dst = CacheLayout.from_caches(dst_caches, spec.num_blocks, max_transfer_bytes=spec.max_transfer_bytes)
+    assert dst.digest == layout.digest
+    dst_staging = np.zeros_like(staging)
+    dst_hdr = dst.header_template(dst_staging.ctypes.data, num_keys)
+    move(dst.ranges_with_header(0, block_ids, dst_hdr, slots), objects, to_object=False)
+    for i in range(1, dst.num_layers):
+        move(dst.ranges(i, block_ids), objects, to_object=False)
+    assert (dst_staging == staging).all()
+    for layer_src, layer_dst in zip(expected, dst_expected):
+        for src, out in zip(layer_src, layer_dst):
+            for b in range(spec.num_blocks):
+                got = block_bytes(out, b)
+                assert got == (block_bytes(src, b) if b in block_ids else bytes(len(got)))
+
+
+def test_merge_needs_adjacency_in_memory_and_in_the_object() -> None:
+    from layerkv.ranges import Segment, merge_segments, split_segment
+
+    a = Segment(1000, 64, 16, 200)
+    assert merge_segments([a, Segment(1016, 64, 16, 216)]) == [Segment(1000, 64, 32, 200)]
+    assert len(merge_segments([a, Segment(1016, 64, 16, 300)])) == 2  # gap in the object
+    assert len(merge_segments([a, Segment(1020, 64, 16, 216)])) == 2  # gap in memory
+    assert len(merge_segments([a, Segment(1016, 128, 16, 216)])) == 2  # other block stride
+    assert split_segment(Segment(0, 64, 10, 5), 4) == [Segment(0, 64, 4, 5), Segment(4, 64, 4, 9), Segment(8, 64, 2, 13)]
