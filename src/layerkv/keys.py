@@ -74,10 +74,14 @@ def storage_placement(deployment: Deployment) -> StoragePlacement:
     return StoragePlacement(put_step, d.tp_rank // put_step, d.tp_rank % put_step == 0, d.tp_size // put_step)
 
 
-def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout) -> Namespace:
+def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None) -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
     JSON; never Python's hash()) of everything that makes objects incompatible. The worker's own
-    tp_rank / pp_rank within a stage are excluded where they do not change the objects."""
+    tp_rank / pp_rank within a stage are excluded where they do not change the objects.
+
+    The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
+    scheduler has no tensors) or, when that is empty, as the registered `layout`'s signature.
+    The object header carries the exact layout digest, checked on every read."""
     placement = storage_placement(deployment)
     if not tenant or "@" in tenant:
         raise ConfigError(f"tenant={tenant!r} must be a non-empty string without '@'")
@@ -89,7 +93,7 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout) -> N
         "model_revision": d.model_revision,
         "kv_dtype": d.kv_dtype,
         "block_size": d.block_size,
-        "layout_digest": layout.digest.hex(),
+        "kv_signature": _kv_signature(deployment, layout),
         "tp_size": d.tp_size,
         "num_kv_heads": d.num_kv_heads,
         "is_mla": d.is_mla,
@@ -99,6 +103,17 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout) -> N
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()[:DIGEST_NBYTES]
     return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest)
+
+
+def _kv_signature(deployment: Deployment, layout: CacheLayout | None) -> str:
+    if deployment.kv_signature:
+        return deployment.kv_signature
+    if layout is not None:
+        return layout.signature
+    raise ConfigError(
+        "Deployment.kv_signature is empty and no cache layout was given: the scheduler side needs "
+        "the engine's per-layer cache signature to name objects (set Deployment.kv_signature)"
+    )
 
 
 def model_basename(model_id: str) -> str:

@@ -93,6 +93,10 @@ class SessionTracker:
         with self._lock:
             self._committed.pop(req_id, None)
 
+    def forget_all_requests(self) -> None:
+        with self._lock:
+            self._committed.clear()
+
     def is_empty(self) -> bool:
         with self._lock:
             return not self._puts and not self._gets and not self._committed

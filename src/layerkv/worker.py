@@ -145,6 +145,7 @@ class WorkerConnector:
         try:
             self._finish_step_jobs()
         finally:
+            self.tracker.forget_all_requests()
             self._recv.close()
             self._send.close()
             for staging in self._staging.values():

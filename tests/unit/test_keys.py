@@ -190,3 +190,12 @@ def test_vectorised_key_builders_match_block_key() -> None:
     grid = block_keys_all_ranks(ns, hashes, 3)
     assert grid == [[block_key(ns, h, r) for r in range(3)] for h in hashes]
     assert block_keys(ns, np.array([], dtype=object), 0) == []
+
+
+def test_kv_signature_names_the_layout_without_tensors() -> None:
+    with_sig = dataclasses.replace(BASE, kv_signature="L0:kv[2,16,2,8]f32")
+    # the scheduler side (no tensors) and a worker (with its layout) agree when the engine gives a signature
+    assert namespace_for(with_sig, "default") == namespace_for(with_sig, "default", make_layout())
+    assert namespace_for(dataclasses.replace(with_sig, kv_signature="other"), "default") != namespace_for(with_sig, "default")
+    with pytest.raises(ConfigError, match="Deployment.kv_signature is empty and no cache layout was given"):
+        namespace_for(dataclasses.replace(BASE, kv_signature=""), "default")
