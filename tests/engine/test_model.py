@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from layerkv.engine.model import (
+    CacheContext,
     ModelConfig,
     RankShard,
     apply_rope,
+    cache_shapes,
     causal_attention,
     init_weights,
     kv_heads_of_rank,
@@ -43,7 +45,8 @@ def _fields(cfg: ModelConfig) -> dict:
         ({"num_kv_heads": 3}, "num_heads=4 must be a multiple of num_kv_heads=3"),
         ({"head_dim": 7}, "head_dim=7 must be even"),
         ({"dtype": "int8"}, "dtype='int8' must be one of"),
-        ({"num_layers": 0}, "num_layers=0 must be a positive number"),
+        ({"index_dim": -1}, "index_dim=-1 must be a number >= 0"),
+        ({"num_layers": 0}, "num_layers=0 must be a number > 0"),
     ],
 )
 def test_bad_model_config_names_the_field(kw: dict, message: str) -> None:
@@ -57,23 +60,55 @@ def test_kv_heads_split_or_replicated_over_ranks() -> None:
     assert [kv_heads_of_rank(CFG, r, 4) for r in range(4)] == [(0,), (0,), (1,), (1,)]
 
 
+def _attention_partial(cfg: ModelConfig, shard: RankShard, rank: int, tp_size: int, x: torch.Tensor) -> torch.Tensor:
+    """Layer 1 attention of 5 tokens: 3 of an earlier step, then 2 (partials of the second step)."""
+    cache = RankKVCache(cache_shapes(cfg, rank, tp_size, num_blocks=4, block_size=4), 4, torch.float32)
+    blocks = (3, 1)
+    for start, end in ((0, 3), (3, 5)):
+        ctx = CacheContext(cache, slot_mapping(blocks, start, end, 4), blocks, end)
+        out = shard.attention(1, x[start:end], torch.arange(start, end), ctx)
+    return out
+
+
+VARIANTS = {"gqa": {}, "mla": {"mla_latent_dim": 12}, "indexer": {"index_dim": 6}, "mtp": {"num_mtp_layers": 1}}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_rank_partials_sum_to_the_unsharded_layer(tp_size: int) -> None:
-    weights = init_weights(CFG)
-    full = RankShard(CFG, weights, 0, 1)
-    shards = [RankShard(CFG, weights, r, tp_size) for r in range(tp_size)]
+def test_rank_partials_sum_to_the_unsharded_layer(tp_size: int, variant: str) -> None:
+    cfg = ModelConfig(**{**_fields(CFG), **VARIANTS[variant]})
+    weights = init_weights(cfg)
+    full = RankShard(cfg, weights, 0, 1)
+    shards = [RankShard(cfg, weights, r, tp_size) for r in range(tp_size)]
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(3, 8)
-
-    def attention(shard: RankShard) -> torch.Tensor:
-        q, k, v = shard.qkv(1, x, pos)
-        # context: positions 0..2 are random keys, 3..7 the new tokens
-        k_ctx = torch.cat([torch.ones(3, shard.num_kv_heads, 8), k])
-        v_ctx = torch.cat([torch.ones(3, shard.num_kv_heads, 8), v])
-        return shard.attn_out(1, causal_attention(q, k_ctx, v_ctx, pos))
-
-    torch.testing.assert_close(reduce_ranks([attention(s) for s in shards]), attention(full), atol=1e-5, rtol=1e-5)
+    expected = _attention_partial(cfg, full, 0, 1, x)
+    got = reduce_ranks([_attention_partial(cfg, s, r, tp_size, x) for r, s in enumerate(shards)])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(reduce_ranks([s.mlp(0, x) for s in shards]), full.mlp(0, x), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_shapes_per_variant() -> None:
+    names = CFG.layer_names
+    assert names == ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+    assert cache_shapes(CFG, 1, 2, 10, 4) == {n: (2, 10, 4, 1, 8) for n in names}
+    mla = ModelConfig(**{**_fields(CFG), "mla_latent_dim": 12, "index_dim": 6, "num_mtp_layers": 1})
+    shapes = cache_shapes(mla, 3, 4, 10, 4)
+    assert list(shapes) == [
+        "model.layers.0.self_attn.attn",
+        "model.layers.0.self_attn.indexer.k_cache",
+        "model.layers.1.self_attn.attn",
+        "model.layers.1.self_attn.indexer.k_cache",
+        "model.mtp.layers.0.self_attn.attn",
+        "model.mtp.layers.0.self_attn.indexer.k_cache",
+    ]
+    assert shapes["model.layers.1.self_attn.attn"] == (10, 4, 12)
+    assert shapes["model.mtp.layers.0.self_attn.indexer.k_cache"] == (10, 4, 6)
+
+
+def test_mtp_layers_do_not_change_the_main_weights() -> None:
+    base, mtp = init_weights(CFG), init_weights(ModelConfig(**{**_fields(CFG), "num_mtp_layers": 1}))
+    assert all(torch.equal(base[k], mtp[k]) for k in base)
+    assert "model.mtp.layers.0.self_attn.q_proj.weight" in mtp
 
 
 def test_causal_attention_ignores_future_keys() -> None:
@@ -102,17 +137,21 @@ def test_rope_rotates_pairs_and_keeps_norm() -> None:
 
 
 def test_paged_cache_layout_write_and_gather() -> None:
-    cache = RankKVCache(["model.layers.0.self_attn.attn"], num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    tensor = cache.tensors["model.layers.0.self_attn.attn"]
-    assert tensor.shape == (2, 6, 4, 2, 8)
+    name = "model.layers.0.self_attn.attn"
+    cache = RankKVCache({name: (2, 6, 4, 2, 8), "flat": (6, 4, 3)}, block_size=4, dtype=torch.float32)
+    tensor = cache.tensors[name]
     block_ids = [5, 2]
     slots = slot_mapping(block_ids, 2, 7, 4)
     assert slots.tolist() == [22, 23, 8, 9, 10]
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    cache.write("model.layers.0.self_attn.attn", slots, k, v)
+    cache.write_kv(name, slots, k, v)
     assert torch.equal(tensor[0, 5, 2], k[0]) and torch.equal(tensor[1, 2, 2], v[4])
-    k_all, v_all = cache.gather("model.layers.0.self_attn.attn", block_ids, 7)
+    k_all, v_all = cache.gather_kv(name, block_ids, 7)
     assert k_all.shape == (7, 2, 8) and torch.equal(k_all[2:], k) and torch.equal(v_all[2:], v)
+    latent = torch.randn(5, 3)
+    cache.write_flat("flat", slots, latent)
+    assert torch.equal(cache.tensors["flat"][2, 0], latent[2])
+    assert torch.equal(cache.gather_flat("flat", block_ids, 7)[2:], latent)
 
 
 def test_import_layerkv_does_not_import_torch() -> None:

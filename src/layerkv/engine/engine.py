@@ -43,10 +43,11 @@ def make_deployment(
         model_id=engine_config.model_id,
         kv_dtype=model_config.dtype,
         block_size=engine_config.block_size,
-        num_kv_heads=model_config.num_kv_heads,
+        num_kv_heads=1 if model_config.is_mla else model_config.num_kv_heads,
         tp_size=engine_config.tp_size,
         tp_rank=tp_rank,
         model_revision=f"seed={model_config.seed}",
+        is_mla=model_config.is_mla,
         role=role,
     )
 
@@ -140,7 +141,7 @@ class Engine:
             raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} requests wait for blocks")
         out = self.runner.execute(plan.chunks, plan.connector_meta, plan.connector_step.finished_req_ids)
         report = WorkerReport(out.finished_sending, out.finished_recving, out.invalid_block_ids)
-        result = self.scheduler.update_from_output(plan, out.last_logits, report)
+        result = self.scheduler.update_from_output(plan, out.last_logits, report, out.draft_logits)
         record = StepRecord(
             step_idx=len(self.steps),
             requests=tuple(

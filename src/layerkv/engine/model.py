@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from layerkv.engine.paged_cache import RankKVCache
 from layerkv.errors import ConfigError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +23,11 @@ Weights = dict[str, torch.Tensor]  # HF (Llama) parameter names -> tensors, [out
 def attn_layer_name(layer_idx: int) -> str:
     """vLLM's attention layer name, the key of the layer's KV cache."""
     return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+def indexer_cache_name(attn_name: str) -> str:
+    """The sparse-attention indexer cache of the layer whose attention is `attn_name`."""
+    return attn_name.removesuffix(".attn") + ".indexer.k_cache"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +43,20 @@ class ModelConfig:
     rms_eps: float = 1e-6
     seed: int = 0
     dtype: str = "float32"
+    mla_latent_dim: int = 0  # > 0: MLA attention, one latent cache entry [latent] per token
+    index_dim: int = 0  # > 0: a sparse-attention indexer cache whose keys bias the scores
+    num_mtp_layers: int = 0  # MTP/draft layers after the main ones (named model.mtp.layers.N)
 
     def __post_init__(self) -> None:
+        optional = ("mla_latent_dim", "index_dim", "num_mtp_layers")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("seed", "dtype"):
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"ModelConfig.{f.name}={value!r} must be a positive number")
+            bad_type = isinstance(value, bool) or not isinstance(value, (int, float))
+            if bad_type or value < 0 or (value == 0 and f.name not in optional):
+                rule = ">= 0" if f.name in optional else "> 0"
+                raise ConfigError(f"ModelConfig.{f.name}={value!r} must be a number {rule}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)"
@@ -59,8 +71,23 @@ class ModelConfig:
         return TORCH_DTYPES[self.dtype]
 
     @property
+    def is_mla(self) -> bool:
+        return self.mla_latent_dim > 0
+
+    @property
+    def num_total_layers(self) -> int:
+        return self.num_layers + self.num_mtp_layers
+
+    def layer_prefix(self, layer_idx: int) -> str:
+        """Weight-name prefix of layer `layer_idx` (main layers first, then MTP layers)."""
+        if layer_idx < self.num_layers:
+            return f"model.layers.{layer_idx}."
+        return f"model.mtp.layers.{layer_idx - self.num_layers}."
+
+    @property
     def layer_names(self) -> tuple[str, ...]:
-        return tuple(attn_layer_name(i) for i in range(self.num_layers))
+        """Attention layer names of every layer (main, then MTP): the names hooks are called with."""
+        return tuple(self.layer_prefix(i) + "self_attn.attn" for i in range(self.num_total_layers))
 
 
 def init_weights(cfg: ModelConfig) -> Weights:
@@ -75,20 +102,31 @@ def init_weights(cfg: ModelConfig) -> Weights:
     def norm() -> torch.Tensor:
         return (1.0 + 0.1 * torch.randn(H, generator=gen)).to(cfg.torch_dtype)
 
-    w: Weights = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, H, generator=gen).to(cfg.torch_dtype)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+    def layer(p: str) -> None:
         w[p + "input_layernorm.weight"] = norm()
         w[p + "self_attn.q_proj.weight"] = linear(cfg.num_heads * d, H)
-        w[p + "self_attn.k_proj.weight"] = linear(cfg.num_kv_heads * d, H)
-        w[p + "self_attn.v_proj.weight"] = linear(cfg.num_kv_heads * d, H)
+        if cfg.is_mla:
+            w[p + "self_attn.kv_a_proj_with_mqa.weight"] = linear(cfg.mla_latent_dim, H)
+            w[p + "self_attn.kv_b_proj.weight"] = linear(cfg.num_heads * 2 * d, cfg.mla_latent_dim)  # [h, (k|v)]
+        else:
+            w[p + "self_attn.k_proj.weight"] = linear(cfg.num_kv_heads * d, H)
+            w[p + "self_attn.v_proj.weight"] = linear(cfg.num_kv_heads * d, H)
+        if cfg.index_dim:
+            w[p + "self_attn.indexer.wq.weight"] = linear(cfg.index_dim, H)
+            w[p + "self_attn.indexer.wk.weight"] = linear(cfg.index_dim, H)
         w[p + "self_attn.o_proj.weight"] = linear(H, cfg.num_heads * d)
         w[p + "post_attention_layernorm.weight"] = norm()
         w[p + "mlp.gate_proj.weight"] = linear(I, H)
         w[p + "mlp.up_proj.weight"] = linear(I, H)
         w[p + "mlp.down_proj.weight"] = linear(H, I)
+
+    w: Weights = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, H, generator=gen).to(cfg.torch_dtype)}
+    for i in range(cfg.num_layers):
+        layer(cfg.layer_prefix(i))
     w["model.norm.weight"] = norm()
     w["lm_head.weight"] = linear(cfg.vocab_size, H)
+    for i in range(cfg.num_layers, cfg.num_total_layers):  # last: the main model is the same without MTP
+        layer(cfg.layer_prefix(i))
     return w
 
 
@@ -114,13 +152,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor) -> torch.Tensor:
-    """q [n, hq, d] at absolute `q_positions` [n]; k/v [T, hkv, d] for positions 0..T-1."""
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q [n, hq, d] at absolute `q_positions` [n]; k/v [T, hkv, d] for positions 0..T-1;
+    `bias` [n, T] is added to every head's scores (the indexer's term)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # [T, hq, d]
     v = v.repeat_interleave(group, dim=1)
     scores = q.transpose(0, 1).float() @ k.permute(1, 2, 0).float()  # [hq, n, T]
     scores = scores / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias.float()[None]
     future = torch.arange(k.shape[0])[None, :] > q_positions[:, None]  # [n, T]
     scores = scores.masked_fill(future[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -145,15 +188,34 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         raise ConfigError(
             f"tp_size={tp_size} must divide num_heads={cfg.num_heads} and intermediate_size={cfg.intermediate_size}"
         )
-    if cfg.num_kv_heads % tp_size and tp_size % cfg.num_kv_heads:
+    if not cfg.is_mla and cfg.num_kv_heads % tp_size and tp_size % cfg.num_kv_heads:
         raise ConfigError(f"tp_size={tp_size} and num_kv_heads={cfg.num_kv_heads}: one must divide the other")
+
+
+def cache_shapes(cfg: ModelConfig, tp_rank: int, tp_size: int, num_blocks: int, block_size: int) -> dict[str, tuple[int, ...]]:
+    """Cache name -> tensor shape on one rank, in layer order (attention, then its indexer)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in cfg.layer_names:
+        if cfg.is_mla:  # the same latent on every rank
+            shapes[name] = (num_blocks, block_size, cfg.mla_latent_dim)
+        else:
+            num_kv_heads = len(kv_heads_of_rank(cfg, tp_rank, tp_size))
+            shapes[name] = (2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
+        if cfg.index_dim:
+            shapes[indexer_cache_name(name)] = (num_blocks, block_size, cfg.index_dim)
+    return shapes
 
 
 @dataclass(frozen=True, slots=True)
 class LayerShard:
+    name: str  # the attention layer name (cache key)
     wq: torch.Tensor  # [hq*d, H]
-    wk: torch.Tensor  # [hkv*d, H]
-    wv: torch.Tensor  # [hkv*d, H]
+    wk: torch.Tensor | None  # GQA: [hkv*d, H]
+    wv: torch.Tensor | None  # GQA: [hkv*d, H]
+    w_dkv: torch.Tensor | None  # MLA: [latent, H] (replicated)
+    w_ukv: torch.Tensor | None  # MLA: [hq*2*d, latent] (k|v per head)
+    w_iq: torch.Tensor | None  # indexer: [index_dim, H] (replicated)
+    w_ik: torch.Tensor | None  # indexer: [index_dim, H] (replicated)
     wo: torch.Tensor  # [H, hq*d]
     w_gate: torch.Tensor  # [I/tp, H]
     w_up: torch.Tensor  # [I/tp, H]
@@ -172,39 +234,73 @@ class RankShard:
         kv_heads = kv_heads_of_rank(cfg, tp_rank, tp_size)
         kv_rows = slice(kv_heads[0] * d, (kv_heads[-1] + 1) * d)
         i_rows = slice(tp_rank * i_per_rank, (tp_rank + 1) * i_per_rank)
-        self.num_q_heads, self.num_kv_heads = q_per_rank, len(kv_heads)
+        self.num_q_heads = q_per_rank
+        self.num_kv_heads = q_per_rank if cfg.is_mla else len(kv_heads)
         self.layers: list[LayerShard] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
+        for i, name in enumerate(cfg.layer_names):
+            p = cfg.layer_prefix(i)
+
+            def get(key: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor | None:
+                full = weights.get(p + key)
+                return None if full is None else full[rows, cols].contiguous()
+
             self.layers.append(
                 LayerShard(
-                    wq=weights[p + "self_attn.q_proj.weight"][q_rows].contiguous(),
-                    wk=weights[p + "self_attn.k_proj.weight"][kv_rows].contiguous(),
-                    wv=weights[p + "self_attn.v_proj.weight"][kv_rows].contiguous(),
-                    wo=weights[p + "self_attn.o_proj.weight"][:, q_rows].contiguous(),
-                    w_gate=weights[p + "mlp.gate_proj.weight"][i_rows].contiguous(),
-                    w_up=weights[p + "mlp.up_proj.weight"][i_rows].contiguous(),
-                    w_down=weights[p + "mlp.down_proj.weight"][:, i_rows].contiguous(),
+                    name=name,
+                    wq=get("self_attn.q_proj.weight", q_rows),  # type: ignore[arg-type]
+                    wk=get("self_attn.k_proj.weight", kv_rows),
+                    wv=get("self_attn.v_proj.weight", kv_rows),
+                    w_dkv=get("self_attn.kv_a_proj_with_mqa.weight"),
+                    w_ukv=get("self_attn.kv_b_proj.weight", slice(q_rows.start * 2, q_rows.stop * 2)),
+                    w_iq=get("self_attn.indexer.wq.weight"),
+                    w_ik=get("self_attn.indexer.wk.weight"),
+                    wo=get("self_attn.o_proj.weight", slice(None), q_rows),  # type: ignore[arg-type]
+                    w_gate=get("mlp.gate_proj.weight", i_rows),  # type: ignore[arg-type]
+                    w_up=get("mlp.up_proj.weight", i_rows),  # type: ignore[arg-type]
+                    w_down=get("mlp.down_proj.weight", slice(None), i_rows),  # type: ignore[arg-type]
                 )
             )
 
-    def qkv(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [n, H] (normed) -> q [n, hq, d], k/v [n, hkv, d] with RoPE applied to q and k."""
-        lw, d = self.layers[layer_idx], self.cfg.head_dim
-        q = F.linear(x, lw.wq).view(-1, self.num_q_heads, d)
-        k = F.linear(x, lw.wk).view(-1, self.num_kv_heads, d)
-        v = F.linear(x, lw.wv).view(-1, self.num_kv_heads, d)
+    def attention(self, layer_idx: int, x: torch.Tensor, positions: torch.Tensor, ctx: CacheContext) -> torch.Tensor:
+        """x [n, H] (normed) at `positions` [n]: write this step's cache entries, attend over the
+        request's context (ctx.num_tokens = positions[-1] + 1), return the partial o_proj [n, H]."""
+        lw, d, n = self.layers[layer_idx], self.cfg.head_dim, x.shape[0]
         cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, x.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def attn_out(self, layer_idx: int, attn: torch.Tensor) -> torch.Tensor:
-        """attn [n, hq, d] -> this rank's partial o_proj output [n, H]."""
-        return F.linear(attn.reshape(attn.shape[0], -1), self.layers[layer_idx].wo)
+        q = apply_rope(F.linear(x, lw.wq).view(n, self.num_q_heads, d), cos, sin)
+        if lw.w_dkv is not None:  # MLA: cache the latent, up-project K/V for the whole context
+            ctx.cache.write_flat(lw.name, ctx.slots, F.linear(x, lw.w_dkv))
+            latent = ctx.cache.gather_flat(lw.name, ctx.block_ids, ctx.num_tokens)  # [T, latent]
+            kv = F.linear(latent, lw.w_ukv).view(ctx.num_tokens, self.num_q_heads, 2, d)  # type: ignore[arg-type]
+            ctx_cos, ctx_sin = rope_cos_sin(torch.arange(ctx.num_tokens), d, self.cfg.rope_theta, x.dtype)
+            k, v = apply_rope(kv[:, :, 0], ctx_cos, ctx_sin), kv[:, :, 1]
+        else:
+            k = apply_rope(F.linear(x, lw.wk).view(n, self.num_kv_heads, d), cos, sin)  # type: ignore[arg-type]
+            v = F.linear(x, lw.wv).view(n, self.num_kv_heads, d)  # type: ignore[arg-type]
+            ctx.cache.write_kv(lw.name, ctx.slots, k, v)
+            k, v = ctx.cache.gather_kv(lw.name, ctx.block_ids, ctx.num_tokens)  # [T, hkv, d]
+        bias = None
+        if lw.w_ik is not None:  # indexer: cached index keys bias every head's scores
+            index_name = indexer_cache_name(lw.name)
+            ctx.cache.write_flat(index_name, ctx.slots, F.linear(x, lw.w_ik))
+            index_keys = ctx.cache.gather_flat(index_name, ctx.block_ids, ctx.num_tokens)  # [T, index_dim]
+            bias = F.linear(x, lw.w_iq) @ index_keys.T / math.sqrt(index_keys.shape[-1])  # type: ignore[arg-type]
+        out = causal_attention(q, k, v, positions, bias)  # [n, hq, d]
+        return F.linear(out.reshape(n, -1), lw.wo)
 
     def mlp(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, H] (normed) -> this rank's partial SwiGLU output [n, H]."""
         lw = self.layers[layer_idx]
         return F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up), lw.w_down)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheContext:
+    """Where one request's tokens of this step live in one rank's paged cache."""
+
+    cache: RankKVCache
+    slots: torch.Tensor  # [n] flat slots of this step's tokens
+    block_ids: tuple[int, ...]  # all of the request's blocks
+    num_tokens: int  # context length including this step's tokens
 
 
 class SharedParams:
@@ -213,8 +309,9 @@ class SharedParams:
     def __init__(self, cfg: ModelConfig, weights: Weights) -> None:
         self.cfg = cfg
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
-        self.input_norms = [weights[f"model.layers.{i}.input_layernorm.weight"] for i in range(cfg.num_layers)]
-        self.post_norms = [weights[f"model.layers.{i}.post_attention_layernorm.weight"] for i in range(cfg.num_layers)]
+        layers = range(cfg.num_total_layers)
+        self.input_norms = [weights[cfg.layer_prefix(i) + "input_layernorm.weight"] for i in layers]
+        self.post_norms = [weights[cfg.layer_prefix(i) + "post_attention_layernorm.weight"] for i in layers]
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = weights["lm_head.weight"]  # [V, H]
 

@@ -31,6 +31,7 @@ class Request:
         self.block_size = block_size
         self.output_token_ids: list[int] = []
         self.output_logits: list[torch.Tensor] = []
+        self.draft_logits: list[torch.Tensor] = []  # MTP models: the draft layer's row per token
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
@@ -71,6 +72,8 @@ class Request:
             prompt_token_ids=self.prompt_token_ids,
             token_ids=tuple(self.output_token_ids),
             logits=tuple(self.output_logits),
+            draft_token_ids=tuple(int(torch.argmax(x)) for x in self.draft_logits),
+            draft_logits=tuple(self.draft_logits),
             arrival_time_s=self.arrival_time_s,
             first_token_time_s=self.first_token_time_s,
             finish_time_s=self.finish_time_s,
@@ -94,6 +97,9 @@ class RequestOutput:
     num_local_cached_tokens: int  # local prefix-cache hit at the first schedule
     num_external_tokens: int  # tokens whose KV the connector loaded (summed over schedules)
     num_preemptions: int
+    # MTP models: the draft layer's prediction of the token after token_ids[i] (else empty)
+    draft_token_ids: tuple[int, ...] = ()
+    draft_logits: tuple[torch.Tensor, ...] = ()
 
     @property
     def ttft_s(self) -> float:

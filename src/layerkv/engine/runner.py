@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from layerkv.engine.model import ModelConfig, RankShard, SharedParams, Weights, causal_attention, rms_norm
+from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedParams, Weights, cache_shapes, rms_norm
 from layerkv.engine.paged_cache import RankKVCache, slot_mapping
 from layerkv.engine.scheduler import ScheduledChunk
 from layerkv.hooks import WorkerHooks
@@ -27,6 +27,7 @@ from layerkv.messages import ReqId
 @dataclass(frozen=True, slots=True)
 class ForwardOutput:
     last_logits: dict[ReqId, torch.Tensor]  # float32 [vocab] per request
+    draft_logits: dict[ReqId, torch.Tensor]  # float32 [vocab] of the last MTP layer (MTP models only)
     invalid_block_ids: frozenset[int]  # union over ranks
     finished_sending: frozenset[ReqId]  # reported by every rank
     finished_recving: frozenset[ReqId]
@@ -57,8 +58,8 @@ class ModelRunner:
         self.shared = SharedParams(cfg, weights)
         self.shards = [RankShard(cfg, weights, r, tp_size) for r in range(tp_size)]
         self.caches = [
-            RankKVCache(self.layer_names, num_blocks, block_size, s.num_kv_heads, cfg.head_dim, cfg.torch_dtype)
-            for s in self.shards
+            RankKVCache(cache_shapes(cfg, r, tp_size, num_blocks, block_size), block_size, cfg.torch_dtype)
+            for r in range(tp_size)
         ]
         self.worker_hooks = list(worker_hooks)
         self._finished_counts: dict[str, Counter[ReqId]] = {"sending": Counter(), "recving": Counter()}
@@ -70,7 +71,7 @@ class ModelRunner:
             hooks.bind_connector_metadata(meta)
             hooks.start_load_kv()
         try:
-            last_logits = self._forward(chunks) if chunks else {}
+            last_logits, draft_logits = self._forward(chunks) if chunks else ({}, {})
             invalid: set[int] = set()
             per_rank_finished = []
             for hooks in self.worker_hooks:
@@ -82,7 +83,7 @@ class ModelRunner:
                 hooks.clear_connector_metadata()
         sending = self._all_ranks_done("sending", [f[0] for f in per_rank_finished])
         recving = self._all_ranks_done("recving", [f[1] for f in per_rank_finished])
-        return ForwardOutput(last_logits, frozenset(invalid), sending, recving)
+        return ForwardOutput(last_logits, draft_logits, frozenset(invalid), sending, recving)
 
     def _all_ranks_done(self, kind: str, per_rank: list[set[ReqId] | None]) -> frozenset[ReqId]:
         """A request is finished sending/receiving once every rank reported it (vLLM's aggregator)."""
@@ -94,29 +95,50 @@ class ModelRunner:
             del counts[r]
         return done
 
-    def _forward(self, chunks: Sequence[ScheduledChunk]) -> dict[ReqId, torch.Tensor]:
-        shared, eps = self.shared, self.cfg.rms_eps
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[dict[ReqId, torch.Tensor], dict[ReqId, torch.Tensor]]:
+        shared = self.shared
         h = {c.req_id: shared.embed[torch.as_tensor(c.token_ids)] for c in chunks}  # [n, H] each
         positions = {c.req_id: torch.arange(c.start_token, c.start_token + len(c.token_ids)) for c in chunks}
-        slots = {
-            c.req_id: slot_mapping(c.block_ids, c.start_token, c.start_token + len(c.token_ids), self.block_size)
+        contexts = {
+            c.req_id: [
+                CacheContext(
+                    cache=cache,
+                    slots=slot_mapping(c.block_ids, c.start_token, c.start_token + len(c.token_ids), self.block_size),
+                    block_ids=c.block_ids,
+                    num_tokens=c.start_token + len(c.token_ids),
+                )
+                for cache in self.caches
+            ]
             for c in chunks
         }
-        for layer_idx, name in enumerate(self.layer_names):
-            x = {c.req_id: rms_norm(h[c.req_id], shared.input_norms[layer_idx], eps) for c in chunks}
-            partial: dict[ReqId, list[torch.Tensor]] = {c.req_id: [] for c in chunks}
-            for rank, (hooks, shard, cache) in enumerate(zip(self.worker_hooks, self.shards, self.caches)):
-                hooks.wait_for_layer_load(name)
-                for c in chunks:
-                    rid = c.req_id
-                    q, k, v = shard.qkv(layer_idx, x[rid], positions[rid])
-                    cache.write(name, slots[rid], k, v)
-                    k_ctx, v_ctx = cache.gather(name, c.block_ids, c.start_token + len(c.token_ids))
-                    partial[rid].append(shard.attn_out(layer_idx, causal_attention(q, k_ctx, v_ctx, positions[rid])))
-                hooks.save_kv_layer(name)
-            for c in chunks:
-                rid = c.req_id
-                h[rid] = h[rid] + reduce_ranks(partial[rid])
-                x_mlp = rms_norm(h[rid], shared.post_norms[layer_idx], eps)
-                h[rid] = h[rid] + reduce_ranks([shard.mlp(layer_idx, x_mlp) for shard in self.shards])
-        return {c.req_id: shared.logits(h[c.req_id][-1]) for c in chunks}
+        for layer_idx in range(self.cfg.num_layers):
+            h = self._layer(layer_idx, h, positions, contexts)
+        logits = {rid: shared.logits(x[-1]) for rid, x in h.items()}
+        # MTP/draft layers run on the final hidden states; their prediction is the draft token
+        for layer_idx in range(self.cfg.num_layers, self.cfg.num_total_layers):
+            h = self._layer(layer_idx, h, positions, contexts)
+        draft = {rid: shared.logits(x[-1]) for rid, x in h.items()} if self.cfg.num_mtp_layers else {}
+        return logits, draft
+
+    def _layer(
+        self,
+        layer_idx: int,
+        h: dict[ReqId, torch.Tensor],
+        positions: dict[ReqId, torch.Tensor],
+        contexts: dict[ReqId, list[CacheContext]],
+    ) -> dict[ReqId, torch.Tensor]:
+        """One decoder layer for every request (each in its own slice), with the worker hooks."""
+        shared, eps, name = self.shared, self.cfg.rms_eps, self.layer_names[layer_idx]
+        x = {rid: rms_norm(hr, shared.input_norms[layer_idx], eps) for rid, hr in h.items()}
+        partial: dict[ReqId, list[torch.Tensor]] = {rid: [] for rid in h}
+        for rank, (hooks, shard) in enumerate(zip(self.worker_hooks, self.shards)):
+            hooks.wait_for_layer_load(name)
+            for rid in h:
+                partial[rid].append(shard.attention(layer_idx, x[rid], positions[rid], contexts[rid][rank]))
+            hooks.save_kv_layer(name)
+        out = {}
+        for rid, hr in h.items():
+            hr = hr + reduce_ranks(partial[rid])
+            x_mlp = rms_norm(hr, shared.post_norms[layer_idx], eps)
+            out[rid] = hr + reduce_ranks([shard.mlp(layer_idx, x_mlp) for shard in self.shards])
+        return out

@@ -194,9 +194,16 @@ class Scheduler:
 
     # ---- update -------------------------------------------------------------------------------
 
-    def update_from_output(self, plan: StepPlan, last_logits: dict[ReqId, torch.Tensor], report: WorkerReport) -> StepResult:
+    def update_from_output(
+        self,
+        plan: StepPlan,
+        last_logits: dict[ReqId, torch.Tensor],
+        report: WorkerReport,
+        draft_logits: dict[ReqId, torch.Tensor] | None = None,
+    ) -> StepResult:
         """Apply a step's results: recover from load errors, sample, register computed blocks,
-        finish requests. `last_logits[req_id]`: float32 [vocab] of the chunk's last token."""
+        finish requests. `last_logits[req_id]`: float32 [vocab] of the chunk's last token;
+        `draft_logits`: the MTP layer's prediction there (recorded, not used for acceptance)."""
         self.hooks.update_connector_output(report)
         now = time.monotonic()
         finished: list[Request] = []
@@ -219,6 +226,8 @@ class Scheduler:
             logits = last_logits[request.req_id]
             request.output_token_ids.append(int(torch.argmax(logits)))
             request.output_logits.append(logits)
+            if draft_logits:
+                request.draft_logits.append(draft_logits[request.req_id])
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
             if len(request.output_token_ids) >= request.max_tokens:
