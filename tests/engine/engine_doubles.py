@@ -121,9 +121,12 @@ class CopyWorker(NullWorker):
     wait_for_layer_load. Blocks at positions `fail_copy_idx` of the first plan with copies are
     filled with garbage instead and reported as load errors."""
 
-    def __init__(self, source_caches: dict[str, torch.Tensor], fail_copy_idx: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, source_caches: dict[str, torch.Tensor], fail_copy_idx: frozenset[int] = frozenset(), corrupt: str = ""
+    ) -> None:
         self.source = source_caches
         self.fail_copy_idx = fail_copy_idx
+        self.corrupt = corrupt  # cache names containing this get wrong bytes (tests that they matter)
         self.caches: dict[str, torch.Tensor] = {}
         self.plan: CopyPlan | None = None
         self.failed_once = False
@@ -139,12 +142,17 @@ class CopyWorker(NullWorker):
     def wait_for_layer_load(self, layer_name):  # type: ignore[no-untyped-def]
         assert self.plan is not None
         fail = self.fail_copy_idx if (self.plan.copies and not self.failed_once) else frozenset()
+        names = [n for n in self.caches if n == layer_name or n == layer_name.removesuffix(".attn") + ".indexer.k_cache"]
         for idx, (src, dst) in enumerate(self.plan.copies):
-            if idx in fail:
-                self.caches[layer_name][:, dst] = 7.0  # garbage the engine must never use
-                self._errors.add(dst)
-            else:
-                self.caches[layer_name][:, dst] = self.source[layer_name][:, src]
+            for name in names:
+                dst_block, src_block = _block(self.caches[name], dst), _block(self.source[name], src)
+                if idx in fail:
+                    dst_block.fill_(7.0)  # garbage the engine must never use
+                    self._errors.add(dst)
+                else:
+                    dst_block.copy_(src_block)
+                    if self.corrupt and self.corrupt in name:
+                        dst_block.add_(0.25)
         if self.plan.copies:
             self.layers_loaded.append(layer_name)
 
@@ -156,3 +164,8 @@ class CopyWorker(NullWorker):
         if self.plan is not None and self.plan.copies and self.fail_copy_idx:
             self.failed_once = True
         self.plan = None
+
+
+def _block(cache: torch.Tensor, block_id: int) -> torch.Tensor:
+    """A view of one block: K/V caches [2, num_blocks, ...], flat caches [num_blocks, ...]."""
+    return cache[:, block_id] if cache.dim() == 5 else cache[block_id]

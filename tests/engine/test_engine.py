@@ -21,9 +21,11 @@ def engine_config(tp_size: int = 1, **kw: int) -> EngineConfig:
     return EngineConfig(block_size=BS, num_blocks=32, max_num_batched_tokens=64, tp_size=tp_size, **kw)
 
 
-def copy_engine(source: Engine, tp_size: int, fail_copy_idx: frozenset[int] = frozenset()) -> Engine:
-    workers = [CopyWorker(source.caches_for_rank(r), fail_copy_idx) for r in range(tp_size)]  # type: ignore[arg-type]
-    return Engine(CFG, engine_config(tp_size), CopyScheduler(source, BS, max_blocks=3), workers)
+def copy_engine(
+    source: Engine, tp_size: int, fail_copy_idx: frozenset[int] = frozenset(), corrupt: str = "", cfg: ModelConfig = CFG
+) -> Engine:
+    workers = [CopyWorker(source.caches_for_rank(r), fail_copy_idx, corrupt) for r in range(tp_size)]  # type: ignore[arg-type]
+    return Engine(cfg, engine_config(tp_size), CopyScheduler(source, BS, max_blocks=3), workers)
 
 
 def test_hook_call_order_matches_vllm() -> None:
@@ -162,3 +164,41 @@ def test_wrong_number_of_worker_hooks_is_rejected() -> None:
 def test_tp_size_that_does_not_divide_heads_is_rejected() -> None:
     with pytest.raises(ConfigError, match="tp_size=3 must divide num_heads=4"):
         Engine(CFG, engine_config(3))
+
+
+VARIANT_CFG = ModelConfig(
+    num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, seed=9, mla_latent_dim=24, index_dim=8, num_mtp_layers=1
+)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_mla_indexer_mtp_bit_identical_with_copied_caches(tp_size: int) -> None:
+    local = Engine(VARIANT_CFG, engine_config(tp_size))
+    names = list(local.caches_for_rank(0))
+    assert names[:2] == ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache"]
+    assert names[-2:] == ["model.mtp.layers.0.self_attn.attn", "model.mtp.layers.0.self_attn.indexer.k_cache"]
+    local.generate([P1], max_tokens=1)
+    out_local = local.generate([P2], max_tokens=3)[0]
+    assert out_local.num_local_cached_tokens == 12 and len(out_local.draft_token_ids) == 3
+
+    remote = copy_engine(local, tp_size, cfg=VARIANT_CFG)
+    out_remote = remote.generate([P2], max_tokens=3)[0]
+    assert out_remote.num_external_tokens == 12
+    assert remote.runner.worker_hooks[0].layers_loaded == list(VARIANT_CFG.layer_names)  # type: ignore[attr-defined]
+    assert out_remote.token_ids == out_local.token_ids and out_remote.draft_token_ids == out_local.draft_token_ids
+    pairs = [*zip(out_local.logits, out_remote.logits), *zip(out_local.draft_logits, out_remote.draft_logits)]
+    assert len(pairs) == 6 and all(torch.equal(a, b) for a, b in pairs)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "changes_main"),
+    [("layers.1.self_attn.indexer", True), ("layers.2.self_attn.attn", True), ("mtp.layers.0.self_attn.attn", False)],
+)
+def test_every_cache_entry_matters(corrupt: str, changes_main: bool) -> None:
+    """Wrong bytes in one cache (indexer, MLA latent, MTP) change what depends on it."""
+    local = Engine(VARIANT_CFG, engine_config())
+    local.generate([P1], max_tokens=1)
+    out_local = local.generate([P2], max_tokens=1)[0]
+    out = copy_engine(local, 1, corrupt=corrupt, cfg=VARIANT_CFG).generate([P2], max_tokens=1)[0]
+    assert torch.equal(out.logits[0], out_local.logits[0]) is not changes_main
+    assert not torch.equal(out.draft_logits[0], out_local.draft_logits[0])
