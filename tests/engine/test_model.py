@@ -157,3 +157,31 @@ def test_paged_cache_layout_write_and_gather() -> None:
 def test_import_layerkv_does_not_import_torch() -> None:
     code = "import sys, layerkv, layerkv.hooks, layerkv.messages; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_hf_checkpoint_round_trip_gives_the_same_logits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from layerkv.engine import Engine, EngineConfig
+    from layerkv.engine.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+
+    cfg = ModelConfig(**{**_fields(CFG), "rope_theta": 500000.0, "rms_eps": 1e-5})
+    save_hf_checkpoint(cfg, init_weights(cfg), tmp_path)
+    loaded_cfg, weights = load_hf_checkpoint(tmp_path)
+    assert loaded_cfg == ModelConfig(**{**_fields(cfg), "seed": 0})  # the seed is not part of a checkpoint
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ours = Engine(cfg).generate([prompt], max_tokens=3)[0]
+    theirs = Engine(loaded_cfg, weights=weights).generate([prompt], max_tokens=3)[0]
+    assert ours.token_ids == theirs.token_ids
+    assert all(torch.equal(a, b) for a, b in zip(ours.logits, theirs.logits, strict=True))
+
+
+def test_hf_checkpoint_with_a_missing_tensor_names_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
+
+    from layerkv.engine.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+
+    weights = init_weights(CFG)
+    save_hf_checkpoint(CFG, weights, tmp_path)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConfigError, match="lacks tensor 'model.layers.1.mlp.up_proj.weight'"):
+        load_hf_checkpoint(tmp_path)

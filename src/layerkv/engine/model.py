@@ -90,44 +90,51 @@ class ModelConfig:
         return tuple(self.layer_prefix(i) + "self_attn.attn" for i in range(self.num_total_layers))
 
 
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight `cfg` needs (HF names; linears [out, in]), in creation order."""
+    H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def layer(p: str) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (cfg.num_heads * d, H)}
+        if cfg.is_mla:
+            shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (cfg.mla_latent_dim, H)
+            shapes[p + "self_attn.kv_b_proj.weight"] = (cfg.num_heads * 2 * d, cfg.mla_latent_dim)  # [h, (k|v)]
+        else:
+            shapes[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * d, H)
+            shapes[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * d, H)
+        if cfg.index_dim:
+            shapes[p + "self_attn.indexer.wq.weight"] = (cfg.index_dim, H)
+            shapes[p + "self_attn.indexer.wk.weight"] = (cfg.index_dim, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, cfg.num_heads * d)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "mlp.gate_proj.weight"] = (I, H)
+        shapes[p + "mlp.up_proj.weight"] = (I, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, I)
+        return shapes
+
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        shapes.update(layer(cfg.layer_prefix(i)))
+    shapes["model.norm.weight"] = (H,)
+    shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers, cfg.num_total_layers):  # last: the main model is the same without MTP
+        shapes.update(layer(cfg.layer_prefix(i)))
+    return shapes
+
+
 def init_weights(cfg: ModelConfig) -> Weights:
     """Random weights, a pure function of `cfg` (seeded torch.Generator, fixed creation order)."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def linear(out_features: int, in_features: int) -> torch.Tensor:
-        w = torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
-        return w.to(cfg.torch_dtype)
-
-    def norm() -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(H, generator=gen)).to(cfg.torch_dtype)
-
-    def layer(p: str) -> None:
-        w[p + "input_layernorm.weight"] = norm()
-        w[p + "self_attn.q_proj.weight"] = linear(cfg.num_heads * d, H)
-        if cfg.is_mla:
-            w[p + "self_attn.kv_a_proj_with_mqa.weight"] = linear(cfg.mla_latent_dim, H)
-            w[p + "self_attn.kv_b_proj.weight"] = linear(cfg.num_heads * 2 * d, cfg.mla_latent_dim)  # [h, (k|v)]
+    weights: Weights = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name == "model.embed_tokens.weight":
+            w = torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # norms
+            w = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
-            w[p + "self_attn.k_proj.weight"] = linear(cfg.num_kv_heads * d, H)
-            w[p + "self_attn.v_proj.weight"] = linear(cfg.num_kv_heads * d, H)
-        if cfg.index_dim:
-            w[p + "self_attn.indexer.wq.weight"] = linear(cfg.index_dim, H)
-            w[p + "self_attn.indexer.wk.weight"] = linear(cfg.index_dim, H)
-        w[p + "self_attn.o_proj.weight"] = linear(H, cfg.num_heads * d)
-        w[p + "post_attention_layernorm.weight"] = norm()
-        w[p + "mlp.gate_proj.weight"] = linear(I, H)
-        w[p + "mlp.up_proj.weight"] = linear(I, H)
-        w[p + "mlp.down_proj.weight"] = linear(H, I)
-
-    w: Weights = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, H, generator=gen).to(cfg.torch_dtype)}
-    for i in range(cfg.num_layers):
-        layer(cfg.layer_prefix(i))
-    w["model.norm.weight"] = norm()
-    w["lm_head.weight"] = linear(cfg.vocab_size, H)
-    for i in range(cfg.num_layers, cfg.num_total_layers):  # last: the main model is the same without MTP
-        layer(cfg.layer_prefix(i))
-    return w
+            w = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+        weights[name] = w.to(cfg.torch_dtype)
+    return weights
 
 
 # ---- stateless pieces -----------------------------------------------------------------------
