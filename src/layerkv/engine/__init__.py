@@ -5,9 +5,10 @@ hooks in vLLM's order. The demo and the correctness oracle of layerkv.
 
 from __future__ import annotations
 
+from layerkv.engine.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from layerkv.engine.engine import Engine, EngineConfig, make_deployment
 from layerkv.engine.hashing import block_hashes, hash_block
-from layerkv.engine.model import ModelConfig, attn_layer_name, init_weights
+from layerkv.engine.model import ModelConfig, attn_layer_name, indexer_cache_name, init_weights
 from layerkv.engine.request import RequestOutput, StepRecord, StepRequestRecord
 
 __all__ = [
@@ -20,6 +21,9 @@ __all__ = [
     "attn_layer_name",
     "block_hashes",
     "hash_block",
+    "indexer_cache_name",
     "init_weights",
+    "load_hf_checkpoint",
     "make_deployment",
+    "save_hf_checkpoint",
 ]

@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from layerkv.engine.model import ModelConfig, Weights, check_tp, init_weights
 from layerkv.engine.request import Request, RequestOutput, StepRecord, StepRequestRecord
 from layerkv.engine.runner import ModelRunner
@@ -89,8 +91,10 @@ class Engine:
     def layer_names(self) -> tuple[str, ...]:
         return self.runner.layer_names
 
-    def caches_for_rank(self, tp_rank: int) -> dict[str, object]:
-        """layer name -> KV cache tensor [2, num_blocks, block_size, kv_heads_on_rank, head_dim]."""
+    def caches_for_rank(self, tp_rank: int) -> dict[str, torch.Tensor]:
+        """Cache name -> tensor (the live cache, not a copy), as given to register_kv_caches:
+        attention layers [2, num_blocks, block_size, kv_heads_on_rank, head_dim] (MLA:
+        [num_blocks, block_size, latent]), indexer caches [num_blocks, block_size, index_dim]."""
         return dict(self.runner.caches[tp_rank].tensors)
 
     def generate(

@@ -1,5 +1,6 @@
 """The reference engine's Llama-style model: config, deterministic weights (HF names), and one
-tensor-parallel rank's shard (RMSNorm, RoPE, GQA attention, SwiGLU MLP) as plain functions.
+tensor-parallel rank's shard (RMSNorm, RoPE, GQA or MLA attention, optional indexer bias,
+SwiGLU MLP, optional MTP draft layers) as plain functions.
 Worker side; runs on the engine's compute thread only. Shapes: n = tokens of one request in
 this step, T = context tokens, H = hidden, hq/hkv = query/KV heads on a rank, d = head dim.
 """
