@@ -1,0 +1,169 @@
+"""The reference engine: a scheduler, a model runner with TP ranks in one process, and the
+connector hooks called in vLLM's order. `Engine.generate` drives steps until every request is
+done. Single-threaded: the caller's thread is both the scheduler and the compute thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from layerkv.engine.model import ModelConfig, Weights, check_tp, init_weights
+from layerkv.engine.request import Request, RequestOutput, StepRecord, StepRequestRecord
+from layerkv.engine.runner import ModelRunner
+from layerkv.engine.scheduler import Scheduler
+from layerkv.errors import ConfigError
+from layerkv.hooks import NullScheduler, NullWorker, SchedulerHooks, WorkerHooks
+from layerkv.messages import Deployment, KVRole, WorkerReport
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 4  # tokens per KV block
+    num_blocks: int = 64  # KV blocks per rank (the same block ids on every rank)
+    max_num_batched_tokens: int = 64  # token budget per step
+    max_num_seqs: int = 8  # running requests at most
+    tp_size: int = 1
+    model_id: str = "layerkv/reference-llama"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"EngineConfig.{name}={value!r} must be a positive int")
+
+
+def make_deployment(
+    model_config: ModelConfig, engine_config: EngineConfig, tp_rank: int, role: KVRole = KVRole.BOTH
+) -> Deployment:
+    """The Deployment a connector worker for `tp_rank` of this engine should be built with."""
+    return Deployment(
+        model_id=engine_config.model_id,
+        kv_dtype=model_config.dtype,
+        block_size=engine_config.block_size,
+        num_kv_heads=1 if model_config.is_mla else model_config.num_kv_heads,
+        tp_size=engine_config.tp_size,
+        tp_rank=tp_rank,
+        model_revision=f"seed={model_config.seed}",
+        is_mla=model_config.is_mla,
+        role=role,
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig | None = None,
+        scheduler_hooks: SchedulerHooks | None = None,
+        worker_hooks: list[WorkerHooks] | None = None,
+        weights: Weights | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = engine_config = engine_config or EngineConfig()
+        check_tp(model_config, engine_config.tp_size)
+        if worker_hooks is not None and len(worker_hooks) != engine_config.tp_size:
+            raise ConfigError(f"worker_hooks has {len(worker_hooks)} entries; tp_size={engine_config.tp_size} needs one per rank")
+        self.scheduler = Scheduler(
+            scheduler_hooks or NullScheduler(),
+            engine_config.num_blocks,
+            engine_config.block_size,
+            engine_config.max_num_batched_tokens,
+            engine_config.max_num_seqs,
+        )
+        self.runner = ModelRunner(
+            model_config,
+            weights if weights is not None else init_weights(model_config),
+            engine_config.tp_size,
+            engine_config.num_blocks,
+            engine_config.block_size,
+            worker_hooks or [NullWorker() for _ in range(engine_config.tp_size)],
+        )
+        self.steps: list[StepRecord] = []  # every step since construction
+        self._req_counter = itertools.count()
+        self._closed = False
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return self.runner.layer_names
+
+    def caches_for_rank(self, tp_rank: int) -> dict[str, torch.Tensor]:
+        """Cache name -> tensor (the live cache, not a copy), as given to register_kv_caches:
+        attention layers [2, num_blocks, block_size, kv_heads_on_rank, head_dim] (MLA:
+        [num_blocks, block_size, latent]), indexer caches [num_blocks, block_size, index_dim]."""
+        return dict(self.runner.caches[tp_rank].tensors)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], salts: Sequence[bytes] | None = None
+    ) -> list[RequestOutput]:
+        """Run `prompts` to completion (greedy); outputs in prompt order."""
+        if self._closed:
+            raise RuntimeError("Engine.generate after shutdown()")
+        limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        salts = list(salts) if salts is not None else [b""] * len(prompts)
+        if len(limits) != len(prompts) or len(salts) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need as many max_tokens and salts ({len(limits)}, {len(salts)})")
+        requests = [self._make_request(p, m, s) for p, m, s in zip(prompts, limits, salts)]
+        for request in requests:
+            self.scheduler.add_request(request)
+        while self.scheduler.has_work():
+            self.step()
+        return [r.to_output() for r in requests]
+
+    def add_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes = b"") -> str:
+        """Queue one request (for driving `step()` by hand); returns its request id."""
+        request = self._make_request(prompt, max_tokens, salt)
+        self.scheduler.add_request(request)
+        return request.req_id
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _make_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes) -> Request:
+        vocab, cfg = self.model_config.vocab_size, self.config
+        if not prompt or any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt must be non-empty token ids in [0, {vocab}); got {list(prompt)[:8]}...")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+        num_blocks_needed = -(-(len(prompt) + max_tokens) // cfg.block_size)
+        if num_blocks_needed > cfg.num_blocks:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens + max_tokens={max_tokens} needs {num_blocks_needed} blocks; "
+                f"num_blocks={cfg.num_blocks}"
+            )
+        return Request(f"req-{next(self._req_counter)}", tuple(prompt), max_tokens, salt, cfg.block_size)
+
+    def step(self) -> StepRecord:
+        """One engine step: schedule, forward (with worker hooks), update (with scheduler hooks)."""
+        start_s = time.monotonic()
+        plan = self.scheduler.schedule()
+        if not plan.chunks and not plan.connector_step.finished_req_ids and self.scheduler.waiting:
+            raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} requests wait for blocks")
+        out = self.runner.execute(plan.chunks, plan.connector_meta, plan.connector_step.finished_req_ids)
+        report = WorkerReport(out.finished_sending, out.finished_recving, out.invalid_block_ids)
+        result = self.scheduler.update_from_output(plan, out.last_logits, report, out.draft_logits)
+        record = StepRecord(
+            step_idx=len(self.steps),
+            requests=tuple(
+                StepRequestRecord(c.req_id, c.start_token, len(c.token_ids), c.num_external_tokens, c.resumed)
+                for c in plan.chunks
+            ),
+            preempted_req_ids=plan.connector_step.preempted_req_ids,
+            finished_req_ids=frozenset(r.req_id for r in result.finished),
+            invalid_block_ids=out.invalid_block_ids,
+            discarded_req_ids=result.discarded_req_ids,
+            duration_s=time.monotonic() - start_s,
+        )
+        self.steps.append(record)
+        return record
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for hooks in self.runner.worker_hooks:
+            hooks.shutdown()

@@ -1,0 +1,55 @@
+"""One TP rank's paged KV caches in vLLM's layouts: per attention layer either K/V
+[2, num_blocks, block_size, num_kv_heads_on_rank, head_dim] or one flat entry per token
+[num_blocks, block_size, dim] (MLA latent, sparse-attention indexer keys); slot-mapping writes
+and block gathers for attention. Worker side; written by the compute thread, and by a connector's
+transfer threads for blocks the scheduler handed it (never concurrently for the same block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def slot_mapping(block_ids: Sequence[int], start_token: int, end_token: int, block_size: int) -> torch.Tensor:
+    """Flat slot (block_id * block_size + offset) of each token position in [start, end)."""
+    positions = torch.arange(start_token, end_token)  # [n]
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class RankKVCache:
+    """Caches of every layer on one rank; `tensors` is what `register_kv_caches` receives."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], block_size: int, dtype: torch.dtype) -> None:
+        """`shapes`: cache name -> full tensor shape (see the module docstring), in layer order."""
+        self.block_size = block_size
+        self.tensors: dict[str, torch.Tensor] = {name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}
+
+    def _block_index(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+        return torch.as_tensor(list(block_ids[: -(-num_tokens // self.block_size)]), dtype=torch.long)
+
+    def write_kv(self, name: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [n, hkv, d] into flat slots [n]."""
+        cache = self.tensors[name]
+        flat = cache.view(2, -1, cache.shape[3], cache.shape[4])  # [2, num_blocks*block_size, hkv, d]
+        flat[0, slots] = k
+        flat[1, slots] = v
+
+    def gather_kv(self, name: str, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_tokens, hkv, d] of the first `num_tokens` positions of `block_ids`."""
+        cache = self.tensors[name]
+        kv = cache[:, self._block_index(block_ids, num_tokens)]  # [2, nb, block_size, hkv, d]
+        kv = kv.reshape(2, -1, cache.shape[3], cache.shape[4])[:, :num_tokens]
+        return kv[0], kv[1]
+
+    def write_flat(self, name: str, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x [n, dim] into flat slots [n] of a [num_blocks, block_size, dim] cache."""
+        cache = self.tensors[name]
+        cache.view(-1, cache.shape[-1])[slots] = x
+
+    def gather_flat(self, name: str, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """[num_tokens, dim] of the first `num_tokens` positions of `block_ids`."""
+        cache = self.tensors[name]
+        return cache[self._block_index(block_ids, num_tokens)].reshape(-1, cache.shape[-1])[:num_tokens]

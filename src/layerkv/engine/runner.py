@@ -1,0 +1,144 @@
+"""The reference engine's model runner: TP ranks in one process, each with its own shard, KV
+caches and worker hooks; one forward per step, each request in its own slice (no cross-request
+batching, so a request's logits depend only on its tokens, its KV and its chunk boundaries).
+Worker side; runs on the engine's compute thread (the caller of Engine.step).
+
+Per step and rank (vLLM's order):  bind_connector_metadata -> start_load_kv
+  per layer: for each rank: wait_for_layer_load(name) -> attention on that rank -> save_kv_layer(name)
+  then:      wait_for_save -> get_finished -> get_block_ids_with_load_errors -> clear_connector_metadata
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedParams, Weights, cache_shapes, rms_norm
+from layerkv.engine.paged_cache import RankKVCache, slot_mapping
+from layerkv.engine.scheduler import ScheduledChunk
+from layerkv.hooks import WorkerHooks
+from layerkv.messages import ReqId
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardOutput:
+    last_logits: dict[ReqId, torch.Tensor]  # float32 [vocab] per request
+    draft_logits: dict[ReqId, torch.Tensor]  # float32 [vocab] of the last MTP layer (MTP models only)
+    invalid_block_ids: frozenset[int]  # union over ranks
+    finished_sending: frozenset[ReqId]  # reported by every rank
+    finished_recving: frozenset[ReqId]
+
+
+def reduce_ranks(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The all-reduce of TP partial outputs, in fixed rank order (deterministic)."""
+    out = parts[0].clone()
+    for part in parts[1:]:
+        out += part
+    return out
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        tp_size: int,
+        num_blocks: int,
+        block_size: int,
+        worker_hooks: Sequence[WorkerHooks],
+    ) -> None:
+        assert len(worker_hooks) == tp_size
+        self.cfg = cfg
+        self.block_size = block_size
+        self.layer_names = cfg.layer_names
+        self.shared = SharedParams(cfg, weights)
+        self.shards = [RankShard(cfg, weights, r, tp_size) for r in range(tp_size)]
+        self.caches = [
+            RankKVCache(cache_shapes(cfg, r, tp_size, num_blocks, block_size), block_size, cfg.torch_dtype)
+            for r in range(tp_size)
+        ]
+        self.worker_hooks = list(worker_hooks)
+        self._finished_counts: dict[str, Counter[ReqId]] = {"sending": Counter(), "recving": Counter()}
+        for hooks, cache in zip(self.worker_hooks, self.caches):
+            hooks.register_kv_caches(cache.tensors, num_blocks)
+
+    def execute(self, chunks: Sequence[ScheduledChunk], meta: Any, finished_req_ids: frozenset[ReqId]) -> ForwardOutput:
+        for hooks in self.worker_hooks:
+            hooks.bind_connector_metadata(meta)
+            hooks.start_load_kv()
+        try:
+            last_logits, draft_logits = self._forward(chunks) if chunks else ({}, {})
+            invalid: set[int] = set()
+            per_rank_finished = []
+            for hooks in self.worker_hooks:
+                hooks.wait_for_save()
+                per_rank_finished.append(hooks.get_finished(set(finished_req_ids)))
+                invalid |= hooks.get_block_ids_with_load_errors()
+        finally:
+            for hooks in self.worker_hooks:
+                hooks.clear_connector_metadata()
+        sending = self._all_ranks_done("sending", [f[0] for f in per_rank_finished])
+        recving = self._all_ranks_done("recving", [f[1] for f in per_rank_finished])
+        return ForwardOutput(last_logits, draft_logits, frozenset(invalid), sending, recving)
+
+    def _all_ranks_done(self, kind: str, per_rank: list[set[ReqId] | None]) -> frozenset[ReqId]:
+        """A request is finished sending/receiving once every rank reported it (vLLM's aggregator)."""
+        counts = self._finished_counts[kind]
+        for ids in per_rank:
+            counts.update(ids or ())
+        done = frozenset(r for r, n in counts.items() if n >= len(self.worker_hooks))
+        for r in done:
+            del counts[r]
+        return done
+
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[dict[ReqId, torch.Tensor], dict[ReqId, torch.Tensor]]:
+        shared = self.shared
+        h = {c.req_id: shared.embed[torch.as_tensor(c.token_ids)] for c in chunks}  # [n, H] each
+        positions = {c.req_id: torch.arange(c.start_token, c.start_token + len(c.token_ids)) for c in chunks}
+        contexts = {
+            c.req_id: [
+                CacheContext(
+                    cache=cache,
+                    slots=slot_mapping(c.block_ids, c.start_token, c.start_token + len(c.token_ids), self.block_size),
+                    block_ids=c.block_ids,
+                    num_tokens=c.start_token + len(c.token_ids),
+                )
+                for cache in self.caches
+            ]
+            for c in chunks
+        }
+        for layer_idx in range(self.cfg.num_layers):
+            h = self._layer(layer_idx, h, positions, contexts)
+        logits = {rid: shared.logits(x[-1]) for rid, x in h.items()}
+        # MTP/draft layers run on the final hidden states; their prediction is the draft token
+        for layer_idx in range(self.cfg.num_layers, self.cfg.num_total_layers):
+            h = self._layer(layer_idx, h, positions, contexts)
+        draft = {rid: shared.logits(x[-1]) for rid, x in h.items()} if self.cfg.num_mtp_layers else {}
+        return logits, draft
+
+    def _layer(
+        self,
+        layer_idx: int,
+        h: dict[ReqId, torch.Tensor],
+        positions: dict[ReqId, torch.Tensor],
+        contexts: dict[ReqId, list[CacheContext]],
+    ) -> dict[ReqId, torch.Tensor]:
+        """One decoder layer for every request (each in its own slice), with the worker hooks."""
+        shared, eps, name = self.shared, self.cfg.rms_eps, self.layer_names[layer_idx]
+        x = {rid: rms_norm(hr, shared.input_norms[layer_idx], eps) for rid, hr in h.items()}
+        partial: dict[ReqId, list[torch.Tensor]] = {rid: [] for rid in h}
+        for rank, (hooks, shard) in enumerate(zip(self.worker_hooks, self.shards)):
+            hooks.wait_for_layer_load(name)
+            for rid in h:
+                partial[rid].append(shard.attention(layer_idx, x[rid], positions[rid], contexts[rid][rank]))
+            hooks.save_kv_layer(name)
+        out = {}
+        for rid, hr in h.items():
+            hr = hr + reduce_ranks(partial[rid])
+            x_mlp = rms_norm(hr, shared.post_norms[layer_idx], eps)
+            out[rid] = hr + reduce_ranks([shard.mlp(layer_idx, x_mlp) for shard in self.shards])
+        return out
