@@ -6,14 +6,27 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the demo: layerwise save and load, outputs verified")
+    p = sub.add_parser("demo", help="producer fills the pool, consumer loads layer by layer; outputs verified")
+    p.add_argument("--store", choices=("embedded", "mooncake"), default="embedded",
+                   help="embedded (in-process, default) or mooncake (starts a local master unless MOONCAKE_CONFIG_PATH is set)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the reference engine (default 1)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--synthetic", action="store_true", help="datapath only: synthetic KV caches, no engine")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from layerkv.datapath_demo import format_report, run_datapath_demo
+    if args.synthetic:
+        from layerkv.datapath_demo import format_report, run_datapath_demo
 
-    report = run_datapath_demo()
-    print(format_report(report))
-    return 0 if report.identical else 1
+        report = run_datapath_demo()
+        print(format_report(report))
+        return 0 if report.identical else 1
+
+    from layerkv.config import LayerKVConfig
+    from layerkv.demo import format_result, result_json, run_demo
+
+    config = LayerKVConfig.from_dict({"backend": args.store})
+    result = run_demo(config, tp_size=args.tp, progress=not args.json)
+    print(result_json(result) if args.json else format_result(result))
+    return 0 if result.identical else 1

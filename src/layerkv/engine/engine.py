@@ -51,7 +51,20 @@ def make_deployment(
         model_revision=f"seed={model_config.seed}",
         is_mla=model_config.is_mla,
         role=role,
+        kv_signature=kv_signature(model_config, engine_config),
     )
+
+
+def kv_signature(model_config: ModelConfig, engine_config: EngineConfig) -> str:
+    """Per-layer cache shapes of one rank, as the scheduler side can compute them (no tensors)."""
+    m, bs = model_config, engine_config.block_size
+    if m.is_mla:
+        attn = f"mla[{bs},{m.mla_latent_dim}]"
+    else:
+        heads = max(1, m.num_kv_heads // engine_config.tp_size)
+        attn = f"kv[2,{bs},{heads},{m.head_dim}]"
+    index = f"+idx[{bs},{m.index_dim}]" if m.index_dim else ""
+    return f"{m.num_layers}+{m.num_mtp_layers}mtp x {attn}{index} {m.dtype}"
 
 
 class Engine:

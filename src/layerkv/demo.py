@@ -1,0 +1,148 @@
+"""`layerkv demo`: the main job. A producer engine serves prompts with shared prefixes and
+fills the pool layer by layer; a fresh consumer engine serves follow-up prompts, loading the
+prefixes layer by layer; a local engine without the pool serves the same prompts (the oracle)
+and a cold one recomputes everything (the TTFT baseline). Single-threaded driver.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from layerkv.config import LayerKVConfig
+from layerkv.engine import Engine, EngineConfig, ModelConfig, RequestOutput
+from layerkv.engine.pooled import pooled_engine
+from layerkv.store.base import KVStore
+from layerkv.store.factory import open_checked_store
+
+DEMO_MODEL = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
+                         intermediate_size=768, vocab_size=2048, seed=7)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRow:
+    request: str
+    prompt_tokens: int
+    loaded_tokens: int
+    computed_tokens: int
+    ttft_pool_ms: float
+    ttft_recompute_ms: float
+    loaded_bytes: int
+    range_calls: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    backend: str
+    tp_size: int
+    rows: tuple[DemoRow, ...]
+    producer_saved_bytes: int
+    identical: bool
+    mismatch: str
+
+
+def make_prompts(num_docs: int, prefix_tokens: int, question_tokens: int, vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(producer prompts, consumer prompts): doc i's prefix + two different questions."""
+    rng = random.Random(seed)
+    producer, consumer = [], []
+    for _ in range(num_docs):
+        prefix = [rng.randrange(vocab) for _ in range(prefix_tokens)]
+        producer.append(prefix + [rng.randrange(vocab) for _ in range(question_tokens)])
+        consumer.append(prefix + [rng.randrange(vocab) for _ in range(question_tokens + 7)])
+    return producer, consumer
+
+
+def run_demo(
+    config: LayerKVConfig,
+    *,
+    store_factory: Callable[[], KVStore] | None = None,
+    tp_size: int = 1,
+    num_docs: int = 4,
+    prefix_tokens: int = 384,
+    question_tokens: int = 24,
+    max_tokens: int = 8,
+    model: ModelConfig = DEMO_MODEL,
+    progress: bool = True,
+) -> DemoResult:
+    make_store = store_factory or (lambda: open_checked_store(config))
+    engine_config = EngineConfig(block_size=16, num_blocks=256, max_num_batched_tokens=512, tp_size=tp_size,
+                                 model_id="layerkv/demo-llama")
+    producer_prompts, consumer_prompts = make_prompts(num_docs, prefix_tokens, question_tokens, model.vocab_size, seed=1)
+    bar = tqdm(total=4 * num_docs, desc="layerkv demo", disable=not progress, leave=False)
+
+    def serve(engine: Engine, prompts: list[list[int]], stage: str) -> list[RequestOutput]:
+        bar.set_postfix_str(stage)
+        outputs = []
+        for prompt in prompts:  # one at a time: clean TTFT and per-request store counters
+            outputs.extend(engine.generate([prompt], max_tokens))
+            bar.update()
+        return outputs
+
+    producer_store = make_store()
+    producer = pooled_engine(model, engine_config, config, store_factory=lambda: producer_store)
+    serve(producer, producer_prompts, "producer fills the pool")
+    saved_bytes = _io(producer_store, "batch_put_from_multi_buffer_ranges")[0]
+    producer.shutdown()
+
+    consumer_store = make_store()
+    consumer = pooled_engine(model, engine_config, config, store_factory=lambda: consumer_store)
+    pooled, rows_io = [], []
+    for prompt in consumer_prompts:
+        before = _io(consumer_store)
+        pooled.extend(serve(consumer, [prompt], "consumer loads from the pool"))
+        after = _io(consumer_store)
+        rows_io.append((after[0] - before[0], after[1] - before[1]))
+    consumer.shutdown()
+
+    local = Engine(model, engine_config)  # the oracle: same prefixes computed locally first
+    for prompt in producer_prompts:  # the producer's schedule, so prefix KV bytes are the same
+        local.generate([prompt], max_tokens)
+    oracle = [local.generate([p], max_tokens)[0] for p in consumer_prompts]
+    cold = serve(Engine(model, engine_config), consumer_prompts, "recompute baseline")
+    bar.update(num_docs)
+    bar.close()
+
+    identical, mismatch = _compare(pooled, oracle)
+    rows = tuple(
+        DemoRow(o.req_id, len(o.prompt_token_ids), o.num_external_tokens, len(o.prompt_token_ids) - o.num_external_tokens,
+                o.ttft_s * 1e3, c.ttft_s * 1e3, io[0], io[1])
+        for o, c, io in zip(pooled, cold, rows_io)
+    )
+    return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch)
+
+
+def _io(store: KVStore, call: str = "batch_get_into_multi_buffer_ranges") -> tuple[int, int]:
+    """(bytes moved, backend calls) of `call` so far, from the CheckedStore's counters."""
+    stats = store.stats().get(call)  # type: ignore[attr-defined]
+    return (stats.nbytes, stats.calls) if stats else (0, 0)
+
+
+def _compare(pooled: list[RequestOutput], oracle: list[RequestOutput]) -> tuple[bool, str]:
+    for got, want in zip(pooled, oracle):
+        if got.token_ids != want.token_ids:
+            return False, f"{got.req_id}: tokens {got.token_ids} != local {want.token_ids}"
+        for i, (a, b) in enumerate(zip(got.logits, want.logits)):
+            if not torch.equal(a, b):
+                return False, f"{got.req_id}: logits of token {i} differ (max abs {float((a - b).abs().max()):.3g})"
+    return True, ""
+
+
+def format_result(result: DemoResult) -> str:
+    head = (f"{'request':<8} {'prompt':>6} {'loaded':>6} {'computed':>8} {'TTFT pool ms':>12} "
+            f"{'TTFT recompute ms':>17} {'speed-up':>8} {'bytes loaded':>12} {'range calls':>11}")
+    lines = [f"store: {result.backend}, tp_size={result.tp_size}, producer saved {result.producer_saved_bytes} bytes", head]
+    for r in result.rows:
+        lines.append(f"{r.request:<8} {r.prompt_tokens:>6} {r.loaded_tokens:>6} {r.computed_tokens:>8} {r.ttft_pool_ms:>12.1f} "
+                     f"{r.ttft_recompute_ms:>17.1f} {r.ttft_recompute_ms / max(r.ttft_pool_ms, 1e-9):>7.1f}x "
+                     f"{r.loaded_bytes:>12} {r.range_calls:>11}")
+    lines.append("outputs identical to local compute: " + ("yes" if result.identical else f"NO ({result.mismatch})"))
+    return "\n".join(lines)
+
+
+def result_json(result: DemoResult) -> str:
+    return json.dumps(asdict(result), indent=2)

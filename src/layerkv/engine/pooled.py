@@ -1,0 +1,34 @@
+"""The reference engine wired to layerkv's connector: one scheduler connector and one worker
+connector per TP rank over the store a LayerKVConfig names. Built on the caller's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from layerkv.config import LayerKVConfig
+from layerkv.connector import SchedulerConnector, WorkerConnector
+from layerkv.engine.engine import Engine, EngineConfig, make_deployment
+from layerkv.engine.model import ModelConfig, Weights
+from layerkv.messages import KVRole
+from layerkv.store.base import KVStore
+
+
+def pooled_engine(
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    config: LayerKVConfig,
+    *,
+    role: KVRole = KVRole.BOTH,
+    store_factory: Callable[[], KVStore] | None = None,
+    weights: Weights | None = None,
+) -> Engine:
+    """An Engine whose hooks are layerkv connectors. `store_factory` makes one store client per
+    connector (default: `open_checked_store(config)`)."""
+    scheduler = SchedulerConnector(config, make_deployment(model_config, engine_config, 0, role),
+                                   store_factory() if store_factory else None)
+    workers = [
+        WorkerConnector(config, make_deployment(model_config, engine_config, rank, role), store_factory() if store_factory else None)
+        for rank in range(engine_config.tp_size)
+    ]
+    return Engine(model_config, engine_config, scheduler, workers, weights=weights)
