@@ -10,11 +10,11 @@ APT_LIBS := libibverbs1 libnuma1 librdmacm1
 demo: $(BIN)/.stamp-base
 	$(BIN)/layerkv demo
 
-test: $(BIN)/.stamp-test
+test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base
-test-env: $(BIN)/.stamp-test
+test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
 
 # Base environment: CPU torch pinned to the wheel kept on this machine, layerkv editable.
 $(BIN)/.stamp-base: pyproject.toml
@@ -31,6 +31,12 @@ $(BIN)/.stamp-test: $(BIN)/.stamp-base requirements/test.txt
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(APT_LIBS))
 	$(BIN)/pip install -q -r requirements/test.txt
 	$(BIN)/pip install -q -e '.[engine,bench,test,mooncake]'
+	touch $@
+
+# vLLM 0.33.0 for tests/vllm, without its dependency resolver (it asks for CUDA torch 2.14):
+# the closed list of small packages its scheduler / connector import paths need.
+$(BIN)/.stamp-vllm: $(BIN)/.stamp-test requirements/vllm.txt
+	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	touch $@
 
 clean:

@@ -1,0 +1,3 @@
+"""Fixtures for the vLLM facade tests (see vllm_harness.py)."""
+
+from vllm_harness import clean_agent, doubles  # noqa: F401  (fixtures)

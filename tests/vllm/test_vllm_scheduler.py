@@ -1,0 +1,127 @@
+"""The facade's scheduler side under vLLM's real v1 Scheduler: Request / KVCacheBlocks /
+SchedulerOutput translated into RequestView / block ids / SchedulerStep."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
+
+require_vllm()
+
+from layerkv.integrations.vllm import LayerKVConnector, LayerKVMetadata  # noqa: E402
+from layerkv.messages import KVRole  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    return [(seed * 37 + k) % 500 + 3 for k in range(num_tokens)]
+
+
+def block_ids_in_vllm(engine, req_id):
+    (ids,) = engine.scheduler.kv_cache_manager.get_block_ids(req_id)
+    return tuple(ids)
+
+
+def drive(engine, steps: int):
+    """Schedule / update `steps` times; yield (scheduler_output, SchedulerStep) per step."""
+    core = engine.scheduler.connector._scheduler
+    for _ in range(steps):
+        out = engine.scheduler.schedule()
+        yield out, core.steps[-1]
+        if not out.num_scheduled_tokens and not engine.scheduler.requests:
+            return
+        engine.scheduler.update_from_output(out, runner_output(engine.scheduler, out))
+
+
+def test_hit_translates_request_and_sets_sync_loads(doubles):
+    engine = make_engine()
+    assert isinstance(engine.scheduler.connector, LayerKVConnector)
+    core = doubles.schedulers[0]
+    assert core.deployment.block_size == BLOCK_SIZE and core.deployment.role is KVRole.BOTH
+    request = make_request("a", prompt(1, 40))
+    core.pool_hashes.update(request.block_hashes[:2])  # the pool holds blocks 0 and 1
+    engine.scheduler.add_request(request)
+
+    out = engine.scheduler.schedule()
+
+    (name, (view, num_computed)), *_ = [c for c in core.calls if c[0] == "get_num_new_matched_tokens"]
+    assert view.block_hashes == tuple(request.block_hashes) and len(view.block_hashes) == 2
+    assert (view.req_id, view.num_prompt_tokens, view.num_tokens, num_computed) == ("a", 40, 40, 0)
+    ((_, (alloc_view, alloc_ids, num_external)),) = [c for c in core.calls if c[0] == "update_state_after_alloc"]
+    assert alloc_ids == block_ids_in_vllm(engine, "a") and len(alloc_ids) == 3
+    assert num_external == 32
+    assert out.has_sync_kv_loads is True
+    assert out.num_scheduled_tokens == {"a": 8}
+    assert isinstance(out.kv_connector_metadata, LayerKVMetadata)
+    assert out.kv_connector_metadata.payload["step"] is core.steps[-1]
+    (scheduled,) = core.steps[-1].requests
+    assert (scheduled.req_id, scheduled.num_computed_tokens, scheduled.num_scheduled_tokens) == ("a", 32, 8)
+    assert scheduled.block_ids == alloc_ids and scheduled.block_hashes == tuple(request.block_hashes)
+
+
+def test_miss_schedules_without_sync_loads(doubles):
+    engine = make_engine()
+    engine.scheduler.add_request(make_request("a", prompt(2, 40)))
+    out = engine.scheduler.schedule()
+    assert out.has_sync_kv_loads is False
+    assert out.num_scheduled_tokens == {"a": 40}
+    ((_, (_, _, num_external)),) = [c for c in doubles.schedulers[0].calls if c[0] == "update_state_after_alloc"]
+    assert num_external == 0
+
+
+def test_chunked_prefill_appends_block_ids_and_finishes(doubles):
+    engine = make_engine(max_num_batched_tokens=64)
+    request = make_request("a", prompt(3, 100), max_tokens=14)
+    engine.scheduler.add_request(request)
+    seen, last_block_ids = [], ()
+    for out, step in drive(engine, 20):
+        for s in step.requests:
+            assert s.block_ids == block_ids_in_vllm(engine, s.req_id)
+            assert s.num_scheduled_tokens == out.num_scheduled_tokens[s.req_id]
+            assert s.block_hashes == tuple(request.block_hashes)
+            seen.append((s.num_computed_tokens, s.num_scheduled_tokens, len(s.block_ids)))
+            last_block_ids = s.block_ids
+        if step.finished_req_ids:
+            assert step.finished_req_ids == {"a"} and not step.requests
+            break
+    # two prefill chunks (64 + 36 tokens), then one token per decode step; a new block at 113
+    assert seen[:3] == [(0, 64, 4), (64, 36, 7), (100, 1, 7)]
+    assert seen[-1] == (112, 1, 8)
+    core = doubles.schedulers[0]
+    ((_, (view, block_ids)),) = [c for c in core.calls if c[0] == "request_finished"]
+    assert view.req_id == "a" and block_ids == last_block_ids  # 113 computed tokens: 8 blocks
+    assert not engine.scheduler.connector._steps._block_ids  # nothing tracked after the finish
+
+
+def test_preempted_request_resumes_with_replaced_block_ids(doubles):
+    # 9 usable blocks: two 64-token prompts take 8, the first decode block preempts one.
+    engine = make_engine(num_blocks=10, max_num_batched_tokens=128)
+    engine.scheduler.add_request(make_request("a", prompt(4, 64), max_tokens=20))
+    engine.scheduler.add_request(make_request("b", prompt(5, 64), max_tokens=20))
+    preempted, resumed = set(), set()
+    for out, step in drive(engine, 80):
+        preempted |= step.preempted_req_ids
+        for s in step.requests:
+            assert s.block_ids == block_ids_in_vllm(engine, s.req_id)
+            assert s.num_scheduled_tokens == out.num_scheduled_tokens[s.req_id]
+            assert s.resumed == (s.req_id in out.scheduled_cached_reqs.resumed_req_ids)
+            if s.resumed:
+                resumed.add(s.req_id)
+                assert s.req_id in preempted
+        if not engine.scheduler.requests:
+            break
+    assert preempted and resumed == preempted
+    assert not engine.scheduler.requests
+    assert not engine.scheduler.connector._steps._block_ids
+
+
+def test_each_step_output_reaches_core_as_worker_report(doubles):
+    from layerkv.messages import WorkerReport
+
+    engine = make_engine()
+    engine.scheduler.add_request(make_request("a", prompt(6, 20), max_tokens=3))
+    steps = list(drive(engine, 10))
+    reports = doubles.schedulers[0].reports
+    assert len(reports) == len(steps) - 1  # the last schedule() found nothing left to update
+    assert reports == [WorkerReport()] * len(reports)

@@ -1,0 +1,89 @@
+"""The facade's construction: Deployment from vLLM's config, layerkv config from
+kv_connector_extra_config, and setups it rejects with a message naming what is unsupported."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from vllm_harness import BLOCK_SIZE, TINY_LLAMA, make_kv_cache_config, make_vllm_config, require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+
+from layerkv.errors import ConfigError, UnsupportedSetupError  # noqa: E402
+from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
+from layerkv.messages import Deployment, KVRole  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+FULL = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_deployment_and_config_from_vllm(doubles, role, kv_role):
+    extra = {"prefetch_layers": 3, "tenant": "team-a"}
+    connector = LayerKVConnector(make_vllm_config(kv_role=kv_role, extra=extra), role, make_kv_cache_config(16))
+    assert connector.deployment == Deployment(
+        model_id=str(TINY_LLAMA), kv_dtype="float16", block_size=BLOCK_SIZE, num_kv_heads=2,
+        tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, model_revision="", is_mla=False, role=KVRole(kv_role),
+    )
+    (core,) = doubles.schedulers if role is KVConnectorRole.SCHEDULER else doubles.workers
+    assert (core.config.prefetch_layers, core.config.tenant) == (3, "team-a")
+    assert core.deployment is connector.deployment
+    assert not (doubles.workers if role is KVConnectorRole.SCHEDULER else doubles.schedulers)
+
+
+def test_explicit_cache_dtype_names_the_kv_dtype(doubles):
+    vllm_config = make_vllm_config()
+    vllm_config.cache_config.cache_dtype = "fp8_e4m3"
+    connector = LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
+    assert connector.deployment.kv_dtype == "fp8_e4m3"
+
+
+def test_piecewise_cudagraph_required():
+    assert LayerKVConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+def test_unknown_extra_config_key_is_rejected_by_name(doubles):
+    with pytest.raises(ConfigError, match="unknown layerkv config key\\(s\\) 'prefetch_layer'"):
+        LayerKVConnector(make_vllm_config(extra={"prefetch_layer": 2}), KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
+
+
+def test_hybrid_kv_groups_rejected(doubles):
+    sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    with pytest.raises(UnsupportedSetupError, match=re.escape("hybrid KV cache groups: 2 kv_cache_groups (FullAttentionSpec, SlidingWindowSpec)")):
+        LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, sliding]))
+    assert not doubles.schedulers  # rejected before the core was built
+
+
+def test_non_full_attention_spec_rejected(doubles):
+    sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    with pytest.raises(UnsupportedSetupError, match="KV cache spec SlidingWindowSpec: only full attention"):
+        LayerKVConnector(make_vllm_config(), KVConnectorRole.WORKER, make_kv_cache_config(16, [sliding]))
+
+
+@pytest.mark.parametrize("name", ["prefill_context_parallel_size", "decode_context_parallel_size"])
+def test_context_parallel_rejected(doubles, name):
+    vllm_config = make_vllm_config()
+    object.__setattr__(vllm_config.parallel_config, name, 2)
+    with pytest.raises(UnsupportedSetupError, match=f"context parallel: {name}=2; layerkv supports only 1"):
+        LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
+
+
+def test_hash_block_size_other_than_block_size_rejected(doubles):
+    kv_cache_config = make_kv_cache_config(16)
+    kv_cache_config.hash_block_size = BLOCK_SIZE // 2
+    with pytest.raises(UnsupportedSetupError, match="hash_block_size=8 differs from the KV block size 16"):
+        LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_worker_without_parallel_groups_under_tp_rejected(doubles):
+    vllm_config = make_vllm_config()
+    object.__setattr__(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    with pytest.raises(UnsupportedSetupError, match="built before vLLM's model-parallel groups \\(tensor_parallel_size=2"):
+        LayerKVConnector(vllm_config, KVConnectorRole.WORKER, make_kv_cache_config(16))

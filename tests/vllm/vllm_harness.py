@@ -1,0 +1,282 @@
+"""Harness for tests/vllm: vLLM's real Scheduler and worker hook path on CPU with the layerkv
+facade loaded through `kv_connector_module_path`, and recording doubles of the neutral
+scheduler / worker connectors. vLLM is installed by `make test` (requirements/vllm.txt)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# vLLM reads these when it picks its platform and when transformers looks for a model.
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+TINY_LLAMA = Path(__file__).parent / "tiny_llama"  # config.json only: 2 layers, 2 KV heads
+BLOCK_SIZE = 16
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def require_vllm() -> None:
+    """Skip the calling module when vLLM is missing on a developer machine; in CI fail loudly."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        if os.environ.get("CI"):
+            raise RuntimeError("vLLM is not installed: `make test` installs requirements/vllm.txt") from None
+        pytest.skip("vLLM not installed (run `make test` to get it)", allow_module_level=True)
+
+
+# ---------------------------------------------------------------- recording doubles of the core
+
+
+class RecordingScheduler:
+    """Double of layerkv.connector.SchedulerConnector: the "pool" holds `pool_hashes`."""
+
+    pool_hashes: set[bytes] = set()  # set per test through the `doubles` fixture
+
+    def __init__(self, config: Any, deployment: Any) -> None:
+        self.config, self.deployment = config, deployment
+        self.calls: list[tuple[str, tuple]] = []
+        self.steps: list[Any] = []
+        self.reports: list[Any] = []
+        Doubles.schedulers.append(self)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.calls.append(("get_num_new_matched_tokens", (request, num_computed_tokens)))
+        hit_blocks = 0
+        for h in request.block_hashes:
+            if h not in self.pool_hashes:
+                break
+            hit_blocks += 1
+        # keep at least one prompt token for the engine to compute
+        num_tokens = min(hit_blocks * self.deployment.block_size, (request.num_prompt_tokens - 1) // self.deployment.block_size * self.deployment.block_size)
+        return max(0, num_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.calls.append(("update_state_after_alloc", (request, block_ids, num_external_tokens)))
+
+    def build_connector_meta(self, step):
+        self.steps.append(step)
+        return {"step_index": len(self.steps) - 1, "step": step}
+
+    def update_connector_output(self, report):
+        self.reports.append(report)
+
+    def request_finished(self, request, block_ids):
+        self.calls.append(("request_finished", (request, block_ids)))
+        return False, None
+
+
+class RecordingWorker:
+    """Double of layerkv.connector.WorkerConnector: records the hook sequence."""
+
+    def __init__(self, config: Any, deployment: Any) -> None:
+        self.config, self.deployment = config, deployment
+        self.calls: list[tuple] = []
+        self.kv_caches: dict[str, Any] = {}
+        self.load_errors: set[int] = set()  # reported once, then cleared
+        self.counters: dict[str, int] = {}
+        Doubles.workers.append(self)
+
+    def register_kv_caches(self, kv_caches, num_blocks):
+        self.kv_caches = dict(kv_caches)
+        self.calls.append(("register_kv_caches", num_blocks))
+
+    def bind_connector_metadata(self, meta):
+        self.calls.append(("bind_connector_metadata", meta["step_index"]))
+
+    def start_load_kv(self):
+        self.calls.append(("start_load_kv",))
+
+    def wait_for_layer_load(self, layer_name):
+        self.calls.append(("wait_for_layer_load", layer_name))
+
+    def save_kv_layer(self, layer_name):
+        self.calls.append(("save_kv_layer", layer_name))
+
+    def wait_for_save(self):
+        self.calls.append(("wait_for_save",))
+
+    def get_finished(self, finished_req_ids):
+        self.calls.append(("get_finished", frozenset(finished_req_ids)))
+        return None, None
+
+    def get_block_ids_with_load_errors(self):
+        self.calls.append(("get_block_ids_with_load_errors",))
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def clear_connector_metadata(self):
+        self.calls.append(("clear_connector_metadata",))
+
+    def stats(self):
+        counters, self.counters = self.counters, {}
+        return counters
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class Doubles:
+    schedulers: list[RecordingScheduler] = []
+    workers: list[RecordingWorker] = []
+
+
+@pytest.fixture
+def doubles(monkeypatch):
+    """Make the facade build recording doubles instead of layerkv.connector's classes."""
+    import layerkv.integrations.vllm as facade
+
+    monkeypatch.setattr(Doubles, "schedulers", [])
+    monkeypatch.setattr(Doubles, "workers", [])
+    monkeypatch.setattr(RecordingScheduler, "pool_hashes", set())
+    monkeypatch.setattr(facade, "SCHEDULER_SIDE", RecordingScheduler)
+    monkeypatch.setattr(facade, "WORKER_SIDE", RecordingWorker)
+    return Doubles
+
+
+# ---------------------------------------------------------------- vLLM objects
+
+
+@dataclass
+class Engine:
+    vllm_config: Any
+    kv_cache_config: Any
+    scheduler: Any
+
+
+def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None, failure_policy: str = "recompute"):
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024,
+            enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LayerKVConnector", kv_connector_module_path="layerkv.integrations.vllm",
+            kv_role=kv_role, kv_connector_extra_config=extra or {}, kv_load_failure_policy=failure_policy,
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(num_blocks: int, specs: list | None = None):
+    """One full-attention group over LAYERS (or one group per spec), layer-outermost tensors."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    specs = specs or [FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16)]
+    groups = [KVCacheGroupSpec(list(LAYERS) if len(specs) == 1 else [LAYERS[i]], s) for i, s in enumerate(specs)]
+    page = specs[0].page_size_bytes
+    tensors = [KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS), layer_stride=page * num_blocks, block_stride=page)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def make_engine(num_blocks: int = 64, **config_kwargs) -> Engine:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = make_vllm_config(**config_kwargs)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = make_kv_cache_config(num_blocks)
+    scheduler = Scheduler(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE,
+    )
+    return Engine(vllm_config, kv_cache_config, scheduler)
+
+
+def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int = 2):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, 2)
+    return Request(
+        request_id=req_id, prompt_token_ids=prompt_token_ids, sampling_params=params, pooling_params=None,
+        mm_features=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+
+
+def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_id: int = 7):
+    """What a model runner returns: one sampled token per request whose prompt is complete
+    after this step (a partial prefill chunk samples nothing)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+        pooler_output=None, kv_connector_output=kv_connector_output or KVConnectorOutput(),
+    )
+
+
+@dataclass
+class WorkerRig:
+    """A worker-role facade created by vLLM's factory, installed as the process's KV transfer
+    agent, with LAYERS bound to CPU caches in vLLM's own layout ([B, H, N, 2*head] per layer)."""
+
+    connector: Any
+    kv_caches: dict = field(default_factory=dict)
+
+    def run_step(self, scheduler_output):
+        """One model-runner step: the real connector-output context and the real per-layer
+        `@maybe_transfer_kv_layer` wrapper, one attention call per layer."""
+        from vllm.forward_context import set_forward_context
+        from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        @maybe_transfer_kv_layer
+        def attention(query, layer_name):  # same wrapper as unified_attention_with_output
+            return query
+
+        vllm_config = self.connector._vllm_config
+        with set_forward_context({n: object() for n in LAYERS}, vllm_config, slot_mapping={}):
+            with KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(scheduler_output) as output:
+                for name in LAYERS:
+                    attention(None, name)
+        return output
+
+
+def make_worker(engine: Engine) -> WorkerRig:
+    import torch
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    connector = KVConnectorFactory.create_connector(engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config)
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector  # what ensure_kv_transfer_initialized sets
+    kv_caches = allocate_kv_cache(engine.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    connector.register_kv_caches(kv_caches)
+    forward_context = engine.vllm_config.compilation_config.static_forward_context
+    for name in LAYERS:  # stand-in Attention layers: what get_attention_context reads
+        forward_context[name] = types.SimpleNamespace(kv_cache=kv_caches[name])
+    return WorkerRig(connector, kv_caches)
+
+
+@pytest.fixture
+def clean_agent():
+    """Uninstall the worker connector from vLLM's process-global slot after the test."""
+    yield
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    kv_transfer_state._KV_CONNECTOR_AGENT = None
