@@ -261,14 +261,12 @@ def test_master_restart_fails_fast_then_recovers_empty() -> None:
         buf = Buffers(store, 1, seed=5)
         assert store.batch_put_from(key, [buf.arrays[0].ctypes.data], [4096]) == [0]
         harness.master.stop()
-        # Observed on 0.3.13.post1: the first call after the master died fails at once; later
-        # calls each spend ~4.4 s reconnecting before -900. Never a hang.
-        began = time.monotonic()
-        assert store.batch_is_exist(key) == [Code.RPC_FAIL]
-        assert time.monotonic() - began < 2.0
-        began = time.monotonic()
-        assert store.batch_get_session_start(key) == [Code.RPC_FAIL]
-        assert time.monotonic() - began < 10.0
+        # Observed on 0.3.13.post1: a call while the master is down returns -900 either at once
+        # or after ~4.4 s spent reconnecting (most calls after the first). Never a hang.
+        for call in (lambda: store.batch_is_exist(key), lambda: store.batch_get_session_start(key)):
+            began = time.monotonic()
+            assert call() == [Code.RPC_FAIL]
+            assert time.monotonic() - began < 10.0
         harness.master.start()
         deadline = time.monotonic() + 15.0
         while (answer := store.batch_is_exist(key)) == [Code.RPC_FAIL] and time.monotonic() < deadline:

@@ -56,9 +56,18 @@ def parse_size(value: int | str, key: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def missing_session_methods(client_cls: type | None = None) -> list[str]:
+    """SESSION_METHODS names `client_cls` (default: the installed MooncakeDistributedStore) lacks."""
+    if client_cls is None:
+        from mooncake.store import MooncakeDistributedStore
+
+        client_cls = MooncakeDistributedStore
+    return [name for name in SESSION_METHODS if not callable(getattr(client_cls, name, None))]
+
+
 def check_session_methods(client_cls: type) -> None:
     """Raise ONE StoreVersionError naming every SESSION_METHODS name `client_cls` lacks."""
-    missing = [name for name in SESSION_METHODS if not callable(getattr(client_cls, name, None))]
+    missing = missing_session_methods(client_cls)
     if missing:
         raise StoreVersionError(
             f"{client_cls.__name__} lacks the Mooncake session/range method(s) {', '.join(missing)}; "

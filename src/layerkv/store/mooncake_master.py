@@ -129,7 +129,8 @@ class MasterProcess:
         binary = find_master_binary()
         with open(self.log_path, "ab") as log_file:
             self.popen = subprocess.Popen(
-                self.argv(binary), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+                self.argv(binary), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop it in order
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
