@@ -281,3 +281,21 @@ def test_master_restart_fails_fast_then_recovers_empty() -> None:
     finally:
         harness.close()
         harness.master.stop()
+
+
+def test_make_store_capacity_and_lease(mooncake_harness: MooncakeHarness) -> None:
+    store = mooncake_harness.make_store(capacity_bytes=MIN_SEGMENT_BYTES, lease_ttl_s=0.5)
+    key = unique_keys("lease", 1)
+    assert store.batch_put_session_start(key, [MIN_SEGMENT_BYTES + 4096]) == [Code.NO_SPACE]
+    buf = Buffers(store, 1, seed=6)
+    ptr = buf.arrays[0].ctypes.data
+    assert store.batch_put_from(key, [ptr], [4096]) == [0]
+    assert store.batch_get_session_start(key) == [0]
+    deadline = time.monotonic() + 10.0
+    while (answer := store.batch_get_into_multi_buffer_ranges(key, [[ptr]], [[16]], [[0]])) == [16]:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.05)  # polling the lease clock with a deadline
+    assert answer == [Code.LEASE_EXPIRED]
+    assert store.batch_get_into_multi_buffer_ranges(key, [[ptr]], [[16]], [[0]]) == [Code.INVALID_PARAMS]  # dropped
+    assert store.batch_get_session_end(key) == 0
+    buf.close()

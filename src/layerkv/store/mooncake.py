@@ -4,6 +4,8 @@ StoreError. Either side may use it; every method is safe from any thread (the Mo
 is thread-safe; this wrapper holds no mutable state besides the closed flag).
 
 Results are passed back as plain lists, unvalidated: `store/checked.py` validates them.
+Master down (observed 0.3.13.post1): every call returns -900, but most after ~4.4 s spent
+reconnecting, not at once; callers on a latency path need their own back-off.
 
 Loopback: if the client config's local_hostname is a loopback address and MC_TCP_BIND_ADDRESS
 is unset, it is set to 127.0.0.1 before mooncake is imported, so the transfer engine listens on
