@@ -5,4 +5,6 @@ from __future__ import annotations
 
 import logging
 
+pytest_plugins = ["tests.mooncake_master"]  # real mooncake_master fixtures
+
 logging.getLogger("layerkv").setLevel(logging.INFO)

@@ -1,0 +1,95 @@
+"""`layerkv master`: a local Mooncake deployment on loopback for development and demos.
+
+Starts `mooncake_master` (HTTP metadata server built in) and, in this process, one Mooncake
+client that mounts the global segment where objects live; prints the client config as one JSON
+line; runs until SIGINT / SIGTERM, then closes the client and stops the master. Main thread only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from layerkv.errors import ConfigError, StoreError
+from layerkv.store.mooncake_master import DEFAULT_LOCAL_BUFFER_BYTES, MasterProcess, start_master
+
+DEFAULT_RPC_PORT = 50051
+DEFAULT_HTTP_PORT = 8080
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "master",
+        help="run a local mooncake_master (+ a segment holder) on 127.0.0.1",
+        description="Run mooncake_master on 127.0.0.1 with an HTTP metadata server and a client that "
+        "mounts the global segment; print the Mooncake client config (one JSON line); stop on Ctrl-C.",
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_RPC_PORT, help="master RPC port (0: any free port)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP metadata port (0: any free port)")
+    parser.add_argument("--segment-size", default="1GB", help="global segment mounted by this process (e.g. 512MB, 1GB)")
+    parser.add_argument("--client-segment-size", default="0", help="global_segment_size in the printed client config")
+    parser.add_argument("--lease-ttl-ms", type=int, default=None, help="master --default_kv_lease_ttl")
+    parser.add_argument("--config-out", type=Path, default=None, help="also write the client config JSON here")
+    parser.add_argument("--log-file", type=Path, default=None, help="mooncake_master log (default: a temp file)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from layerkv.store.mooncake import MooncakeStore, parse_size  # imports mooncake lazily
+
+    try:
+        segment_bytes = parse_size(args.segment_size, "--segment-size")
+        client_segment_bytes = parse_size(args.client_segment_size, "--client-segment-size")
+    except ConfigError as exc:
+        print(f"layerkv master: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    master: MasterProcess | None = None
+    holder = None
+    try:
+        master = start_master(args.lease_ttl_ms, rpc_port=args.port or None, http_port=args.http_port or None,
+                              log_path=args.log_file)
+        holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes))
+        client_config = master.config(global_segment_size=client_segment_bytes,
+                                      local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES)
+        _announce(master, client_config, segment_bytes, args.config_out)
+        while not stop.wait(timeout=1.0):
+            if not master.running():
+                print(f"layerkv master: mooncake_master exited; log {master.log_path}:\n{master.log_tail()}",
+                      file=sys.stderr)
+                return 1
+        print("layerkv master: stopping", file=sys.stderr, flush=True)
+        return 0
+    except (StoreError, ConfigError) as exc:
+        print(f"layerkv master: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if holder is not None:
+            holder.close()
+        if master is not None:
+            master.stop()
+
+
+def _announce(master: MasterProcess, client_config: dict[str, Any], segment_bytes: int, config_out: Path | None) -> None:
+    line = json.dumps(client_config)
+    if config_out is not None:
+        config_out.write_text(json.dumps(client_config, indent=2) + "\n")
+    print(
+        f"layerkv master: mooncake_master pid {master.pid} at {master.address}, metadata {master.metadata_url}, "
+        f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}; log {master.log_path}.\n"
+        f"Clients: save the JSON below and export MOONCAKE_CONFIG_PATH=<file>"
+        + (f" (written to {config_out})" if config_out else "")
+        + ". Ctrl-C stops.",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(line, flush=True)
+

@@ -1,0 +1,313 @@
+"""The Mooncake Store backend: `MooncakeStore` wraps `mooncake.store.MooncakeDistributedStore`.
+The only module that imports `mooncake`, and the one place where its exceptions become
+StoreError. Either side may use it; every method is safe from any thread (the Mooncake client
+is thread-safe; this wrapper holds no mutable state besides the closed flag).
+
+Results are passed back as plain lists, unvalidated: `store/checked.py` validates them.
+Master down (observed 0.3.13.post1): every call returns -900, but most after ~4.4 s spent
+reconnecting, not at once; callers on a latency path need their own back-off.
+
+Loopback: if the client config's local_hostname is a loopback address and MC_TCP_BIND_ADDRESS
+is unset, it is set to 127.0.0.1 before mooncake is imported, so the transfer engine listens on
+loopback only (otherwise it binds every interface).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from layerkv.errors import ConfigError, StoreError, StoreVersionError
+from layerkv.store.base import SESSION_METHODS, ObjectKey, Placement, code_name
+from layerkv.store.mooncake_master import MIN_SEGMENT_BYTES, tcp_reachable
+
+if TYPE_CHECKING:
+    from layerkv.config import LayerKVConfig
+
+log = logging.getLogger(__name__)
+
+MIN_VERSION = (0, 3, 13)
+MIN_VERSION_TEXT = "0.3.13"
+DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+REQUIRED_KEYS = ("local_hostname", "metadata_server", "master_server_address")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+PREFLIGHT_TIMEOUT_S = 2.0
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40,
+               "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(value: int | str, key: str) -> int:
+    """`1073741824`, `"1GB"`, `"512MB"`, `"512 MiB"` -> bytes (binary units). ConfigError names key."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"mooncake config {key}={value!r} must be >= 0")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value)) if isinstance(value, str) else None
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"mooncake config {key}={value!r} must be bytes as an int or a string like '512MB' / '1GB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def missing_session_methods(client_cls: type | None = None) -> list[str]:
+    """SESSION_METHODS names `client_cls` (default: the installed MooncakeDistributedStore) lacks."""
+    if client_cls is None:
+        from mooncake.store import MooncakeDistributedStore
+
+        client_cls = MooncakeDistributedStore
+    return [name for name in SESSION_METHODS if not callable(getattr(client_cls, name, None))]
+
+
+def check_session_methods(client_cls: type) -> None:
+    """Raise ONE StoreVersionError naming every SESSION_METHODS name `client_cls` lacks."""
+    missing = missing_session_methods(client_cls)
+    if missing:
+        raise StoreVersionError(
+            f"{client_cls.__name__} lacks the Mooncake session/range method(s) {', '.join(missing)}; "
+            f"layerkv needs Mooncake Store >= {MIN_VERSION_TEXT} "
+            f"(pip install 'mooncake-transfer-engine-non-cuda>={MIN_VERSION_TEXT}')"
+        )
+
+
+def installed_version() -> str | None:
+    """The installed mooncake wheel's version, or None if no known distribution is installed."""
+    for dist in DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_version(version: str | None) -> None:
+    """Refuse a Mooncake older than 0.3.13. None (e.g. built from source) only logs a warning;
+    the method check still guards the API."""
+    if version is None:
+        log.warning("layerkv: no %s distribution found; relying on the method check", " / ".join(DISTRIBUTIONS))
+        return
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if match is None:
+        log.warning("layerkv: cannot parse mooncake version %r; relying on the method check", version)
+        return
+    if tuple(int(part) for part in match.groups()) < MIN_VERSION:
+        raise StoreVersionError(
+            f"mooncake {version} is installed; layerkv needs Mooncake Store >= {MIN_VERSION_TEXT} "
+            f"(session/range API); pip install 'mooncake-transfer-engine-non-cuda>={MIN_VERSION_TEXT}'"
+        )
+
+
+def load_mooncake_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a MOONCAKE_CONFIG_PATH JSON file. ConfigError names the path on any problem."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"mooncake_config_path={str(path)!r} cannot be read as JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"mooncake_config_path={str(path)!r} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = None) -> dict[str, Any]:
+    """Mooncake JSON config (+ optional master override) -> the dict `setup(config)` accepts."""
+    missing = [key for key in REQUIRED_KEYS if not mooncake_config.get(key)]
+    if missing:
+        raise ConfigError(f"mooncake config lacks required key(s) {', '.join(missing)}; got {sorted(mooncake_config)}")
+    return {
+        "local_hostname": str(mooncake_config["local_hostname"]),
+        "metadata_server": str(mooncake_config["metadata_server"]),
+        "global_segment_size": parse_size(mooncake_config.get("global_segment_size", MIN_SEGMENT_BYTES), "global_segment_size"),
+        "local_buffer_size": parse_size(mooncake_config.get("local_buffer_size", MIN_SEGMENT_BYTES), "local_buffer_size"),
+        "protocol": str(mooncake_config.get("protocol") or "tcp"),
+        "rdma_devices": str(mooncake_config.get("device_name") or ""),
+        "master_server_addr": master_address or str(mooncake_config["master_server_address"]),
+    }
+
+
+def bind_loopback_if_local(local_hostname: str) -> None:
+    """MC_TCP_BIND_ADDRESS=127.0.0.1 for a loopback client unless the user set it already."""
+    host = local_hostname.rsplit(":", 1)[0] if local_hostname.count(":") == 1 else local_hostname
+    if host in LOOPBACK_HOSTS and not os.environ.get("MC_TCP_BIND_ADDRESS"):
+        os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+
+
+def preflight(args: Mapping[str, Any]) -> None:
+    """Fail in seconds if the master (or an HTTP metadata server) does not accept connections:
+    Mooncake's own setup retries for ~90 s against a dead master."""
+    master = args["master_server_addr"]
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"master_server_address={master!r} must be host:port, e.g. 127.0.0.1:50051")
+    error = tcp_reachable(host, int(port), PREFLIGHT_TIMEOUT_S)
+    if error is not None:
+        raise StoreError(
+            f"mooncake master at {master} is not reachable ({error}); start one with `layerkv master` "
+            "or fix master_server_address / MOONCAKE_MASTER"
+        )
+    url = urlsplit(args["metadata_server"])
+    if url.scheme == "http" and url.hostname:
+        error = tcp_reachable(url.hostname, url.port or 80, PREFLIGHT_TIMEOUT_S)
+        if error is not None:
+            raise StoreError(f"mooncake metadata server {args['metadata_server']} is not reachable ({error})")
+
+
+class MooncakeStore:
+    """KVStore over a set-up Mooncake client. Build with `from_config` / `from_mooncake_config`."""
+
+    name = "mooncake"
+
+    def __init__(self, client: Any, replicate_config_cls: Callable[[], Any], master_address: str,
+                 default_placement: Placement | None = None) -> None:
+        self._client = client
+        self._replicate_config_cls = replicate_config_cls
+        self.master_address = master_address
+        self.default_placement = default_placement or Placement()
+        self._closed = False
+        self._close_lock = threading.Lock()  # guards _closed
+
+    @classmethod
+    def from_config(cls, config: LayerKVConfig) -> MooncakeStore:
+        """From `config.mooncake_config_path` (default $MOONCAKE_CONFIG_PATH); master from
+        `config.mooncake_master` / $MOONCAKE_MASTER, else the file's. Placement from config."""
+        path = config.mooncake_config_path or os.environ.get("MOONCAKE_CONFIG_PATH")
+        if not path:
+            raise ConfigError("backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)")
+        master = config.mooncake_master or os.environ.get("MOONCAKE_MASTER") or None
+        return cls.from_mooncake_config(load_mooncake_config(path), master_address=master,
+                                        placement=config.placement)
+
+    @classmethod
+    def from_mooncake_config(cls, mooncake_config: Mapping[str, Any], *, master_address: str | None = None,
+                             placement: Placement | None = None, client_cls: type | None = None) -> MooncakeStore:
+        """Check version and methods, then set up a client. `client_cls` defaults to
+        MooncakeDistributedStore (tests pass stand-ins / recording subclasses).
+
+        Raises StoreVersionError (too old / methods missing), ConfigError (bad config), StoreError
+        (master unreachable or setup rc != 0; the message names the master and the rc).
+        """
+        args = setup_args(mooncake_config, master_address)
+        bind_loopback_if_local(args["local_hostname"])
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # the only mooncake import
+
+        check_version(installed_version())
+        client_cls = client_cls or MooncakeDistributedStore
+        check_session_methods(client_cls)
+        preflight(args)
+        client = client_cls()
+        try:
+            rc = client.setup(args)
+        except Exception as exc:  # pybind11 raises arbitrary types; translate here only
+            raise StoreError(f"mooncake setup against master {args['master_server_addr']} raised {exc!r}") from exc
+        if rc != 0:
+            segment = args["global_segment_size"]
+            hint = "; global_segment_size must be 0 or >= 16 MiB" if 0 < segment < MIN_SEGMENT_BYTES else ""
+            raise StoreError(
+                f"mooncake setup against master {args['master_server_addr']} failed: rc={code_name(rc)} "
+                f"(local_hostname={args['local_hostname']}, global_segment_size={segment}, "
+                f"protocol={args['protocol']}){hint}"
+            )
+        return cls(client, ReplicateConfig, args["master_server_addr"], placement)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._closed:
+            raise StoreError(f"MooncakeStore.{method} called after close()")
+        try:
+            return getattr(self._client, method)(*args)
+        except Exception as exc:  # pybind11 raises arbitrary types; translate here only
+            raise StoreError(f"mooncake {method} raised {exc!r} (master {self.master_address})") from exc
+
+    def _replicate_config(self, placement: Placement | None) -> Any:
+        placement = placement or self.default_placement
+        rc = self._replicate_config_cls()
+        rc.replica_num = placement.replica_num
+        rc.preferred_segment = placement.preferred_segment
+        rc.prefer_alloc_in_same_node = placement.prefer_alloc_in_same_node
+        return rc
+
+    @property
+    def segment_name(self) -> str:
+        """This client's segment name (`host:port`), usable as Placement.preferred_segment."""
+        return str(self._call("get_hostname"))
+
+    # -- KVStore -----------------------------------------------------------------------------
+
+    def register_buffer(self, ptr: int, nbytes: int) -> None:
+        rc = self._call("register_buffer", int(ptr), int(nbytes))
+        if rc != 0:
+            raise StoreError(f"mooncake register_buffer(ptr={ptr:#x}, nbytes={nbytes}) failed: rc={code_name(rc)}")
+
+    def unregister_buffer(self, ptr: int) -> None:
+        rc = self._call("unregister_buffer", int(ptr))
+        if rc != 0:
+            raise StoreError(f"mooncake unregister_buffer(ptr={ptr:#x}) failed: rc={code_name(rc)}")
+
+    def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
+        return list(self._call("batch_is_exist", list(keys)))
+
+    def batch_put_session_start(self, keys: Sequence[ObjectKey], sizes: Sequence[int],
+                                placement: Placement | None = None) -> list[int]:
+        return list(self._call("batch_put_session_start", list(keys), [int(s) for s in sizes],
+                               self._replicate_config(placement)))
+
+    def batch_put_from_multi_buffer_ranges(self, keys: Sequence[ObjectKey], ptrs: Sequence[Sequence[int]],
+                                           sizes: Sequence[Sequence[int]],
+                                           dst_offsets: Sequence[Sequence[int]]) -> list[int]:
+        return list(self._call("batch_put_from_multi_buffer_ranges", list(keys), _lists(ptrs), _lists(sizes),
+                               _lists(dst_offsets)))
+
+    def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
+        return list(self._call("batch_put_session_end", list(keys)))
+
+    def batch_put_session_revoke(self, keys: Sequence[ObjectKey]) -> list[int]:
+        return list(self._call("batch_put_session_revoke", list(keys)))
+
+    def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
+        return list(self._call("batch_get_session_start", list(keys)))
+
+    def batch_get_into_multi_buffer_ranges(self, keys: Sequence[ObjectKey], ptrs: Sequence[Sequence[int]],
+                                           sizes: Sequence[Sequence[int]],
+                                           src_offsets: Sequence[Sequence[int]]) -> list[int]:
+        return list(self._call("batch_get_into_multi_buffer_ranges", list(keys), _lists(ptrs), _lists(sizes),
+                               _lists(src_offsets)))
+
+    def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
+        return self._call("batch_get_session_end", list(keys))  # type: ignore[no-any-return]
+
+    def batch_put_from(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int],
+                       placement: Placement | None = None) -> list[int]:
+        return list(self._call("batch_put_from", list(keys), [int(p) for p in ptrs], [int(s) for s in sizes],
+                               self._replicate_config(placement)))
+
+    def batch_get_into(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        return list(self._call("batch_get_into", list(keys), [int(p) for p in ptrs], [int(s) for s in sizes]))
+
+    def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """Force-remove (also objects with live leases): used for probe / test cleanup."""
+        return list(self._call("batch_remove", list(keys), True))
+
+    def close(self) -> None:
+        """Unmount this client's segment and disconnect. Idempotent; later calls raise StoreError."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            rc = self._client.close()
+        except Exception as exc:  # pybind11 raises arbitrary types; translate here only
+            raise StoreError(f"mooncake close raised {exc!r}") from exc
+        if rc != 0:
+            log.warning("layerkv: mooncake close returned %s (master %s)", code_name(rc), self.master_address)
+
+
+def _lists(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [[int(v) for v in row] for row in rows]

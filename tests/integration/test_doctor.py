@@ -1,0 +1,96 @@
+"""`layerkv doctor` against a real master (passes), a stopped master (fails fast, says why), and
+the config printed by `layerkv master` (accepted; the launcher stops cleanly on SIGINT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import layerkv
+from layerkv.store.mooncake_master import MasterProcess, tcp_reachable
+from tests.mooncake_master import require_mooncake, start_master
+
+pytestmark = pytest.mark.mooncake
+
+SRC = str(Path(layerkv.__file__).parents[1])
+CHECKS = ("version", "methods", "connect", "put session", "get session", "codes", "throughput", "cleanup")
+
+
+def cli(*argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=SRC, MC_TCP_BIND_ADDRESS="127.0.0.1")
+    env.pop("MOONCAKE_MASTER", None)
+    return subprocess.run([sys.executable, "-m", "layerkv.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+
+
+def write_config(master: MasterProcess, path: Path) -> Path:
+    path.write_text(json.dumps(master.config(global_segment_size="16MB")))
+    return path
+
+
+def test_doctor_passes_against_a_real_master(mooncake_master: MasterProcess, tmp_path: Path) -> None:
+    result = cli("doctor", "--config", str(write_config(mooncake_master, tmp_path / "mc.json")))
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    for name in CHECKS:
+        assert any(re.match(rf"PASS  {name}\s", line) for line in lines), (name, result.stdout)
+    assert re.search(r"ranged get \d+ MB/s", result.stdout)
+    assert "8 passed, 0 failed" in result.stdout
+
+
+def test_doctor_fails_fast_against_a_stopped_master(tmp_path: Path) -> None:
+    require_mooncake()
+    master = start_master()
+    master.stop()
+    began = time.monotonic()
+    result = cli("doctor", "--config", str(write_config(master, tmp_path / "mc.json")), timeout_s=30)
+    assert time.monotonic() - began < 10.0
+    assert result.returncode == 1
+    assert re.search(rf"FAIL  connect\s+mooncake master at {master.address} is not reachable", result.stdout), result.stdout
+
+
+def test_doctor_without_config_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    result = cli("doctor")
+    assert result.returncode == 2
+    assert "MOONCAKE_CONFIG_PATH is unset" in result.stdout
+
+
+def test_master_command_config_is_accepted_by_doctor_and_stops_on_sigint(tmp_path: Path) -> None:
+    require_mooncake()
+    config_out = tmp_path / "client.json"
+    env = dict(os.environ, PYTHONPATH=SRC, MC_TCP_BIND_ADDRESS="127.0.0.1")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "layerkv.cli", "master", "--port", "0", "--http-port", "0", "--segment-size", "32MB",
+         "--config-out", str(config_out)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in launcher.stdout or ()],
+                              name="layerkv-test-master-stdout", daemon=True)
+    reader.start()
+    try:
+        printed = json.loads(lines.get(timeout=60))
+        assert printed == json.loads(config_out.read_text())
+        assert printed["local_hostname"] == "127.0.0.1" and printed["master_server_address"].startswith("127.0.0.1:")
+        result = cli("doctor", "--config", str(config_out))
+        assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 0
+        host, _, port = printed["master_server_address"].rpartition(":")
+        assert tcp_reachable(host, int(port), 1.0) is not None  # the master is gone too
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        reader.join(timeout=10)
