@@ -4,7 +4,9 @@ makes and closes them; `params` lists every backend (a "mooncake" harness starts
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,15 +86,56 @@ class EmbeddedHarness(StoreHarness):
         self._skew_s += seconds
 
 
-def _make_harness(backend: str) -> StoreHarness:
-    if backend == "embedded":
-        return EmbeddedHarness()
-    raise AssertionError(f"no harness for backend {backend!r}")
+class PrefixedKeys:
+    """Forwards every call of a store with each key prefixed, so tests sharing one real master
+    never see each other's objects (the contract suite uses short fixed key names)."""
+
+    _KEYED = {
+        "batch_is_exist", "batch_put_session_start", "batch_put_from_multi_buffer_ranges", "batch_put_session_end",
+        "batch_put_session_revoke", "batch_get_session_start", "batch_get_into_multi_buffer_ranges",
+        "batch_get_session_end", "batch_put_from", "batch_get_into", "batch_remove",
+    }
+
+    def __init__(self, inner: KVStore, prefix: str) -> None:
+        self.inner, self.prefix, self.name = inner, prefix, inner.name
+
+    def __getattr__(self, attr: str):  # type: ignore[no-untyped-def]
+        method = getattr(self.inner, attr)
+        if attr not in self._KEYED:
+            return method
+        return lambda keys, *args, **kwargs: method([self.prefix + k for k in keys], *args, **kwargs)
+
+    def close(self) -> None:
+        """The shared session client stays open; per-test clients are closed by the harness."""
 
 
-@pytest.fixture(params=["embedded"])
+class MooncakeContractHarness(StoreHarness):
+    """A real mooncake_master: `store` is the session client (keys prefixed per test),
+    `new_client()` a second client on the same master, `make_store` a fresh master."""
+
+    def __init__(self, inner: Any, prefix: str, lease_ttl_s: float = 10.0, store: KVStore | None = None) -> None:
+        super().__init__()
+        self._inner = inner  # tests.mooncake_master.MooncakeHarness
+        self._prefix = prefix
+        self.lease_ttl_s = lease_ttl_s
+        self.store = store if store is not None else PrefixedKeys(inner.store, prefix)  # type: ignore[assignment]
+
+    def new_client(self) -> KVStore:
+        return PrefixedKeys(self._inner.new_client(), self._prefix)  # type: ignore[return-value]
+
+    def make_store(self, capacity_bytes: int = 64 * MiB, lease_ttl_s: float = 10.0) -> StoreHarness:
+        child = MooncakeContractHarness(self._inner, self._prefix, lease_ttl_s, self._inner.make_store(capacity_bytes, lease_ttl_s))
+        self._children.append(child)
+        return child
+
+
+@pytest.fixture(params=["embedded", "mooncake"])
 def harness(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
-    h = _make_harness(request.param)
+    if request.param == "embedded":
+        h: StoreHarness = EmbeddedHarness()
+    else:
+        inner = request.getfixturevalue("mooncake_harness")
+        h = MooncakeContractHarness(inner, f"{request.node.name}-{uuid.uuid4().hex[:8]}-")
     try:
         yield h
     finally:
