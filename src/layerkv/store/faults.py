@@ -66,6 +66,8 @@ class CallRecord:
     result: object  # what the caller got (None if it raised)
     thread: str
     fired: tuple[str, ...] = field(default=())  # names of the rules that fired
+    num_ranges: int = 0  # range calls: ranges of all keys
+    max_range_nbytes: int = 0  # range calls: the largest single range
 
 
 class FaultyStore:
@@ -213,6 +215,7 @@ class FaultyStore:
             enter_seq = next(self._seq)
             rules = self._take(method, keys, layer_idx)
         fired = tuple(rule.name for rule in rules)
+        sizes = [int(n) for row in per_key[1] for n in row] if method in (PUT_RANGES, GET_RANGES) else []
         result: object = None
         try:
             result = self._apply(rules, method, keys, per_key, extra, layer_idx)
@@ -220,7 +223,7 @@ class FaultyStore:
         finally:
             with self._lock:
                 self._calls.append(CallRecord(method, tuple(keys), layer_idx, enter_seq, next(self._seq), result,
-                                              threading.current_thread().name, fired))
+                                              threading.current_thread().name, fired, len(sizes), max(sizes, default=0)))
 
     def _take(self, method: str, keys: list[ObjectKey], layer_idx: int | None) -> list[Fault]:
         """Rules that fire on this call (under _lock); counts down one-shot rules."""
