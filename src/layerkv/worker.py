@@ -34,7 +34,19 @@ _UNCERTAIN = frozenset({int(Code.MALFORMED), int(Code.RPC_FAIL)})
 
 
 class WorkerConnector:
-    """The worker hooks (see hooks.WorkerHooks) backed by a store."""
+    """The worker hooks (see hooks.WorkerHooks) backed by a store (a CheckedStore: range calls
+    pass `layer_idx=`).
+
+    Failure semantics:
+    * Get sessions live for one step: started in start_load_kv, ended by the receive thread
+      after the job's last read returned (shared keys: once, after every owner released).
+    * A start answer that does not say whether the store applied it (MALFORMED, RPC_FAIL) is
+      cleaned up as if it had: such put starts are revoked, such get starts ended.
+    * wait_for_layer_load timing out publishes every block of the step invalid, cancels the
+      job and raises TransferTimeout; the stuck call's job closes its sessions when it returns.
+    * `stats()` range calls count the calls layerkv makes (one per layer per job); the
+      CheckedStore's own stats count the chunks it sent to the backend.
+    """
 
     def __init__(self, config: LayerKVConfig, deployment: Deployment, store: KVStore | None = None) -> None:
         from layerkv.store.factory import open_checked_store
