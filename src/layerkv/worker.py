@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.errors import StoreError, TransferError
+from layerkv.errors import StoreError, TransferError, TransferTimeout
 from layerkv.header import Header
 from layerkv.keys import block_keys, namespace_for, storage_placement
 from layerkv.layout import CacheLayout
@@ -29,10 +29,24 @@ from layerkv.transfer.save import SaveJob, SaveKey, SaveOutcome
 from layerkv.transfer.thread import TransferThread
 
 log = logging.getLogger(__name__)
+# Answers that do not say whether the store applied the call: clean up as if it had.
+_UNCERTAIN = frozenset({int(Code.MALFORMED), int(Code.RPC_FAIL)})
 
 
 class WorkerConnector:
-    """The worker hooks (see hooks.WorkerHooks) backed by a store."""
+    """The worker hooks (see hooks.WorkerHooks) backed by a store (a CheckedStore: range calls
+    pass `layer_idx=`).
+
+    Failure semantics:
+    * Get sessions live for one step: started in start_load_kv, ended by the receive thread
+      after the job's last read returned (shared keys: once, after every owner released).
+    * A start answer that does not say whether the store applied it (MALFORMED, RPC_FAIL) is
+      cleaned up as if it had: such put starts are revoked, such get starts ended.
+    * wait_for_layer_load timing out publishes every block of the step invalid, cancels the
+      job and raises TransferTimeout; the stuck call's job closes its sessions when it returns.
+    * `stats()` range calls count the calls layerkv makes (one per layer per job); the
+      CheckedStore's own stats count the chunks it sent to the backend.
+    """
 
     def __init__(self, config: LayerKVConfig, deployment: Deployment, store: KVStore | None = None) -> None:
         from layerkv.store.factory import open_checked_store
@@ -53,6 +67,7 @@ class WorkerConnector:
         self._load: LoadJob | None = None  # compute thread only
         self._save: SaveJob | None = None  # compute thread only
         self._staging: dict[str, np.ndarray] = {}  # "load"/"save" -> registered header rows
+        self._regions: list[int] = []  # registered KV cache region pointers (unregistered on shutdown)
         rank = deployment.tp_rank
         self._recv = TransferThread(f"layerkv-recv-{rank}")
         self._send = TransferThread(f"layerkv-send-{rank}")
@@ -68,6 +83,7 @@ class WorkerConnector:
         self._header = Header(self.namespace.digest, self.layout)
         for region_ptr, region_nbytes in _memory_regions(kv_caches):
             self.store.register_buffer(region_ptr, region_nbytes)
+            self._regions.append(region_ptr)
         log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
                  self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self.namespace.name)
 
@@ -148,9 +164,10 @@ class WorkerConnector:
             self.tracker.forget_all_requests()
             self._recv.close()
             self._send.close()
-            for staging in self._staging.values():
-                self.store.unregister_buffer(staging.ctypes.data)
+            for ptr in [staging.ctypes.data for staging in self._staging.values()] + self._regions:
+                self.store.unregister_buffer(ptr)
             self._staging.clear()
+            self._regions.clear()
 
     def stats(self) -> WorkerStats:
         with self._lock:
@@ -164,14 +181,17 @@ class WorkerConnector:
         revoked, a load the engine stopped waiting for is cancelled; both joined (bounded)."""
         load, save = self._load, self._save
         self._load = self._save = None
-        if save is not None:
-            if not save.finished:
-                save.cancel()
-            save.wait_finished(self.config.save_timeout_s)
-        if load is not None:
-            if not load.finished:
-                load.cancel()
-            load.wait_finished(self.config.load_timeout_s)
+        for job, timeout_s in ((save, self.config.save_timeout_s), (load, self.config.load_timeout_s)):
+            if job is None:
+                continue
+            if not job.finished:
+                job.cancel()
+            try:
+                job.wait_finished(timeout_s)
+            except TransferTimeout:
+                # A store call is stuck; the job closes its sessions when it returns. The next
+                # step's job queues behind it and its own waits are bounded.
+                log.error("layerkv: %s still running after %.1f s; leaving it to the transfer thread", job.name, timeout_s)
 
     def _start_loads(self, specs: tuple[BlockSpec, ...]) -> LoadJob | None:
         assert self.layout is not None and self._header is not None
@@ -191,6 +211,9 @@ class WorkerConnector:
         ]
         ok = [k for k, code in zip(load_keys, results) if code == 0]
         failed = [k for k, code in zip(load_keys, results) if code != 0]
+        uncertain = [k.key for k, code in zip(load_keys, results) if code in _UNCERTAIN]
+        if uncertain:  # the store may have opened these sessions: end them (0 also for unknown keys)
+            self.store.batch_get_session_end(uncertain)
         with self._lock:
             self._stats.load_keys += len(keys)
             self._stats.load_blocks += sum(len(spec) for spec in specs)
@@ -207,7 +230,7 @@ class WorkerConnector:
             header=self._header,
             staging=self._staging_rows("load", len(ok)),
             prefetch_layers=self.config.prefetch_layers,
-            end_sessions=lambda: self._release_gets(ok, end=True),
+            on_done=lambda job: self._on_load_done(ok, job),
             on_failed=self._on_load_failed,
         )
         self._recv.submit(job)
@@ -224,6 +247,9 @@ class WorkerConnector:
         results = self.store.batch_put_session_start(keys, [self.layout.object_nbytes] * len(keys), self.config.placement)
         started = [key for key, code in zip(keys, results) if code == 0]
         existing = sum(1 for code in results if code == Code.OBJECT_EXISTS)
+        uncertain = [key for key, code in zip(keys, results) if code in _UNCERTAIN]
+        if uncertain:  # the store may have started these puts: never leave them PROCESSING
+            self.store.batch_put_session_revoke(uncertain)
         with self._lock:
             self._stats.save_keys += len(started)
             self._stats.save_skipped_existing += existing
@@ -248,6 +274,16 @@ class WorkerConnector:
             self._stats.load_failed_blocks += len(blocks)
         log.warning("layerkv: %d keys failed to load (%s); %d blocks will be recomputed", len(keys), reason, len(blocks))
 
+    def _on_load_done(self, keys: list[LoadKey], job: LoadJob) -> None:
+        """Receive thread, after the job's last read returned: end sessions, count."""
+        try:
+            self._release_gets(keys, end=True)
+        finally:
+            with self._lock:
+                self._stats.loaded_bytes += job.loaded_bytes
+                self._stats.load_range_calls += job.range_calls
+                self._stats.transfer_errors += job.error is not None
+
     def _release_gets(self, keys: list[LoadKey], *, end: bool) -> None:
         """Drop the step's owners; end (exactly once) the sessions whose last owner left."""
         owners = {req for k in keys for req in k.owners}
@@ -263,6 +299,9 @@ class WorkerConnector:
             self._stats.revoked_keys += len(outcome.revoked)
             self._stats.tainted_keys += len(outcome.tainted)
             self._stats.save_failed_keys += len(outcome.failed)
+            self._stats.saved_bytes += outcome.saved_bytes
+            self._stats.save_range_calls += outcome.range_calls
+            self._stats.transfer_errors += outcome.error is not None
 
     def _staging_rows(self, kind: str, num_rows: int) -> np.ndarray:
         """Registered host rows for `num_rows` headers (grown by doubling, re-registered)."""

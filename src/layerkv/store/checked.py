@@ -34,7 +34,9 @@ class CallStats:
 class CheckedStore:
     """Implements `KVStore` over `backend`. Results are always one int per key (the backend's
     code, `Code.MALFORMED` for an untrustworthy chunk, `Code.RPC_FAIL` for a chunk whose call
-    raised). Range calls and commits take an optional `layer_idx` for the audit line."""
+    raised). Range calls and commits take an optional `layer_idx` for the audit line; it is
+    also passed on (as `layer_idx=`) to a backend that sets `accepts_layer_idx = True`, such as
+    the fault-injecting `FaultyStore`."""
 
     def __init__(self, backend: KVStore, *, max_batch_keys: int, audit: RangeAudit | None = None) -> None:
         if max_batch_keys < 1:
@@ -43,6 +45,7 @@ class CheckedStore:
         self.name = backend.name
         self.max_batch_keys = max_batch_keys
         self.audit = audit
+        self._pass_layer_idx = getattr(backend, "accepts_layer_idx", False) is True
         self._stats_lock = threading.Lock()
         self._stats: dict[str, CallStats] = {}  # guarded by _stats_lock
 
@@ -82,12 +85,13 @@ class CheckedStore:
             if len(arg) != len(keys):
                 raise ValueError(f"{call}: {len(keys)} keys but an argument has {len(arg)} entries")
         method = getattr(self.backend, call)
+        kwargs = {"layer_idx": layer_idx} if self._pass_layer_idx and layer_idx is not None else {}
         results: list[int] = []
         for start in range(0, len(keys), self.max_batch_keys):
             part = slice(start, start + self.max_batch_keys)
             chunk = keys[part]
             try:
-                raw = method(chunk, *(arg[part] for arg in per_key), *extra)
+                raw = method(chunk, *(arg[part] for arg in per_key), *extra, **kwargs)
             except Exception as exc:  # the one place backend exceptions become codes
                 log.error("layerkv: %s on %s raised for %d keys (first %r): %r", call, self.name, len(chunk), chunk[0], exc, exc_info=exc)
                 got = [_RPC_FAIL] * len(chunk)

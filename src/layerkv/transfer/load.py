@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layerkv.errors import HeaderError
+from layerkv.errors import HeaderError, TransferTimeout
 from layerkv.header import Header
 from layerkv.layout import CacheLayout
 from layerkv.messages import BlockHash, ReqId
@@ -52,7 +52,7 @@ class LoadJob(JobState):
         header: Header,
         staging: np.ndarray,  # uint8 [>= len(keys), header_nbytes], registered with the store
         prefetch_layers: int,
-        end_sessions: Callable[[], None],
+        on_done: Callable[[LoadJob], None],
         on_failed: Callable[[list[LoadKey], str], None],
     ) -> None:
         super().__init__("layerkv load")
@@ -62,7 +62,7 @@ class LoadJob(JobState):
         self._header = header
         self._staging = staging
         self._prefetch = prefetch_layers
-        self._end_sessions = end_sessions
+        self._on_done = on_done
         self._on_failed = on_failed
         self._block_ids = np.array([k.block_id for k in keys], dtype=np.int64)
         self._slots = np.arange(len(keys), dtype=np.int64)
@@ -71,16 +71,26 @@ class LoadJob(JobState):
         self.layers_done = 0  # guarded by cond
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.loaded_bytes = 0  # receive thread only, read after finished
+        self.range_calls = 0  # receive thread only: range calls made (the store may split each)
         self.read_s = 0.0  # receive thread only
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> None:
-        """Let the receive thread run ahead to layer_idx + prefetch - 1, then wait for layer_idx."""
+        """Let the receive thread run ahead to layer_idx + prefetch - 1, then wait for layer_idx.
+        On timeout every block of the job is published invalid and the job is cancelled before
+        TransferTimeout is raised (the stalled call ends the sessions when it returns)."""
         with self.cond:
             if layer_idx > self.compute_layer:
                 self.compute_layer = layer_idx
                 self.cond.notify_all()
-        self.wait_until(lambda: self.layers_done > layer_idx or self.finished, timeout_s, f"layer {layer_idx}")
+        try:
+            self.wait_until(lambda: self.layers_done > layer_idx or self.finished, timeout_s, f"layer {layer_idx}")
+        except TransferTimeout as exc:
+            with self.cond:
+                rows = np.flatnonzero(~self.failed)
+            self._fail(rows, f"layer {layer_idx} not read within {timeout_s:.1f} s")
+            self.cancel()
+            raise exc
 
     # -- receive thread -------------------------------------------------------------------
     def run(self) -> None:
@@ -98,7 +108,7 @@ class LoadJob(JobState):
             self._fail(np.flatnonzero(~self.failed), f"transfer thread error: {exc!r}", exc)
         finally:
             try:
-                self._end_sessions()  # every read of this job has returned
+                self._on_done(self)  # every read of this job has returned: sessions may end
             finally:
                 with self.cond:
                     self.finished = True
@@ -128,6 +138,7 @@ class LoadJob(JobState):
             dtype=np.int64,
         )
         self.read_s += time.perf_counter() - start
+        self.range_calls += 1
         bad = active[results != expected]
         if bad.size:
             codes = sorted(set(results[results != expected].tolist()))

@@ -36,6 +36,9 @@ class SaveOutcome:
     revoked: list[ObjectKey]
     failed: list[ObjectKey]  # range or end failures (subset of revoked)
     tainted: list[ObjectKey]  # revoked because an owner read bad KV (subset of revoked)
+    saved_bytes: int = 0
+    range_calls: int = 0
+    error: BaseException | None = None  # the send thread itself failed
 
 
 class SaveJob(JobState):
@@ -102,6 +105,7 @@ class SaveJob(JobState):
                 still_open = [i for i in open_rows.tolist() if self.keys[i].key not in self.outcome.committed]
                 self._revoke(np.array(still_open, dtype=np.int64), failed=bool(self.error))
             finally:
+                self.outcome.saved_bytes, self.outcome.error = self.saved_bytes, self.error
                 self._on_closed(self.outcome)
                 with self.cond:
                     self.finished = True
@@ -136,6 +140,7 @@ class SaveJob(JobState):
             dtype=np.int64,
         )
         self.write_s += time.perf_counter() - start
+        self.outcome.range_calls += 1
         self.saved_bytes += expected * int(np.count_nonzero(results == expected))
         bad = active[results != expected]
         if bad.size:

@@ -1,0 +1,72 @@
+"""Scheduler side: a hit needs every storage rank, stops at the first miss, is asked in
+windows that stop early, leaves the engine at least one token, and is never made of a
+malformed exists answer."""
+
+from __future__ import annotations
+
+from layerkv.store.faults import IS_EXIST
+from tests.connector.rig import BLOCK_SIZE, Req
+
+
+def _tokens(num_blocks: int, extra: int = 0, base: int = 0) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+
+
+def test_hit_needs_every_storage_rank(make_rig, store_factory) -> None:
+    rig = make_rig(tp_size=2, num_kv_heads=2)
+    tokens = _tokens(8, extra=1)
+    rig.run(Req("a", tokens))
+    ext, _ = rig.admit(Req("b", tokens))
+    assert ext == 8 * BLOCK_SIZE
+    assert store_factory.remove(rig.keys(Req("x", tokens), rank=1, blocks=[0])) == [0]
+    ext, _ = rig.admit(Req("c", tokens))
+    assert ext == 0  # rank 0's key of block 0 alone is not a hit
+    assert rig.scheduler.stats.hit_blocks == 8
+
+
+def test_hit_stops_at_the_first_miss(make_rig, store_factory) -> None:
+    rig = make_rig()
+    tokens = _tokens(8, extra=1)
+    a = Req("a", tokens)
+    rig.run(a)
+    assert store_factory.remove(rig.keys(a, blocks=[3])) == [0]
+    b = Req("b", tokens)
+    ext, s = rig.admit(b)
+    assert ext == 3 * BLOCK_SIZE  # blocks 4..7 are in the pool but come after the miss
+    assert rig.step([s]) == set()
+    assert rig.wrong_blocks(b, range(8)) == []  # 0..2 loaded, 3..7 computed
+
+
+def test_windowed_queries_stop_at_the_first_window_with_a_miss(make_rig) -> None:
+    rig = make_rig(exists_window_blocks=4)
+    rig.run(Req("a", _tokens(5, extra=1)))
+    rig.sched_faults.clear_calls()
+    ext, _ = rig.admit(Req("b", _tokens(40, extra=1)))
+    assert ext == 5 * BLOCK_SIZE
+    calls = rig.sched_faults.calls(IS_EXIST)
+    assert [len(c.keys) for c in calls] == [4, 4]  # blocks 0-3, 4-7 (miss at 5); not 10 windows
+    assert rig.scheduler.stats.exists_calls >= 2
+
+
+def test_full_hit_leaves_at_least_one_token(make_rig) -> None:
+    rig = make_rig()
+    aligned = _tokens(6)
+    rig.run(Req("a", aligned))
+    ext, s = rig.admit(Req("b", aligned))
+    assert ext == 5 * BLOCK_SIZE and s.num_scheduled_tokens == BLOCK_SIZE  # last block recomputed
+    rig.step([s])
+    ext, s = rig.admit(Req("c", aligned + [999]))
+    assert ext == 6 * BLOCK_SIZE and s.num_scheduled_tokens == 1
+    rig.step([s])
+
+
+def test_malformed_exists_answer_is_a_miss_not_a_hit(make_rig) -> None:
+    rig = make_rig()
+    tokens = _tokens(4, extra=1)
+    rig.run(Req("a", tokens))
+    rig.sched_faults.malformed(IS_EXIST, [1], times=1)  # one int for 4 keys
+    ext, _ = rig.admit(Req("b", tokens))
+    assert ext == 0
+    assert rig.scheduler.stats.lookup_errors >= 1
+    ext, _ = rig.admit(Req("c", tokens))
+    assert ext == 4 * BLOCK_SIZE

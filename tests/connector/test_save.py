@@ -1,0 +1,98 @@
+"""Worker save path: put-start failures keep block/key alignment, a failed range or commit
+revokes only its key, saves of a request that read bad KV in the step are revoked, malformed
+answers fail the whole call, and only committed keys become readable."""
+
+from __future__ import annotations
+
+from layerkv.store.base import Code
+from layerkv.store.faults import PUT_END, PUT_RANGES, PUT_REVOKE, PUT_START, GET_RANGES
+from tests.connector.rig import BLOCK_SIZE, Req
+
+
+def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+
+
+def _exists(rig, keys: list[str]) -> list[int]:
+    return rig.sched_faults.inner.batch_is_exist(keys)
+
+
+def test_partial_put_start_failure_keeps_block_key_alignment(make_rig) -> None:
+    rig = make_rig()
+    tokens = _tokens(9)
+    a = Req("a", tokens)
+    keys = rig.keys(a)
+    rig.faults[0].fail(PUT_START, keys[4], code=Code.NO_SPACE, times=1)
+    rig.run(a)
+    assert _exists(rig, keys) == [1, 1, 1, 1, 0, 1, 1, 1, 1]
+    assert rig.workers[0].stats().save_failed_keys == 1
+    rig.run(Req("b", tokens))  # saves block 4 only; the rest exist
+    assert rig.faults[0].calls(PUT_START)[-1].keys == (keys[4],)
+    c = Req("c", tokens)
+    ext, s = rig.admit(c)
+    assert ext == 9 * BLOCK_SIZE
+    rig.step([s])
+    assert rig.wrong_blocks(c, range(9)) == []
+
+
+def test_range_failure_revokes_only_that_key(make_rig) -> None:
+    rig = make_rig()
+    a = Req("a", _tokens(6))
+    keys = rig.keys(a)
+    rig.faults[0].fail(PUT_RANGES, keys[2], layer_idx=1)
+    rig.run(a)
+    assert _exists(rig, keys) == [1, 1, 0, 1, 1, 1]
+    assert rig.faults[0].keys_sent(PUT_REVOKE) == [keys[2]]
+    layer2 = [c for c in rig.faults[0].calls(PUT_RANGES) if c.layer_idx == 2]
+    assert keys[2] not in {k for c in layer2 for k in c.keys}  # later layers skip it
+    stats = rig.workers[0].stats()
+    assert (stats.committed_keys, stats.revoked_keys, stats.save_failed_keys) == (5, 1, 1)
+
+
+def test_commit_failure_revokes_only_that_key(make_rig) -> None:
+    rig = make_rig()
+    a = Req("a", _tokens(6))
+    keys = rig.keys(a)
+    rig.faults[0].fail(PUT_END, keys[3], code=Code.RPC_FAIL)
+    rig.run(a)
+    assert _exists(rig, keys) == [1, 1, 1, 0, 1, 1]
+    assert rig.faults[0].keys_sent(PUT_REVOKE) == [keys[3]]
+    stats = rig.workers[0].stats()
+    assert (stats.committed_keys, stats.revoked_keys) == (5, 1)
+
+
+def test_tainted_step_saves_are_revoked(make_rig) -> None:
+    rig = make_rig()
+    prefix = _tokens(4, extra=0)
+    rig.run(Req("p", prefix + [7]))
+    a = Req("a", prefix + _tokens(3, base=1000))  # loads 4 blocks, computes 3 new ones
+    b = Req("b", _tokens(3, base=5000))  # fresh request in the same step
+    ext_a, sa = rig.admit(a)
+    _, sb = rig.admit(b)
+    assert ext_a == 4 * BLOCK_SIZE
+    rig.faults[0].fail(GET_RANGES, rig.keys(a, blocks=[1]), layer_idx=0, times=1)
+    invalid = rig.step([sa, sb])
+    assert invalid == {a.block_ids[1]}
+    assert _exists(rig, rig.keys(a, blocks=[4, 5, 6])) == [0, 0, 0]  # computed over bad KV
+    assert _exists(rig, rig.keys(b)) == [1, 1, 1]
+    assert rig.workers[0].stats().tainted_keys == 3
+    assert a.num_computed == BLOCK_SIZE  # rewound to the invalid block; recompute it
+    rig.step([rig.chunk(a)])
+    assert rig.wrong_blocks(a, range(7)) == []
+    assert _exists(rig, rig.keys(a)) == [1] * 7
+
+
+def test_malformed_put_answers_fail_the_whole_call(make_rig, store_factory) -> None:
+    rig = make_rig(max_transfer_blocks=4)
+    a = Req("a", _tokens(6))
+    keys = rig.keys(a)
+    # the first chunk of 4 put starts was applied by the store, but its answer is lost
+    rig.faults[0].malformed(PUT_START, [0], forward=True, times=1)
+    rig.run(a)
+    assert _exists(rig, keys) == [0, 0, 0, 0, 1, 1]
+    assert store_factory.processing_keys(keys) == []
+    b = Req("b", _tokens(6, base=100))
+    rig.faults[0].malformed(PUT_END, True, times=1)  # a bool for the first 4 commits
+    rig.run(b)
+    assert _exists(rig, rig.keys(b)) == [0, 0, 0, 0, 1, 1]
+    assert store_factory.processing_keys(rig.keys(b)) == []
