@@ -16,7 +16,7 @@ from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import PUT_START
 from tests.connector.rig import Rig
 
-BACKENDS = ["embedded"]  # + "mooncake" (uses the session `mooncake_store` fixture)
+BACKENDS = ["embedded", "mooncake"]  # + "mooncake" (uses the session `mooncake_store` fixture)
 _tags = itertools.count()
 
 
