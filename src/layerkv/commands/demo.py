@@ -27,6 +27,17 @@ def run(args: argparse.Namespace) -> int:
     from layerkv.demo import format_result, result_json, run_demo
 
     config = LayerKVConfig.from_dict({"backend": args.store})
-    result = run_demo(config, tp_size=args.tp, progress=not args.json)
+    if args.store == "mooncake":
+        import os
+
+        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only on the demo's terminal
+    if args.store == "mooncake" and not config.mooncake_config_path:
+        from layerkv.store.mooncake_master import LocalDeployment
+
+        with LocalDeployment() as deployment:  # a local master + segment holder on 127.0.0.1
+            config = config.replace(mooncake_config_path=str(deployment.config_path))
+            result = run_demo(config, tp_size=args.tp, progress=not args.json)
+    else:
+        result = run_demo(config, tp_size=args.tp, progress=not args.json)
     print(result_json(result) if args.json else format_result(result))
     return 0 if result.identical else 1

@@ -7,9 +7,11 @@ starts and stops a `MasterProcess`.
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -219,3 +221,45 @@ def start_master(
     master = MasterProcess(MasterPorts.pick(rpc_port, http_port), lease_ttl_ms, Path(log_path))
     master.start(timeout_s)
     return master
+
+
+class LocalDeployment:
+    """`layerkv master` run as a child process (master + segment holder on loopback): what the
+    demo and the benchmarks use when no MOONCAKE_CONFIG_PATH is given. Objects live in the
+    child's segment, so clients may hold no memory (global_segment_size 0), as in production."""
+
+    def __init__(self, segment_size: str = "512MB", startup_timeout_s: float = 60.0) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="layerkv-master-")
+        self.config_path = Path(self._dir.name) / "mooncake.json"
+        env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "layerkv.cli", "master", "--port", "0", "--http-port", "0",
+             "--segment-size", segment_size, "--config-out", str(self.config_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+        deadline = time.monotonic() + startup_timeout_s
+        line = ""
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            line = self._proc.stdout.readline() if self._proc.stdout else ""  # blocks until the JSON line
+            if line.startswith("{"):
+                break
+        if not line.startswith("{"):
+            self.stop()
+            raise StoreError(f"layerkv master did not start within {startup_timeout_s:.0f} s (exit code {self._proc.poll()})")
+        self.client_config = json.loads(line)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGINT)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        self._dir.cleanup()
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
