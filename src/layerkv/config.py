@@ -40,6 +40,9 @@ class LayerKVConfig:
     exists_window_blocks: int = field(default=32, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 32"))
     load_timeout_s: float = field(default=30.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
     save_timeout_s: float = field(default=60.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
+    # After the store answers RPC_FAIL (master unreachable), serve without the pool this long
+    # before probing it again (Mooncake spends ~4.4 s per call reconnecting to a dead master).
+    store_retry_interval_s: float = field(default=5.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600))
     tenant: str = field(default="default", metadata=_rule("a non-empty string without '@'", lambda v: bool(v) and "@" not in v))
     # Placement of new objects (Mooncake ReplicateConfig).
     replica_num: int = field(default=1, metadata=_rule("1 <= value <= 16", lambda v: 1 <= v <= 16))

@@ -9,6 +9,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from layerkv.config import LayerKVConfig
 from layerkv.keys import block_keys, namespace_for, storage_placement
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
@@ -39,15 +41,13 @@ class PoolLookup:
         results = self._store.batch_is_exist(keys)
         self._stats.exists_calls += 1
         self._stats.keys_queried += len(keys)
-        num_ranks = len(self._ranks)
-        present = []
-        for block in range(len(hashes)):
-            row = results[block * num_ranks : (block + 1) * num_ranks]
-            if any(value not in (0, 1) for value in row):
-                self._stats.lookup_errors += 1
-                log.warning("layerkv: exists query failed for block %d (%s); treated as a miss", block, row)
-            present.append(all(value == 1 for value in row))
-        return present
+        table = np.asarray(results, dtype=np.int64).reshape(len(hashes), len(self._ranks))  # [blocks, ranks]
+        errors = ~np.isin(table, (0, 1)).all(axis=1)
+        if errors.any():
+            self._stats.lookup_errors += int(errors.sum())
+            log.warning("layerkv: exists query failed for %d of %d blocks (codes %s); treated as misses",
+                        int(errors.sum()), len(hashes), sorted(set(table[errors].ravel().tolist()) - {0, 1}))
+        return (table == 1).all(axis=1).tolist()
 
     def count_hit_blocks(self, hashes: Sequence[BlockHash], start_block: int, end_block: int) -> int:
         """Length of the run of present blocks from `start_block` (exclusive `end_block`),

@@ -68,6 +68,8 @@ class WorkerConnector:
         self._save: SaveJob | None = None  # compute thread only
         self._staging: dict[str, np.ndarray] = {}  # "load"/"save" -> registered header rows
         self._regions: list[int] = []  # registered KV cache region pointers (unregistered on shutdown)
+        self._unregistered: list[tuple[int, int]] = []  # regions the store refused so far (compute thread)
+        self._next_register_s = 0.0  # compute thread: when to retry a refused registration
         rank = deployment.tp_rank
         self._recv = TransferThread(f"layerkv-recv-{rank}")
         self._send = TransferThread(f"layerkv-send-{rank}")
@@ -81,9 +83,8 @@ class WorkerConnector:
                 "Use backend='mooncake' for device memory"
             )
         self._header = Header(self.namespace.digest, self.layout)
-        for region_ptr, region_nbytes in _memory_regions(kv_caches):
-            self.store.register_buffer(region_ptr, region_nbytes)
-            self._regions.append(region_ptr)
+        self._unregistered = _memory_regions(kv_caches)
+        self._register_regions()
         log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
                  self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self.namespace.name)
 
@@ -105,6 +106,12 @@ class WorkerConnector:
         with self._lock:
             self._stats.steps += 1
             self._tainted_reqs.clear()
+        if (plan.loads or plan.saves) and not self._register_regions():
+            # the store refused our memory (e.g. Mooncake's master is down): no transfers this
+            # step; loads are reported failed so the engine recomputes, saves are skipped
+            if plan.loads and self.deployment.role.loads:
+                self._fail_specs(plan.loads, "the KV cache memory is not registered with the store")
+            return
         if plan.loads and self.deployment.role.loads:
             self._load = self._start_loads(plan.loads)
         if plan.saves and self.deployment.role.saves and self.placement.writes:
@@ -193,8 +200,30 @@ class WorkerConnector:
                 # step's job queues behind it and its own waits are bounded.
                 log.error("layerkv: %s still running after %.1f s; leaving it to the transfer thread", job.name, timeout_s)
 
-    def _start_loads(self, specs: tuple[BlockSpec, ...]) -> LoadJob | None:
-        assert self.layout is not None and self._header is not None
+    def _register_regions(self) -> bool:
+        """Register the KV cache regions the store has not accepted yet; True when all are.
+        A refusal (e.g. Mooncake's master unreachable) is retried at most once per
+        `store_retry_interval_s`; meanwhile the worker serves without the pool."""
+        if not self._unregistered:
+            return True
+        now = time.monotonic()
+        if now < self._next_register_s:
+            return False
+        try:
+            while self._unregistered:
+                ptr, nbytes = self._unregistered[0]
+                self.store.register_buffer(ptr, nbytes)
+                self._regions.append(ptr)
+                self._unregistered.pop(0)
+        except StoreError as exc:
+            self._next_register_s = now + self.config.store_retry_interval_s
+            log.warning("layerkv: rank %d cannot register its KV cache with the store (%s); serving without "
+                        "the pool, retrying in %.1f s", self.deployment.tp_rank, exc, self.config.store_retry_interval_s)
+            return False
+        return True
+
+    def _load_keys(self, specs: tuple[BlockSpec, ...]) -> list[LoadKey]:
+        """One LoadKey per distinct object: read into the first local block, copied to the rest."""
         by_key: dict[ObjectKey, tuple[bytes, list[int], set[ReqId]]] = {}
         for spec in specs:
             keys = block_keys(self.namespace, spec.block_hashes, self.placement.storage_rank)
@@ -202,13 +231,26 @@ class WorkerConnector:
                 entry = by_key.setdefault(key, (block_hash, [], set()))
                 entry[1].append(block_id)
                 entry[2].add(spec.req_id)
-        keys = list(by_key)
-        self.tracker.acquire_gets({key: by_key[key][2] for key in keys})
+        return [LoadKey(key, h, ids[0], tuple(ids[1:]), frozenset(owners)) for key, (h, ids, owners) in by_key.items()]
+
+    def _fail_specs(self, specs: tuple[BlockSpec, ...], reason: str) -> None:
+        load_keys = self._load_keys(specs)
+        with self._lock:
+            self._stats.load_keys += len(load_keys)
+            self._stats.load_blocks += sum(len(spec) for spec in specs)
+        self._on_load_failed(load_keys, reason)
+
+    def _start_loads(self, specs: tuple[BlockSpec, ...]) -> LoadJob | None:
+        assert self.layout is not None and self._header is not None
+        load_keys = self._load_keys(specs)
+        try:
+            staging = self._staging_rows("load", len(load_keys))
+        except StoreError as exc:
+            self._fail_specs(specs, f"header staging buffer: {exc}")
+            return None
+        keys = [k.key for k in load_keys]
+        self.tracker.acquire_gets({k.key: set(k.owners) for k in load_keys})
         results = self.store.batch_get_session_start(keys)
-        load_keys = [
-            LoadKey(key, by_key[key][0], by_key[key][1][0], tuple(by_key[key][1][1:]), frozenset(by_key[key][2]))
-            for key in keys
-        ]
         ok = [k for k, code in zip(load_keys, results) if code == 0]
         failed = [k for k, code in zip(load_keys, results) if code != 0]
         uncertain = [k.key for k, code in zip(load_keys, results) if code in _UNCERTAIN]
@@ -228,7 +270,7 @@ class WorkerConnector:
             store=self.store,
             layout=self.layout,
             header=self._header,
-            staging=self._staging_rows("load", len(ok)),
+            staging=staging,
             prefetch_layers=self.config.prefetch_layers,
             on_done=lambda job: self._on_load_done(ok, job),
             on_failed=self._on_load_failed,
@@ -244,6 +286,13 @@ class WorkerConnector:
             for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
                 by_key.setdefault(key, (block_hash, block_id, set()))[2].add(spec.req_id)
         keys = list(by_key)
+        try:
+            staging = self._staging_rows("save", len(keys))
+        except StoreError as exc:
+            log.warning("layerkv: skipping this step's saves: header staging buffer: %s", exc)
+            with self._lock:
+                self._stats.save_failed_keys += len(keys)
+            return None
         results = self.store.batch_put_session_start(keys, [self.layout.object_nbytes] * len(keys), self.config.placement)
         started = [key for key, code in zip(keys, results) if code == 0]
         existing = sum(1 for code in results if code == Code.OBJECT_EXISTS)
@@ -257,7 +306,6 @@ class WorkerConnector:
         if not started:
             return None
         self.tracker.open_puts({key: [(req, by_key[key][1]) for req in by_key[key][2]] for key in started})
-        staging = self._staging_rows("save", len(started))
         self._header.encode_into(staging, np.arange(len(started)), [by_key[key][0] for key in started])
         save_keys = [SaveKey(key, by_key[key][1], frozenset(by_key[key][2])) for key in started]
         job = SaveJob(save_keys, store=self.store, layout=self.layout, staging=staging, on_closed=self._on_save_closed)
@@ -311,8 +359,9 @@ class WorkerConnector:
             if staging is not None:
                 self.store.unregister_buffer(staging.ctypes.data)
             rows = max(num_rows, 2 * (staging.shape[0] if staging is not None else 32))
+            self._staging.pop(kind, None)
             staging = np.zeros((rows, self.layout.header_nbytes), dtype=np.uint8)  # [rows, header_nbytes]
-            self.store.register_buffer(staging.ctypes.data, staging.nbytes)
+            self.store.register_buffer(staging.ctypes.data, staging.nbytes)  # StoreError: caller degrades
             self._staging[kind] = staging
         return staging
 

@@ -178,3 +178,39 @@ def test_an_unwritable_audit_path_falls_back_to_stderr(backend: Faulty, tmp_path
 def test_checked_store_is_a_kvstore(backend: Faulty) -> None:
     checked = CheckedStore(backend.backend, max_batch_keys=4)
     assert isinstance(checked, KVStore) and checked.name == "embedded"
+
+
+def test_outage_short_circuits_metadata_calls_until_the_retry_interval() -> None:
+    from layerkv.store.faults import IS_EXIST, PUT_START, FaultyStore
+
+    now = [100.0]
+    faulty = FaultyStore(EmbeddedStore(32 << 20))
+    store = CheckedStore(faulty, max_batch_keys=4, retry_interval_s=5.0, clock=lambda: now[0])
+    outage = faulty.fail([IS_EXIST, PUT_START], code=-900)
+    assert store.batch_is_exist(["a", "b"]) == [-900, -900]
+    assert store.is_down()
+    seen = len(faulty.calls())
+    # while down: answered at once, the backend is not called
+    assert store.batch_is_exist(["a"]) == [-900]
+    assert store.batch_put_session_start(["a"], [4096]) == [-900]
+    assert len(faulty.calls()) == seen
+    # session releases still reach the backend (they need no master)
+    assert store.batch_get_session_end(["a"]) == 0
+    now[0] += 5.0  # the interval passed: one probe goes through and fails again
+    assert store.batch_is_exist(["a"]) == [-900]
+    assert len(faulty.calls(IS_EXIST)) == 2 and store.is_down()
+    faulty.remove(outage)
+    now[0] += 5.0
+    assert store.batch_is_exist(["a"]) == [0]
+    assert not store.is_down()
+    assert store.batch_put_session_start(["a"], [4096]) == [0]
+
+
+def test_a_single_failing_key_is_not_an_outage() -> None:
+    from layerkv.store.faults import IS_EXIST, FaultyStore
+
+    faulty = FaultyStore(EmbeddedStore(32 << 20))
+    store = CheckedStore(faulty, max_batch_keys=4)
+    faulty.fail(IS_EXIST, keys="a", code=-900)
+    assert store.batch_is_exist(["a", "b"]) == [-900, 0]
+    assert not store.is_down()

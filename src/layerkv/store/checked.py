@@ -1,7 +1,15 @@
 """CheckedStore: the one wrapper every layerkv call to a backend goes through. It splits batches
 into chunks of at most `max_batch_keys`, validates every answer, turns a backend exception into
 a per-key failure, writes the range audit and counts calls / keys / bytes. Any side, any
-thread: stats are guarded by one lock; the backend provides its own thread-safety.
+thread: stats and the outage state are guarded by one lock; the backend provides its own
+thread-safety.
+
+Outages: when a chunk fails with RPC_FAIL for every key (master unreachable), metadata calls
+(exists, put/get start, put end, whole-object calls, remove) answer RPC_FAIL at once for
+`retry_interval_s` instead of reaching the backend — Mooncake spends ~4.4 s reconnecting on each
+such call while its master is down. Range calls on open sessions and session releases still go
+through (they do not need the master). After the interval one call probes the backend again.
+The engine meanwhile serves without the pool: misses, no saves.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +47,21 @@ class CheckedStore:
     also passed on (as `layer_idx=`) to a backend that sets `accepts_layer_idx = True`, such as
     the fault-injecting `FaultyStore`."""
 
-    def __init__(self, backend: KVStore, *, max_batch_keys: int, audit: RangeAudit | None = None) -> None:
+    def __init__(
+        self,
+        backend: KVStore,
+        *,
+        max_batch_keys: int,
+        audit: RangeAudit | None = None,
+        retry_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_batch_keys < 1:
             raise ValueError(f"max_batch_keys={max_batch_keys} must be >= 1 (config max_transfer_blocks)")
         self.backend = backend
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._down_until = 0.0  # guarded by _stats_lock: metadata calls short-circuit before this time
         self.name = backend.name
         self.max_batch_keys = max_batch_keys
         self.audit = audit
@@ -90,6 +110,10 @@ class CheckedStore:
         for start in range(0, len(keys), self.max_batch_keys):
             part = slice(start, start + self.max_batch_keys)
             chunk = keys[part]
+            if call in _NEEDS_MASTER and self.is_down():
+                self._count(call, len(chunk), 0, len(chunk))
+                results.extend([_RPC_FAIL] * len(chunk))
+                continue
             try:
                 raw = method(chunk, *(arg[part] for arg in per_key), *extra, **kwargs)
             except Exception as exc:  # the one place backend exceptions become codes
@@ -97,6 +121,8 @@ class CheckedStore:
                 got = [_RPC_FAIL] * len(chunk)
             else:
                 got = validate_results(raw, len(chunk), call)
+                if call in _NEEDS_MASTER:  # the backend itself said RPC_FAIL (not a raise): outage
+                    self._note_health(call, got)
             nbytes = moved(got, part) if moved is not None else 0
             self._count(call, len(chunk), nbytes, sum(1 for r in got if r < 0))
             if self.audit is not None and audit_as is not None:
@@ -106,6 +132,23 @@ class CheckedStore:
                 )
             results.extend(got)
         return results
+
+    # ---- outages -----------------------------------------------------------------------------
+    def is_down(self) -> bool:
+        """True while metadata calls short-circuit after an RPC failure of a whole chunk."""
+        with self._stats_lock:
+            return self._clock() < self._down_until
+
+    def _note_health(self, call: str, got: list[int]) -> None:
+        down = bool(got) and all(code == _RPC_FAIL for code in got)
+        with self._stats_lock:
+            was_down = self._down_until > 0.0
+            self._down_until = self._clock() + self.retry_interval_s if down else 0.0
+        if down and not was_down:
+            log.warning("layerkv: %s unreachable (%s answered RPC_FAIL); serving without the pool, retrying every %.1f s",
+                        self.name, call, self.retry_interval_s)
+        elif was_down and not down:
+            log.warning("layerkv: %s reachable again; using the pool", self.name)
 
     # ---- KVStore -----------------------------------------------------------------------------
     def register_buffer(self, ptr: int, nbytes: int) -> None:
@@ -199,6 +242,13 @@ class CheckedStore:
     def close(self) -> None:
         """Close the backend (the audit belongs to whoever made it)."""
         self.backend.close()
+
+
+# Calls that need the master (Mooncake): short-circuited during an outage.
+_NEEDS_MASTER = frozenset({
+    "batch_is_exist", "batch_put_session_start", "batch_put_session_end", "batch_get_session_start",
+    "batch_put_from", "batch_get_into", "batch_remove",
+})
 
 
 def _positive(got: list[int], part: slice) -> int:

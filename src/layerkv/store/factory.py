@@ -51,4 +51,9 @@ def open_checked_store(config: LayerKVConfig) -> KVStore:
     from layerkv.store.audit import RangeAudit
     from layerkv.store.checked import CheckedStore
 
-    return CheckedStore(open_store(config), max_batch_keys=config.max_transfer_blocks, audit=RangeAudit.from_config(config))
+    return CheckedStore(
+        open_store(config),
+        max_batch_keys=config.max_transfer_blocks,
+        audit=RangeAudit.from_config(config),
+        retry_interval_s=config.store_retry_interval_s,
+    )
