@@ -236,8 +236,8 @@ def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_i
     req_ids = list(scheduler_output.num_scheduled_tokens)
     sampled = []
     for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
+        request = scheduler.requests.get(req_id)  # None: aborted while the step ran
+        sampled.append([token_id] if request is not None and request.num_computed_tokens >= request.num_tokens else [])
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
@@ -253,16 +253,22 @@ class WorkerRig:
     connector: Any
     kv_caches: dict = field(default_factory=dict)
 
-    def run_step(self, scheduler_output):
+    def run_step(self, scheduler_output, run_layer=None):
         """One model-runner step: the real connector-output context and the real per-layer
-        `@maybe_transfer_kv_layer` wrapper, one attention call per layer."""
+        `@maybe_transfer_kv_layer` wrapper, one attention call per layer (`run_layer(name)` is
+        the attention body: it runs after the layer's load wait, before its save)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         @maybe_transfer_kv_layer
         def attention(query, layer_name):  # same wrapper as unified_attention_with_output
+            if run_layer is not None:
+                run_layer(layer_name)
             return query
+
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # this node's worker (tests run several)
 
         vllm_config = self.connector._vllm_config
         with set_forward_context({n: object() for n in LAYERS}, vllm_config, slot_mapping={}):
