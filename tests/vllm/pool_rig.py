@@ -170,5 +170,7 @@ class PoolNodes:
 
         for node in self.nodes:
             node.shutdown()
+        alive = [t.name for node in self.nodes for t in (node.core_worker._recv._thread, node.core_worker._send._thread) if t.is_alive()]
+        assert not alive, f"transfer threads still alive after shutdown: {alive}"
         if self.backend == "embedded":
             close_shared_stores()
