@@ -367,12 +367,15 @@ class WorkerConnector:
 
 
 def _memory_regions(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """Distinct (ptr, nbytes) memory regions of the registered tensors / arrays."""
+    """Distinct (ptr, nbytes) memory regions of the registered tensors / arrays. A torch view
+    registers its whole storage from the storage's start (vLLM views every layer into one
+    buffer: the view's own data_ptr plus the storage size would run past the allocation)."""
     regions: dict[int, int] = {}
     for value in kv_caches.values():
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
             if hasattr(tensor, "data_ptr"):
-                ptr, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
+                storage = tensor.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
             else:
                 ptr, nbytes = tensor.ctypes.data, tensor.nbytes
             regions[ptr] = max(regions.get(ptr, 0), nbytes)

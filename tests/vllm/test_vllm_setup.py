@@ -31,6 +31,7 @@ def test_deployment_and_config_from_vllm(doubles, role, kv_role):
     assert connector.deployment == Deployment(
         model_id=str(TINY_LLAMA), kv_dtype="float16", block_size=BLOCK_SIZE, num_kv_heads=2,
         tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, model_revision="", is_mla=False, role=KVRole(kv_role),
+        kv_signature="vllm-attn[block_size=16,num_kv_heads=2,head_size=16,head_size_v=16]float16:page=2048",
     )
     (core,) = doubles.schedulers if role is KVConnectorRole.SCHEDULER else doubles.workers
     assert (core.config.prefetch_layers, core.config.tenant) == (3, "team-a")

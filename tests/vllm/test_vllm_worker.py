@@ -66,31 +66,6 @@ def test_step_without_sync_loads_starts_loading_before_first_layer_once(doubles,
     assert calls.count(("start_load_kv",)) == 1
 
 
-def test_load_error_makes_vllm_recompute_from_first_invalid_block(doubles, clean_agent):
-    engine = make_engine(failure_policy="recompute")
-    rig = make_worker(engine)
-    request = make_request("a", prompt(3, 40))
-    doubles.schedulers[0].pool_hashes.update(request.block_hashes[:2])
-    engine.scheduler.add_request(request)
-    out = engine.scheduler.schedule()
-    assert out.num_scheduled_tokens == {"a": 8}  # 32 tokens loaded from the pool
-    (block_ids,) = engine.scheduler.kv_cache_manager.get_block_ids("a")
-    doubles.workers[0].load_errors = {block_ids[1]}  # block 1 failed to load
-
-    output = rig.run_step(out)
-    assert output.invalid_block_ids == {block_ids[1]}
-    engine_outputs = engine.scheduler.update_from_output(out, runner_output(engine.scheduler, out, output))
-
-    assert doubles.schedulers[0].reports[-1].invalid_block_ids == {block_ids[1]}
-    assert request.num_computed_tokens == 16  # truncated at the first invalid block
-    assert request.num_output_tokens == 0  # the token sampled over bad KV was dropped
-    assert not any(o.new_token_ids for eco in engine_outputs.values() for o in eco.outputs)
-    again = engine.scheduler.schedule()
-    assert again.num_scheduled_tokens == {"a": 24}  # recomputes blocks 1.. and the tail
-    (scheduled,) = doubles.schedulers[0].steps[-1].requests
-    assert scheduled.num_computed_tokens == 16
-
-
 def test_load_error_with_fail_policy_fails_the_request(doubles, clean_agent):
     engine = make_engine(failure_policy="fail")
     rig = make_worker(engine)
@@ -107,22 +82,13 @@ def test_load_error_with_fail_policy_fails_the_request(doubles, clean_agent):
     assert "a" not in engine.scheduler.requests
 
 
-def test_worker_stats_reach_vllm_and_prometheus(doubles, clean_agent):
+def test_stats_aggregate_across_ranks_and_reach_prometheus():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    engine = make_engine()
-    rig = make_worker(engine)
-    engine.scheduler.add_request(make_request("a", prompt(5, 20)))
-    out = engine.scheduler.schedule()
-    doubles.workers[0].counters = {"hits": 2, "bytes_loaded": 4096, "revokes": 0, "healthy": True}
-
-    output = rig.run_step(out)
-
-    stats = output.kv_connector_stats
-    assert isinstance(stats, LayerKVStats) and stats.data == {"hits": 2, "bytes_loaded": 4096, "revokes": 0}
-    other = LayerKVConnector.build_kv_connector_stats({"hits": 1, "range_calls": 3})  # a second TP rank
-    assert stats.aggregate(other).reduce() == {"bytes_loaded": 4096, "hits": 3, "range_calls": 3, "revokes": 0}
-    assert rig.connector.get_kv_connector_stats() is None  # counters were taken by the last step
+    stats = LayerKVConnector.build_kv_connector_stats({"load_blocks": 2, "loaded_bytes": 4096})
+    other = LayerKVConnector.build_kv_connector_stats({"load_blocks": 1, "load_range_calls": 3})  # a second TP rank
+    assert stats.aggregate(other).reduce() == {"load_blocks": 3, "load_range_calls": 3, "loaded_bytes": 4096}
+    assert LayerKVConnector.build_kv_connector_stats({"load_blocks": 0}).is_empty()
 
     registry = CollectorRegistry()
 
@@ -130,8 +96,32 @@ def test_worker_stats_reach_vllm_and_prometheus(doubles, clean_agent):
         return lambda **kw: cls(registry=registry, **kw)
 
     types = {Gauge: in_registry(Gauge), Counter: in_registry(Counter), Histogram: in_registry(Histogram)}
-    prom = LayerKVConnector.build_prom_metrics(engine.vllm_config, types, ["engine"], {0: ["0"]})
+    prom = LayerKVConnector.build_prom_metrics(make_engine().vllm_config, types, ["engine"], {0: ["0"]})
     prom.observe(stats.reduce(), engine_idx=0)
-    prom.observe({"hits": 1}, engine_idx=0)
-    assert registry.get_sample_value("vllm:layerkv_total", {"engine": "0", "counter": "hits"}) == 4
-    assert registry.get_sample_value("vllm:layerkv_total", {"engine": "0", "counter": "bytes_loaded"}) == 4096
+    prom.observe({"load_blocks": 1}, engine_idx=0)
+    assert registry.get_sample_value("vllm:layerkv_total", {"engine": "0", "counter": "load_blocks"}) == 4
+    assert registry.get_sample_value("vllm:layerkv_total", {"engine": "0", "counter": "loaded_bytes"}) == 4096
+
+
+def test_counter_deltas_turn_cumulative_core_stats_into_per_step_counters():
+    from layerkv.integrations.vllm import CounterDeltas
+    from layerkv.stats import WorkerStats
+
+    deltas, stats = CounterDeltas("scheduler_"), WorkerStats(load_blocks=2, loaded_bytes=100)
+    assert deltas.take(stats) == {"scheduler_load_blocks": 2, "scheduler_loaded_bytes": 100}
+    assert deltas.take(stats) == {}
+    stats.load_blocks += 3
+    assert deltas.take(stats) == {"scheduler_load_blocks": 3}
+
+
+def test_worker_registers_vllm_backing_buffer_once(clean_agent):
+    # vLLM views every layer into one int8 buffer; the store must get that buffer, not a
+    # region per layer view that starts mid-buffer and runs past its end.
+    from layerkv.worker import _memory_regions
+
+    engine = make_engine(num_blocks=32)
+    rig = make_worker(engine)
+    storage = rig.kv_caches[LAYERS[0]].untyped_storage()
+    assert rig.kv_caches[LAYERS[1]].data_ptr() > storage.data_ptr()
+    assert _memory_regions(rig.kv_caches) == [(storage.data_ptr(), storage.nbytes())]
+    rig.connector.shutdown()

@@ -40,7 +40,7 @@ class RecordingScheduler:
 
     pool_hashes: set[bytes] = set()  # set per test through the `doubles` fixture
 
-    def __init__(self, config: Any, deployment: Any) -> None:
+    def __init__(self, config: Any, deployment: Any, store: Any = None) -> None:
         self.config, self.deployment = config, deployment
         self.calls: list[tuple[str, tuple]] = []
         self.steps: list[Any] = []
@@ -76,7 +76,7 @@ class RecordingScheduler:
 class RecordingWorker:
     """Double of layerkv.connector.WorkerConnector: records the hook sequence."""
 
-    def __init__(self, config: Any, deployment: Any) -> None:
+    def __init__(self, config: Any, deployment: Any, store: Any = None) -> None:
         self.config, self.deployment = config, deployment
         self.calls: list[tuple] = []
         self.kv_caches: dict[str, Any] = {}
@@ -151,14 +151,15 @@ class Engine:
     scheduler: Any
 
 
-def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None, failure_policy: str = "recompute"):
+def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None,
+                     failure_policy: str = "recompute", max_model_len: int = 1024):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+    model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
     return VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024,
+            max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
@@ -170,12 +171,26 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
     )
 
 
-def make_kv_cache_config(num_blocks: int, specs: list | None = None):
-    """One full-attention group over LAYERS (or one group per spec), layer-outermost tensors."""
+FULL_SPEC_ARGS = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16)
+
+
+def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config: Any = None):
+    """One full-attention group over LAYERS planned by vLLM's own `get_kv_cache_configs` (CPU
+    layout LBHNC: one backing buffer, layer-outermost); with `specs`, one hand-made group per
+    spec (for the setups the facade rejects)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    specs = specs or [FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16)]
+    if specs is None:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+        vllm_config = vllm_config or make_vllm_config(max_model_len=min(1024, (num_blocks - 1) * BLOCK_SIZE))
+        vllm_config.cache_config.kv_cache_layout = "LBHNC"  # what the CPU attention backend supports
+        vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+        layer_specs = {name: FullAttentionSpec(**FULL_SPEC_ARGS, dtype=torch.float16) for name in LAYERS}
+        groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
+        (config,) = get_kv_cache_configs(vllm_config, [layer_specs], [1 << 30], groups)
+        return config
     groups = [KVCacheGroupSpec(list(LAYERS) if len(specs) == 1 else [LAYERS[i]], s) for i, s in enumerate(specs)]
     page = specs[0].page_size_bytes
     tensors = [KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS), layer_stride=page * num_blocks, block_stride=page)]
@@ -183,12 +198,14 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None):
 
 
 def make_engine(num_blocks: int = 64, **config_kwargs) -> Engine:
+    """vLLM's real Scheduler (its scheduler-role connector built by vLLM's factory)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    config_kwargs.setdefault("max_model_len", min(1024, (num_blocks - 1) * BLOCK_SIZE))
     vllm_config = make_vllm_config(**config_kwargs)
+    kv_cache_config = make_kv_cache_config(num_blocks, vllm_config=vllm_config)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = make_kv_cache_config(num_blocks)
     scheduler = Scheduler(
         vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE,
@@ -219,8 +236,8 @@ def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_i
     req_ids = list(scheduler_output.num_scheduled_tokens)
     sampled = []
     for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        sampled.append([token_id] if request.num_computed_tokens >= request.num_tokens else [])
+        request = scheduler.requests.get(req_id)  # None: aborted while the step ran
+        sampled.append([token_id] if request is not None and request.num_computed_tokens >= request.num_tokens else [])
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
@@ -236,16 +253,22 @@ class WorkerRig:
     connector: Any
     kv_caches: dict = field(default_factory=dict)
 
-    def run_step(self, scheduler_output):
+    def run_step(self, scheduler_output, run_layer=None):
         """One model-runner step: the real connector-output context and the real per-layer
-        `@maybe_transfer_kv_layer` wrapper, one attention call per layer."""
+        `@maybe_transfer_kv_layer` wrapper, one attention call per layer (`run_layer(name)` is
+        the attention body: it runs after the layer's load wait, before its save)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         @maybe_transfer_kv_layer
         def attention(query, layer_name):  # same wrapper as unified_attention_with_output
+            if run_layer is not None:
+                run_layer(layer_name)
             return query
+
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # this node's worker (tests run several)
 
         vllm_config = self.connector._vllm_config
         with set_forward_context({n: object() for n in LAYERS}, vllm_config, slot_mapping={}):

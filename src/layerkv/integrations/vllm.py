@@ -28,6 +28,7 @@ from layerkv.hooks import SchedulerHooks, WorkerHooks
 from layerkv.messages import Deployment, KVRole, ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
 
 if TYPE_CHECKING:
+    from layerkv.store.base import KVStore
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -38,21 +39,32 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _default_scheduler_side(config: LayerKVConfig, deployment: Deployment) -> SchedulerHooks:
+def open_connector_store(config: LayerKVConfig) -> KVStore:
+    """The store client one connector instance uses (and closes on `shutdown`): a CheckedStore
+    over `config.backend`. The embedded backend is process-wide, so a scheduler and a worker in
+    one process see the same objects; Mooncake opens one client per connector."""
+    from layerkv.store.factory import open_checked_store
+
+    return open_checked_store(config)
+
+
+def _default_scheduler_side(config: LayerKVConfig, deployment: Deployment, store: KVStore) -> SchedulerHooks:
     from layerkv.connector import SchedulerConnector
 
-    return SchedulerConnector(config, deployment)
+    return SchedulerConnector(config, deployment, store)
 
 
-def _default_worker_side(config: LayerKVConfig, deployment: Deployment) -> WorkerHooks:
+def _default_worker_side(config: LayerKVConfig, deployment: Deployment, store: KVStore) -> WorkerHooks:
     from layerkv.connector import WorkerConnector
 
-    return WorkerConnector(config, deployment)
+    return WorkerConnector(config, deployment, store)
 
 
-# How the facade builds the engine-neutral sides. Tests replace these with recording doubles.
-SCHEDULER_SIDE: Callable[[LayerKVConfig, Deployment], SchedulerHooks] = _default_scheduler_side
-WORKER_SIDE: Callable[[LayerKVConfig, Deployment], WorkerHooks] = _default_worker_side
+# How the facade opens its store and builds the engine-neutral sides. Tests wrap OPEN_STORE to
+# inject faults (CheckedStore(FaultyStore(...))) and replace the sides with recording doubles.
+OPEN_STORE: Callable[[LayerKVConfig], KVStore] = open_connector_store
+SCHEDULER_SIDE: Callable[[LayerKVConfig, Deployment, KVStore], SchedulerHooks] = _default_scheduler_side
+WORKER_SIDE: Callable[[LayerKVConfig, Deployment, KVStore], WorkerHooks] = _default_worker_side
 
 # Exact spec types whose blocks are plain per-layer pages addressed by the prefix hash chain.
 _SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
@@ -72,10 +84,15 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             "full-attention group (a model with one attention type, --disable-hybrid-kv-cache-manager)"
         )
     for group in groups:
-        specs = getattr(group.kv_cache_spec, "kv_cache_specs", {"": group.kv_cache_spec})
-        kinds = sorted({type(s).__name__ for s in specs.values() if type(s) not in _SUPPORTED_SPECS})
+        specs = _layer_specs(group)
+        kinds = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
         if kinds:
             problems.append(f"KV cache spec {', '.join(kinds)}: only full attention (MHA/GQA/MQA) and MLA are supported")
+        elif len({_spec_text(s) for s in specs}) > 1:
+            problems.append(
+                f"per-layer KV specs differ within one group ({len({_spec_text(s) for s in specs})} shapes): "
+                "vLLM's scheduler sees only one of them, so layerkv cannot name the objects"
+            )
     parallel = vllm_config.parallel_config
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
         size = getattr(parallel, name, 1)
@@ -93,6 +110,30 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             )
     if problems:
         raise UnsupportedSetupError("layerkv cannot run this vLLM setup: " + "; ".join(problems))
+
+
+def _layer_specs(group: Any) -> list[Any]:
+    """Per-layer specs of one KV cache group (a UniformTypeKVCacheSpecs holds one per layer)."""
+    specs = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    return list(specs.values()) if specs else [group.kv_cache_spec]
+
+
+def _spec_text(spec: Any) -> str:
+    kind = "mla" if isinstance(spec, MLAAttentionSpec) else "attn"
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    return (
+        f"vllm-{kind}[block_size={spec.block_size},num_kv_heads={spec.num_kv_heads},head_size={spec.head_size},"
+        f"head_size_v={head_size_v}]{str(spec.dtype).removeprefix('torch.')}:page={spec.page_size_bytes}"
+    )
+
+
+def kv_signature_of(kv_cache_config: KVCacheConfig) -> str:
+    """`Deployment.kv_signature`: the per-layer cache spec of the single group, computed the same
+    on the scheduler and on every worker. vLLM hands the scheduler rank 0's config with a
+    UniformTypeKVCacheSpecs reduced to one of its specs and (under PP) other layer names, so
+    this names the spec, not the layers (`check_supported` rejects groups whose specs differ)."""
+    (text,) = sorted({_spec_text(s) for s in _layer_specs(kv_cache_config.kv_cache_groups[0])})
+    return text
 
 
 def _parallel_ranks(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
@@ -134,6 +175,7 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
         model_revision=str(model.revision or ""),
         is_mla=bool(model.use_mla),
         role=KVRole(kv_role),
+        kv_signature=kv_signature_of(kv_cache_config),
     )
 
 
@@ -211,7 +253,7 @@ class LayerKVMetadata(KVConnectorMetadata):
 
 
 def counters_of(stats: Any) -> dict[str, int | float]:
-    """Numeric counters of the core's `stats()` result (a dataclass, a mapping or None)."""
+    """Numeric counters of a core stats object (a dataclass, a mapping or None)."""
     if stats is None:
         return {}
     if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
@@ -219,8 +261,25 @@ def counters_of(stats: Any) -> dict[str, int | float]:
     elif isinstance(stats, Mapping):
         items = dict(stats)
     else:
-        raise TypeError(f"stats() returned {type(stats).__name__}; expected a dataclass or a mapping")
+        raise TypeError(f"stats returned {type(stats).__name__}; expected a dataclass or a mapping")
     return {k: v for k, v in items.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class CounterDeltas:
+    """The core keeps cumulative counters (`WorkerConnector.stats()`, `SchedulerConnector.stats`);
+    vLLM wants what happened since its last `get_kv_connector_stats` call. Names get `prefix`
+    so scheduler and worker counters stay apart when vLLM aggregates them. One caller thread."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self._prefix = prefix
+        self._last: dict[str, int | float] = {}
+
+    def take(self, stats: Any) -> dict[str, int | float]:
+        """Non-zero counter changes since the previous call."""
+        now = counters_of(stats)
+        deltas = {name: value - self._last.get(name, 0) for name, value in now.items()}
+        self._last = now
+        return {self._prefix + name: value for name, value in deltas.items() if value}
 
 
 @dataclasses.dataclass
@@ -277,10 +336,16 @@ class LayerKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHooks | None = None
         self._worker: WorkerHooks | None = None
         self._load_started = False  # worker: start_load_kv already delegated for this step
-        if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SCHEDULER_SIDE(config, self.deployment)
-        else:
-            self._worker = WORKER_SIDE(config, self.deployment)
+        self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
+        self._store: KVStore | None = OPEN_STORE(config)
+        try:
+            if role is KVConnectorRole.SCHEDULER:
+                self._scheduler = SCHEDULER_SIDE(config, self.deployment, self._store)
+            else:
+                self._worker = WORKER_SIDE(config, self.deployment, self._store)
+        except BaseException:
+            self._store.close()
+            raise
 
     @property
     def scheduler_side(self) -> SchedulerHooks:
@@ -379,10 +444,12 @@ class LayerKVConnector(KVConnectorBase_V1):
         return set(self.worker_side.get_block_ids_with_load_errors())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counter changes since the previous call (vLLM calls this once per step on each worker
+        and, when logging stats, on the scheduler); None when nothing changed."""
         side = self._worker if self._worker is not None else self._scheduler
-        stats = getattr(side, "stats", None)  # the scheduler side may have none
-        data = counters_of(stats()) if stats is not None else {}
-        return LayerKVStats(data=data) if any(data.values()) else None
+        stats = getattr(side, "stats", None)  # worker: a method; scheduler: an attribute; doubles: none
+        data = self._deltas.take(stats() if callable(stats) else stats)
+        return LayerKVStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -393,8 +460,14 @@ class LayerKVConnector(KVConnectorBase_V1):
         return LayerKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        shutdown = getattr(self._scheduler, "shutdown", None)  # optional on the scheduler side
-        if shutdown is not None:
-            shutdown()
+        """Stop the worker's transfers, then close this connector's store client. Idempotent."""
+        store, self._store = self._store, None
+        try:
+            if self._worker is not None and store is not None:
+                self._worker.shutdown()
+            shutdown = getattr(self._scheduler, "shutdown", None)  # optional on the scheduler side
+            if shutdown is not None and store is not None:
+                shutdown()
+        finally:
+            if store is not None:
+                store.close()

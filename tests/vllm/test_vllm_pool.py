@@ -1,0 +1,219 @@
+"""vLLM's real Scheduler and per-layer hook path driving the REAL layerkv connector over a real
+store: the process-wide embedded store (scheduler and workers in one process) and a real
+mooncake_master (every connector its own Mooncake client, configured through
+kv_connector_extra_config). A producer node saves; a fresh consumer node (new scheduler, worker
+and caches) gets the hit and loads layer by layer; the bytes are checked against the producer's
+cache and against the stand-in model's formula."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_harness import BLOCK_SIZE, LAYERS, require_vllm
+
+require_vllm()
+
+import torch  # noqa: E402
+from pool_rig import PoolNodes, expected_block, prompt  # noqa: E402
+
+from layerkv.integrations.vllm import LayerKVConnector, LayerKVStats  # noqa: E402
+from layerkv.store.base import Code  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(params=["embedded", "mooncake"])
+def pool(request, tmp_path, clean_agent):
+    master = request.getfixturevalue("mooncake_master") if request.param == "mooncake" else None
+    nodes = PoolNodes(request.param, tmp_path, master)
+    try:
+        yield nodes
+    finally:
+        nodes.shutdown()
+
+
+def produce(pool, req_id: str, tokens: list[int], **node_kwargs):
+    """A producer node computes `tokens` to completion; returns its per-block bytes (by hash)."""
+    producer = pool.node(**node_kwargs)
+    request = producer.add(req_id, tokens)
+    saved: dict[bytes, dict[str, torch.Tensor]] = {}
+
+    def keep_blocks(_name: str) -> None:
+        ids = producer.block_ids(req_id) if req_id in producer.scheduler.requests else []
+        for i, block_hash in enumerate(request.block_hashes[: len(ids)]):
+            saved.setdefault(block_hash, {})
+            for name in LAYERS:
+                saved[block_hash][name] = producer.block(name, ids[i])
+
+    producer.step()
+    keep_blocks("")
+    while producer.scheduler.requests:
+        producer.step()
+        keep_blocks("")
+    producer.step()
+    return producer, request, saved
+
+
+def assert_blocks(node, req_id: str, tokens: list[int], num_blocks: int, saved=None, request=None) -> None:
+    ids = node.block_ids(req_id)
+    for name in LAYERS:
+        for b in range(num_blocks):
+            got = node.block(name, ids[b])
+            want = expected_block(LAYERS.index(name), tokens, b, got)
+            assert torch.equal(got, want), f"{name} block {b}: cache differs from the stand-in model"
+            if saved is not None:
+                assert torch.equal(got, saved[request.block_hashes[b]][name]), f"{name} block {b} differs from the producer"
+
+
+def test_producer_saves_consumer_loads_layer_by_layer(pool):
+    tokens = prompt(1, 40)  # 2 full blocks + 8 tokens
+    producer, produced, saved = produce(pool, "p", tokens)
+    assert producer.outputs[0].kv_connector_stats.data["committed_keys"] == 2
+
+    consumer = pool.node()
+    assert isinstance(consumer.worker.connector, LayerKVConnector)
+    # Both sides named the objects from kv_cache_config alone (Deployment.kv_signature).
+    assert consumer.scheduler.connector.scheduler_side.namespace == consumer.core_worker.namespace
+    assert consumer.core_worker.deployment.kv_signature.startswith("vllm-attn[block_size=16,num_kv_heads=2")
+    request = consumer.add("c", tokens)
+    assert request.block_hashes == produced.block_hashes  # same prompt, same chained hashes
+    loaded_at_layer: dict[str, bool] = {}
+
+    def before_attention(name: str) -> None:  # runs after wait_for_layer_load(name)
+        ids = consumer.block_ids("c")
+        layer = LAYERS.index(name)
+        loaded_at_layer[name] = all(
+            torch.equal(consumer.block(name, ids[b]), expected_block(layer, tokens, b, consumer.block(name, ids[b])))
+            for b in range(2)
+        )
+
+    out, connector_output, engine_outputs = consumer.step(before_attention)
+
+    assert out.has_sync_kv_loads is True
+    assert out.num_scheduled_tokens == {"c": 8}  # 32 tokens came from the pool
+    assert loaded_at_layer == {name: True for name in LAYERS}
+    assert connector_output.invalid_block_ids == set()
+    assert_blocks(consumer, "c", tokens, 2, saved, request)
+    stats = connector_output.kv_connector_stats
+    assert isinstance(stats, LayerKVStats)
+    assert stats.data["load_blocks"] == 2 and stats.data["loaded_bytes"] > 0 and stats.data["load_range_calls"] >= 2
+    scheduler_stats = engine_outputs[0].scheduler_stats.kv_connector_stats
+    assert scheduler_stats["scheduler_hit_blocks"] == 2 and scheduler_stats["load_blocks"] == 2
+
+    consumer.step()  # a decode step: stats are deltas, nothing was loaded again
+    later = consumer.outputs[-1].kv_connector_stats
+    assert later is None or "load_blocks" not in later.data
+    consumer.run_to_completion()
+    assert consumer.core_worker.tracker.is_empty()
+
+
+def test_chunked_prefill_saves_every_chunk_and_consumer_loads_them(pool):
+    tokens = prompt(2, 100)  # 6 full blocks, produced in 32-token chunks
+    producer, produced, saved = produce(pool, "p", tokens, max_num_batched_tokens=32)
+    stats = [o.kv_connector_stats.data if o.kv_connector_stats else {} for o in producer.outputs]
+    chunks = [s.get("committed_keys", 0) for s in stats[:4]]
+    assert chunks == [2, 2, 2, 0]  # blocks 0-1, 2-3, 4-5 committed by the chunk that completed them
+    assert sum(s.get("committed_keys", 0) for s in stats) == 6
+
+    consumer = pool.node(max_num_batched_tokens=32)
+    consumer.add("c", tokens)
+    out, connector_output, _ = consumer.step()
+    assert out.num_scheduled_tokens == {"c": 4} and out.has_sync_kv_loads
+    assert connector_output.kv_connector_stats.data["load_blocks"] == 6
+    assert_blocks(consumer, "c", tokens, 6, saved, produced)
+
+
+def test_preempted_requests_resume_and_their_blocks_reach_the_pool(pool):
+    # 10 blocks (9 usable): two 64-token prompts take 8, their first decode blocks preempt one.
+    producer = pool.node(num_blocks=10, max_num_batched_tokens=128)
+    a, b = prompt(4, 64), prompt(5, 64)
+    producer.add("a", a, max_tokens=20)
+    producer.add("b", b, max_tokens=20)
+    preempted = set()
+    for _ in range(120):
+        out, _, _ = producer.step()
+        preempted |= set(out.preempted_req_ids or ())
+        if not producer.scheduler.requests:
+            break
+    producer.step()
+    assert preempted, "the scenario must preempt a request"
+    assert producer.core_worker.tracker.is_empty()
+
+    consumer = pool.node()
+    consumer.add("a", a + [7] * 16)  # prompt + 16 decoded tokens: 5 full blocks, all saved
+    consumer.add("b", b + [7] * 16)
+    out, connector_output, _ = consumer.step()
+    assert out.num_scheduled_tokens == {"a": 16, "b": 16}  # 64 tokens each from the pool
+    assert connector_output.invalid_block_ids == set()
+    assert_blocks(consumer, "a", a + [7] * 16, 5)
+    assert_blocks(consumer, "b", b + [7] * 16, 5)
+
+
+def test_request_aborted_mid_step_leaves_no_sessions(pool):
+    from vllm.v1.request import RequestStatus
+
+    tokens = prompt(6, 72)
+    produce(pool, "p", tokens[:40])  # the pool holds blocks 0 and 1
+
+    consumer = pool.node()
+    consumer.add("c", tokens)
+    total_free = consumer.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def abort_during_forward(name: str) -> None:
+        # The engine core aborts while the worker is mid-forward: loads of this step are
+        # reading, the save of blocks 2-3 is open.
+        if name == LAYERS[0]:
+            consumer.scheduler.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+
+    out, connector_output, _ = consumer.step(abort_during_forward)
+    assert out.has_sync_kv_loads and out.num_scheduled_tokens == {"c": 40}
+    assert connector_output.invalid_block_ids == set()
+    consumer.step()  # carries finished_req_ids ("c") to the worker
+    assert "c" not in consumer.scheduler.requests
+    assert consumer.core_worker.tracker.is_empty()
+    assert consumer.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() >= total_free
+    # The open save still committed whole objects (the request's blocks were computed).
+    again = pool.node()
+    again.add("d", tokens)
+    out, _, _ = again.step()
+    assert out.num_scheduled_tokens == {"d": 8}  # 4 blocks from the pool
+    assert_blocks(again, "d", tokens, 4)
+
+
+def test_load_failure_is_recomputed_by_vllm_from_first_invalid_block(pool, monkeypatch):
+    import layerkv.integrations.vllm as facade
+    from layerkv.store.checked import CheckedStore
+    from layerkv.store.factory import open_store
+    from layerkv.store.faults import GET_RANGES, FaultyStore
+
+    tokens = prompt(7, 56)  # 3 full blocks + 8 tokens
+    produce(pool, "p", tokens)
+
+    faulty: list[FaultyStore] = []
+
+    def open_faulty_store(config):
+        faulty.append(FaultyStore(open_store(config)))
+        return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
+
+    monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
+    consumer = pool.node()
+    _, worker_faults = faulty  # built in this order: scheduler, worker
+    request = consumer.add("c", tokens)
+    block1 = request.block_hashes[1].hex()
+    rule = worker_faults.fail(GET_RANGES, lambda key: block1 in key, code=int(Code.TRANSFER_FAIL), layer_idx=1, times=1)
+
+    out, connector_output, engine_outputs = consumer.step()
+
+    assert out.num_scheduled_tokens == {"c": 8} and out.has_sync_kv_loads
+    assert worker_faults.fired(rule) == 1
+    ids = consumer.block_ids("c")
+    assert connector_output.invalid_block_ids == {ids[1]}
+    assert request.num_computed_tokens == BLOCK_SIZE  # vLLM truncated at the first invalid block
+    assert request.num_output_tokens == 0  # the token sampled over bad KV was dropped
+    assert not any(o.new_token_ids for eco in engine_outputs.values() for o in eco.outputs)
+
+    out, connector_output, _ = consumer.step()
+    assert out.num_scheduled_tokens == {"c": 40}  # blocks 1, 2 and the tail recomputed
+    assert not out.has_sync_kv_loads and connector_output.invalid_block_ids == set()
+    assert_blocks(consumer, "c", tokens, 3)
+    consumer.run_to_completion()
+    assert consumer.core_worker.tracker.is_empty()
