@@ -5,6 +5,7 @@ engine's scheduler thread only; no locks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,10 +26,12 @@ class PoolLookup:
     """Asks the store which blocks are readable: a block counts only if every storage rank's
     key is COMPLETE. Results outside {0, 1} are errors, never hits."""
 
-    def __init__(self, store: KVStore, namespace: str, num_storage_ranks: int, window_blocks: int, stats: SchedulerStats) -> None:
+    def __init__(self, store: KVStore, namespace: str | Sequence[str], num_storage_ranks: int, window_blocks: int,
+                 stats: SchedulerStats) -> None:
         self._store = store
-        self._namespace = namespace
-        self._ranks = range(num_storage_ranks)
+        # every (pipeline stage namespace, storage rank) pair must hold a block for a hit
+        namespaces = [namespace] if isinstance(namespace, str) else list(namespace)
+        self._ranks = [(ns, rank) for ns in namespaces for rank in range(num_storage_ranks)]
         self._window_blocks = window_blocks
         self._stats = stats
 
@@ -36,7 +39,7 @@ class PoolLookup:
         """Per block: are all storage ranks' keys readable? One exists call (the store splits it)."""
         if not hashes:
             return []
-        keys_by_rank = [block_keys(self._namespace, hashes, rank) for rank in self._ranks]
+        keys_by_rank = [block_keys(ns, hashes, rank) for ns, rank in self._ranks]
         keys = [key for rank_keys in zip(*keys_by_rank) for key in rank_keys]  # block-major
         results = self._store.batch_is_exist(keys)
         self._stats.exists_calls += 1
@@ -79,9 +82,12 @@ class SchedulerConnector:
         self.deployment = deployment
         self.store = store if store is not None else open_checked_store(config)
         self.namespace = namespace_for(deployment, config.tenant)
+        # with pipeline parallelism each stage writes its own layers under its own namespace
+        stage_namespaces = [namespace_for(dataclasses.replace(deployment, pp_rank=s), config.tenant).name
+                            for s in range(deployment.pp_size)]
         self.stats = SchedulerStats()
         placement = storage_placement(deployment)
-        self._lookup = PoolLookup(self.store, self.namespace, placement.num_storage_ranks, config.exists_window_blocks, self.stats)
+        self._lookup = PoolLookup(self.store, stage_namespaces, placement.num_storage_ranks, config.exists_window_blocks, self.stats)
         self._block_size = deployment.block_size
         self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
         self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc

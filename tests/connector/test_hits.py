@@ -70,3 +70,32 @@ def test_malformed_exists_answer_is_a_miss_not_a_hit(make_rig) -> None:
     assert rig.scheduler.stats.lookup_errors >= 1
     ext, _ = rig.admit(Req("c", tokens))
     assert ext == 4 * BLOCK_SIZE
+
+
+def test_pipeline_parallel_hit_needs_every_stage() -> None:
+    """With pp_size 2 each stage writes its own layers under its own namespace; the scheduler
+    (stage 0's view) counts a block only when both stages' objects are COMPLETE."""
+    import dataclasses
+
+    from layerkv.config import LayerKVConfig
+    from layerkv.keys import block_keys, namespace_for
+    from layerkv.messages import Deployment, RequestView
+    from layerkv.scheduler import SchedulerConnector
+    from layerkv.store.checked import CheckedStore
+    from layerkv.store.embedded import EmbeddedStore
+
+    store = CheckedStore(EmbeddedStore(32 << 20), max_batch_keys=64)
+    base = Deployment(model_id="m", kv_dtype="float16", block_size=4, num_kv_heads=2, pp_size=2, kv_signature="s")
+    scheduler = SchedulerConnector(LayerKVConfig.from_dict({}, env={}), base, store)
+    hashes = tuple(bytes([i]) * 8 for i in range(3))
+    view = RequestView("r", 13, 13, hashes)
+
+    def commit(stage: int, blocks: range) -> None:
+        keys = block_keys(namespace_for(dataclasses.replace(base, pp_rank=stage), "default"), [hashes[b] for b in blocks], 0)
+        assert store.batch_put_session_start(keys, [64] * len(keys)) == [0] * len(keys)
+        assert store.batch_put_session_end(keys) == [0] * len(keys)
+
+    commit(0, range(3))
+    assert scheduler.get_num_new_matched_tokens(view, 0) == (0, False)  # stage 1 has nothing
+    commit(1, range(2))
+    assert scheduler.get_num_new_matched_tokens(view, 0) == (8, False)  # both stages hold blocks 0-1
