@@ -31,6 +31,11 @@ BLOCK_SIZE = 4
 _tags = itertools.count()
 
 
+def small_engine(**changes: int) -> EngineConfig:
+    """The tests' engine config (block 4, 64 blocks, budget 64) with `changes`."""
+    return EngineConfig(**{"block_size": BLOCK_SIZE, "num_blocks": 64, "max_num_batched_tokens": 64, **changes})
+
+
 def prompts_with_prefix(prefix: Sequence[int], num_tails: int, tail_tokens: int, seed: int, vocab: int = 256) -> list[list[int]]:
     """`num_tails` prompts: `prefix` + a different random tail each."""
     rng = random.Random(seed)
@@ -169,7 +174,7 @@ class Oracle:
                  **layerkv: Any) -> None:
         self.backend = backend
         self.model = model
-        base = engine_config or EngineConfig(block_size=BLOCK_SIZE, num_blocks=64, max_num_batched_tokens=64)
+        base = engine_config or small_engine()
         # the tag keeps namespaces of tests apart on a shared Mooncake master
         self.engine_config = dataclasses.replace(base, model_id=f"e2e/{backend.tag}")
         self.config = LayerKVConfig.from_dict({"load_timeout_s": 10.0, "save_timeout_s": 10.0, **layerkv}, env={})

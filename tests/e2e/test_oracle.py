@@ -11,6 +11,7 @@ from layerkv.engine import ModelConfig, RequestOutput
 from layerkv.store.faults import GET_RANGES, GET_START, PUT_START
 from tests.e2e.conftest import BOTH_BACKENDS
 from tests.e2e.harness import (
+    small_engine,
     BLOCK_SIZE,
     MODEL,
     Oracle,
@@ -84,7 +85,7 @@ def test_tp1_consumer_equals_local(make_oracle) -> None:
 
 @BOTH_BACKENDS
 def test_tp2_consumer_equals_local(make_oracle) -> None:
-    oracle = make_oracle(engine_config=_engine(tp_size=2))
+    oracle = make_oracle(engine_config=small_engine(tp_size=2))
     producer_prompts, consumer_prompts = two_docs(seed=30)
     producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
     assert_loaded(consumer, got, HIT_TOKENS)
@@ -96,7 +97,7 @@ def test_tp2_consumer_equals_local(make_oracle) -> None:
 
 @BOTH_BACKENDS
 def test_tp4_with_two_kv_heads_writes_from_ranks_0_and_2_only(make_oracle) -> None:
-    oracle = make_oracle(engine_config=_engine(tp_size=4))  # MODEL: 4 heads, 2 KV heads -> put_step 2
+    oracle = make_oracle(engine_config=small_engine(tp_size=4))  # MODEL: 4 heads, 2 KV heads -> put_step 2
     producer_prompts, consumer_prompts = two_docs(seed=40)
     producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
     assert_loaded(consumer, got, HIT_TOKENS)
@@ -115,7 +116,7 @@ MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=
 
 
 def test_mla_indexer_and_mtp_layer_tp2(make_oracle) -> None:
-    oracle = make_oracle(model=MLA_MODEL, engine_config=_engine(tp_size=2))
+    oracle = make_oracle(model=MLA_MODEL, engine_config=small_engine(tp_size=2))
     producer_prompts, consumer_prompts = two_docs(seed=50)
     producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
     assert_loaded(consumer, got, HIT_TOKENS)
@@ -130,7 +131,7 @@ def test_mla_indexer_and_mtp_layer_tp2(make_oracle) -> None:
 
 def test_chunked_prefill_hit_ends_mid_chunk(make_oracle) -> None:
     budget = 12
-    oracle = make_oracle(engine_config=_engine(max_num_batched_tokens=budget))
+    oracle = make_oracle(engine_config=small_engine(max_num_batched_tokens=budget))
     producer_prompts = prompts_with_prefix(PREFIX, 1, 2, seed=10)  # 24 tokens: chunks [0,12) [12,24)
     consumer_prompts = prompts_with_prefix(PREFIX, 1, 18, seed=11)  # 40 tokens, 20 from the pool
     assert HIT_TOKENS % budget != 0
@@ -173,7 +174,7 @@ def test_partial_hit_when_later_keys_are_gone(make_oracle, backend) -> None:
     """Block 2 lost its rank-1 object and block 4 both: only blocks 0-1 are a hit (a block
     counts only if every storage rank's object is there; the hit stops at the first miss)."""
     budget = 8
-    oracle = make_oracle(engine_config=_engine(tp_size=2, max_num_batched_tokens=budget))
+    oracle = make_oracle(engine_config=small_engine(tp_size=2, max_num_batched_tokens=budget))
     producer_prompt = [*PREFIX, *random_tokens(2, seed=15)]  # 24 tokens: chunks [0,8) [8,16) [16,24)
     consumer_prompts = prompts_with_prefix(PREFIX, 1, 9, seed=16)
     producer = oracle.pooled()
@@ -189,10 +190,3 @@ def test_partial_hit_when_later_keys_are_gone(make_oracle, backend) -> None:
     assert_loaded(consumer, got, 8)
     for rank in range(2):
         assert consumer.rank_faults(rank).keys_sent(GET_START) == producer.keys(PREFIX, storage_rank=rank, blocks=[0, 1])
-
-
-def _engine(**changes: int):  # type: ignore[no-untyped-def]
-    from layerkv.engine import EngineConfig
-
-    base = dict(block_size=BLOCK_SIZE, num_blocks=64, max_num_batched_tokens=64)
-    return EngineConfig(**{**base, **changes})

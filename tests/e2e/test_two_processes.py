@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import layerkv
-from tests.e2e.harness import MODEL, assert_identical, local_oracle, prompts_with_prefix, random_tokens, serve
+from tests.e2e.harness import MODEL, small_engine, assert_identical, local_oracle, prompts_with_prefix, random_tokens, serve
 
 pytestmark = pytest.mark.mooncake
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ MAX_TOKENS = 3
 
 @pytest.mark.parametrize("backend", ["mooncake"], indirect=True)
 def test_producer_and_consumer_in_two_processes(make_oracle, backend, mooncake_master, tmp_path: Path) -> None:
-    oracle = make_oracle(engine_config=dataclasses.replace(_engine(), tp_size=2))
+    oracle = make_oracle(engine_config=small_engine(tp_size=2))
     prefixes = [random_tokens(22, seed=51), random_tokens(22, seed=52)]
     producer_prompts = [prompts_with_prefix(p, 1, 6, seed=53 + i)[0] for i, p in enumerate(prefixes)]
     consumer_prompts = [prompts_with_prefix(p, 1, 9, seed=55 + i)[0] for i, p in enumerate(prefixes)]
@@ -85,9 +85,3 @@ def _wait_report(proc: subprocess.Popen[str], lines: queue.Queue[str | None], ti
         assert line is not None, f"producer exited with {proc.poll()} before reporting"
         if line.startswith("@@"):
             return json.loads(line[2:])
-
-
-def _engine():  # type: ignore[no-untyped-def]
-    from layerkv.engine import EngineConfig
-
-    return EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64)
