@@ -1,0 +1,286 @@
+"""The oracle harness: pooled engines (producer / consumer) whose every connector talks to the
+store through CheckedStore(FaultyStore(client)), local engines without hooks, and the
+comparisons. One `Oracle` per test; `check_and_close()` shuts every engine down and asserts
+that nothing is left in flight (trackers empty, no PROCESSING object, transfer threads joined).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerkv.config import LayerKVConfig
+from layerkv.engine import Engine, EngineConfig, ModelConfig, RequestOutput, StepRecord
+from layerkv.engine.pooled import pooled_engine
+from layerkv.keys import block_keys
+from layerkv.messages import KVRole
+from layerkv.store.base import Code, KVStore, ObjectKey
+from layerkv.store.checked import CheckedStore
+from layerkv.store.embedded import EmbeddedStore
+from layerkv.store.faults import GET_RANGES, PUT_START, FaultyStore
+from layerkv.worker import WorkerConnector
+
+MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=5)
+BLOCK_SIZE = 4
+_tags = itertools.count()
+
+
+def small_engine(**changes: int) -> EngineConfig:
+    """The tests' engine config (block 4, 64 blocks, budget 64) with `changes`."""
+    return EngineConfig(**{"block_size": BLOCK_SIZE, "num_blocks": 64, "max_num_batched_tokens": 64, **changes})
+
+
+def prompts_with_prefix(prefix: Sequence[int], num_tails: int, tail_tokens: int, seed: int, vocab: int = 256) -> list[list[int]]:
+    """`num_tails` prompts: `prefix` + a different random tail each."""
+    rng = random.Random(seed)
+    return [[*prefix, *(rng.randrange(vocab) for _ in range(tail_tokens))] for _ in range(num_tails)]
+
+
+def random_tokens(num_tokens: int, seed: int, vocab: int = 256) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(num_tokens)]
+
+
+# ---- store backends ------------------------------------------------------------------------
+
+
+class Backend:
+    """Raw store clients of one test; `tag` makes the test's namespace unique on a shared master."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.tag = f"e2e{next(_tags)}"
+
+    def client(self, rank: int = 0) -> KVStore:
+        """A client for TP rank `rank`'s connector (the scheduler's: rank 0)."""
+        raise NotImplementedError
+
+    def processing_keys(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """Keys that are PROCESSING (a get start answers -703); ends any session it opens."""
+        keys = sorted(set(keys))
+        if not keys:
+            return []
+        probe = self.client()
+        codes = probe.batch_get_session_start(keys)
+        opened = [k for k, c in zip(keys, codes) if c == 0]
+        if opened:
+            probe.batch_get_session_end(opened)
+        return [k for k, c in zip(keys, codes) if c == int(Code.REPLICA_NOT_READY)]
+
+    def exists(self, keys: Sequence[ObjectKey]) -> list[int]:
+        return list(self.client().batch_is_exist(list(keys)))
+
+    def remove(self, keys: Sequence[ObjectKey]) -> None:
+        if keys:
+            self.client().batch_remove(list(keys))
+
+    def close(self, written: Sequence[ObjectKey]) -> None:
+        pass
+
+
+class EmbeddedBackend(Backend):
+    name = "embedded"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = EmbeddedStore(64 << 20, lease_ttl_s=10.0)
+        self._clients: list[EmbeddedStore] = []
+
+    def client(self, rank: int = 0) -> KVStore:
+        client = self.root.client()
+        self._clients.append(client)
+        return client
+
+    def close(self, written: Sequence[ObjectKey]) -> None:
+        for client in self._clients:
+            client.close()
+        self.root.close()
+
+
+class MooncakeBackend(Backend):
+    """Rank r's connectors use `clients[r]` (the session's clients, as TP ranks are processes
+    with their own client: ranks reading the same key must not share a client, or one rank's
+    session end would end the other's); objects are removed at the end."""
+
+    name = "mooncake"
+
+    def __init__(self, clients: Callable[[int], KVStore]) -> None:
+        super().__init__()
+        self._clients = clients
+
+    def client(self, rank: int = 0) -> KVStore:
+        return self._clients(rank)
+
+    def close(self, written: Sequence[ObjectKey]) -> None:
+        self.remove(sorted(set(written)))
+
+
+# ---- engines -------------------------------------------------------------------------------
+
+
+@dataclass
+class PooledRun:
+    """A pooled engine and its store wrappers: index 0 the scheduler's, 1 + r rank r's."""
+
+    engine: Engine
+    faults: list[FaultyStore]
+    checked: list[CheckedStore]
+
+    @property
+    def workers(self) -> list[WorkerConnector]:
+        return list(self.engine.runner.worker_hooks)  # type: ignore[arg-type]
+
+    @property
+    def scheduler_faults(self) -> FaultyStore:
+        return self.faults[0]
+
+    def rank_faults(self, rank: int) -> FaultyStore:
+        return self.faults[1 + rank]
+
+    def rank_checked(self, rank: int) -> CheckedStore:
+        return self.checked[1 + rank]
+
+    @property
+    def namespace(self) -> str:
+        return self.workers[0].namespace.name
+
+    def keys(self, prompt: Sequence[int], storage_rank: int = 0, blocks: Sequence[int] | None = None) -> list[ObjectKey]:
+        """Object keys of `prompt`'s full blocks (or of `blocks`) on `storage_rank`."""
+        from layerkv.engine import block_hashes
+
+        hashes = block_hashes(list(prompt), self.engine.config.block_size)
+        picked = hashes if blocks is None else [hashes[i] for i in blocks]
+        return block_keys(self.namespace, picked, storage_rank)
+
+    def range_reads(self) -> int:
+        """Backend range-read calls of every rank (CheckedStore counters)."""
+        return sum(s.stats()[GET_RANGES].calls for s in self.checked[1:] if GET_RANGES in s.stats())
+
+    def put_start_keys(self, rank: int) -> list[ObjectKey]:
+        return self.rank_faults(rank).keys_sent(PUT_START)
+
+
+class Oracle:
+    """Builds the engines of one test over `backend`."""
+
+    def __init__(self, backend: Backend, model: ModelConfig = MODEL, engine_config: EngineConfig | None = None,
+                 **layerkv: Any) -> None:
+        self.backend = backend
+        self.model = model
+        base = engine_config or small_engine()
+        # the tag keeps namespaces of tests apart on a shared Mooncake master
+        self.engine_config = dataclasses.replace(base, model_id=f"e2e/{backend.tag}")
+        self.config = LayerKVConfig.from_dict({"load_timeout_s": 10.0, "save_timeout_s": 10.0, **layerkv}, env={})
+        self.runs: list[PooledRun] = []
+        self.locals: list[Engine] = []
+
+    def pooled(self, role: KVRole = KVRole.BOTH, **engine_changes: Any) -> PooledRun:
+        faults: list[FaultyStore] = []
+        checked: list[CheckedStore] = []
+
+        def store_factory() -> KVStore:  # called for the scheduler, then for ranks 0, 1, ...
+            faulty = FaultyStore(self.backend.client(max(0, len(faults) - 1)))
+            faults.append(faulty)
+            checked.append(CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks))
+            return checked[-1]
+
+        engine_config = dataclasses.replace(self.engine_config, **engine_changes)
+        engine = pooled_engine(self.model, engine_config, self.config, role=role, store_factory=store_factory)
+        run = PooledRun(engine, faults, checked)
+        self.runs.append(run)
+        return run
+
+    def local(self, **engine_changes: Any) -> Engine:
+        engine = Engine(self.model, dataclasses.replace(self.engine_config, **engine_changes))
+        self.locals.append(engine)
+        return engine
+
+    def written_keys(self) -> list[ObjectKey]:
+        return sorted({k for run in self.runs for f in run.faults for k in f.keys_sent(PUT_START)})
+
+    def check_and_close(self) -> None:
+        """Shut every engine down; assert trackers empty, nothing PROCESSING, threads joined."""
+        problems: list[str] = []
+        for i, run in enumerate(self.runs):
+            for f in run.faults:
+                f.clear_rules()
+                f.release()
+            if run.engine.has_work():
+                problems.append(f"engine {i} still has work")
+            for rank, worker in enumerate(run.workers):
+                if not worker.tracker.is_empty():
+                    problems.append(f"engine {i} rank {rank} tracker not empty: {worker.tracker.snapshot()}")
+            run.engine.shutdown()
+            alive = [t.name for w in run.workers for t in (w._recv, w._send) if t._thread.is_alive()]
+            if alive:
+                problems.append(f"engine {i}: threads alive after shutdown: {alive}")
+        written = self.written_keys()
+        stuck = self.backend.processing_keys(written)
+        if stuck:
+            problems.append(f"PROCESSING objects left: {stuck[:4]} ({len(stuck)})")
+        for engine in self.locals:
+            engine.shutdown()
+        self.backend.close(written)
+        assert not problems, "; ".join(problems)
+
+
+# ---- serving and comparing -----------------------------------------------------------------
+
+
+def serve(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, *, batched: bool = False) -> list[RequestOutput]:
+    """One at a time (each prompt its own generate call) or all in one call (one batch)."""
+    if batched:
+        return engine.generate(prompts, max_tokens)
+    return [engine.generate([p], max_tokens)[0] for p in prompts]
+
+
+def local_oracle(engine: Engine, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]], max_tokens: int,
+                 *, producer_batched: bool = False, consumer_batched: bool = False) -> list[RequestOutput]:
+    """The local run: the producer prompts with the producer's schedule first (so the prefix KV
+    is computed in the same chunks, hence the same bits), then the consumer prompts."""
+    serve(engine, producer, max_tokens, batched=producer_batched)
+    return serve(engine, consumer, max_tokens, batched=consumer_batched)
+
+
+def assert_identical(got: Sequence[RequestOutput], want: Sequence[RequestOutput]) -> None:
+    """Same tokens, bit-identical logits (and MTP draft logits) per request."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids, f"{g.req_id}: tokens {g.token_ids} != local {w.token_ids}"
+        assert len(g.logits) == len(w.logits)
+        for i, (a, b) in enumerate(zip(g.logits, w.logits)):
+            assert torch.equal(a, b), f"{g.req_id}: logits of token {i} differ (max abs {float((a - b).abs().max()):.3g})"
+        assert len(g.draft_logits) == len(w.draft_logits)
+        for i, (a, b) in enumerate(zip(g.draft_logits, w.draft_logits)):
+            assert torch.equal(a, b), f"{g.req_id}: draft logits of token {i} differ"
+
+
+def assert_close(got: Sequence[RequestOutput], want: Sequence[RequestOutput], *, atol: float, rtol: float) -> None:
+    """Same tokens, logits within tolerance (for runs whose chunk boundaries differ)."""
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids, f"{g.req_id}: tokens {g.token_ids} != local {w.token_ids}"
+        for i, (a, b) in enumerate(zip(g.logits, w.logits)):
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m, i=i, r=g.req_id: f"{r} token {i}: {m}")
+
+
+def chunks_of(engine: Engine, req_id: str, steps: Sequence[StepRecord] | None = None) -> list[tuple[int, int, int]]:
+    """A request's schedule: (num_computed_tokens, num_scheduled_tokens, num_external_tokens) per
+    step in which its output was kept (a discarded step is recomputed, its chunk does not count)."""
+    return [
+        (r.num_computed_tokens, r.num_scheduled_tokens, r.num_external_tokens)
+        for s in (engine.steps if steps is None else steps)
+        for r in s.requests
+        if r.req_id == req_id and r.req_id not in s.discarded_req_ids
+    ]
+
+
+def computed_chunks(engine: Engine, req_id: str) -> list[tuple[int, int]]:
+    """(first token, num tokens) computed per kept step: what decides a request's float bits."""
+    return [(start, n) for start, n, _ in chunks_of(engine, req_id)]

@@ -1,0 +1,192 @@
+"""The oracle: KV loaded from the pool layer by layer gives exactly the output of computing it
+locally. A producer engine fills the pool, a fresh consumer engine serves prompts sharing the
+prefixes, and a local engine (no hooks) computes the producer prompts with the producer's
+schedule and then the consumer prompts: same tokens, bit-identical logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from layerkv.engine import ModelConfig, RequestOutput
+from layerkv.store.faults import GET_RANGES, GET_START, PUT_START
+from tests.e2e.conftest import BOTH_BACKENDS
+from tests.e2e.harness import (
+    small_engine,
+    BLOCK_SIZE,
+    MODEL,
+    Oracle,
+    PooledRun,
+    assert_identical,
+    computed_chunks,
+    local_oracle,
+    prompts_with_prefix,
+    random_tokens,
+    serve,
+)
+
+PREFIX = random_tokens(22, seed=1)  # 5 full blocks + 2 tokens
+HIT_TOKENS = 20  # the full blocks the producer and consumer prompts share
+MAX_TOKENS = 3
+
+
+def two_docs(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two documents with their own 22-token prefix: (producer prompts, consumer prompts)."""
+    prefixes = [random_tokens(22, seed=seed), random_tokens(22, seed=seed + 1)]
+    producer = [prompts_with_prefix(p, 1, 6, seed=seed + 2 + i)[0] for i, p in enumerate(prefixes)]
+    consumer = [prompts_with_prefix(p, 1, 9, seed=seed + 4 + i)[0] for i, p in enumerate(prefixes)]
+    return producer, consumer
+
+
+def produce_and_consume(
+    oracle: Oracle,
+    producer_prompts: Sequence[Sequence[int]],
+    consumer_prompts: Sequence[Sequence[int]],
+    *,
+    producer_batched: bool = False,
+    consumer_batched: bool = False,
+) -> tuple[PooledRun, PooledRun, list[RequestOutput]]:
+    """Producer run, consumer run, local run; asserts the consumer equals the local run."""
+    producer = oracle.pooled()
+    serve(producer.engine, producer_prompts, MAX_TOKENS, batched=producer_batched)
+    consumer = oracle.pooled()
+    got = serve(consumer.engine, consumer_prompts, MAX_TOKENS, batched=consumer_batched)
+    local = oracle.local()
+    want = local_oracle(local, producer_prompts, consumer_prompts, MAX_TOKENS,
+                        producer_batched=producer_batched, consumer_batched=consumer_batched)
+    assert_identical(got, want)
+    # the local run hit its prefix cache exactly where the consumer hit the pool (or its own cache)
+    assert [w.num_local_cached_tokens for w in want] == [g.num_local_cached_tokens + g.num_external_tokens for g in got]
+    return producer, consumer, got
+
+
+def assert_loaded(consumer: PooledRun, got: Sequence[RequestOutput], hit_tokens: int) -> None:
+    """The consumer really loaded `hit_tokens` per request, on every rank, through range reads."""
+    assert [o.num_external_tokens for o in got] == [hit_tokens] * len(got)
+    assert all(o.num_local_cached_tokens == 0 for o in got)
+    for rank, worker in enumerate(consumer.workers):
+        stats = worker.stats()
+        assert stats.load_range_calls > 0 and stats.loaded_bytes > 0, f"rank {rank}: {stats}"
+        assert stats.load_failed_blocks == 0 and stats.transfer_errors == 0, f"rank {rank}: {stats}"
+        assert consumer.rank_checked(rank).stats()[GET_RANGES].calls >= stats.load_range_calls
+    assert consumer.range_reads() > 0
+
+
+@BOTH_BACKENDS
+def test_tp1_consumer_equals_local(make_oracle) -> None:
+    oracle = make_oracle()
+    producer_prompts, consumer_prompts = two_docs(seed=20)
+    producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
+    assert_loaded(consumer, got, HIT_TOKENS)
+    stats = producer.workers[0].stats()
+    assert stats.committed_keys > 0 and stats.revoked_keys == 0
+    # one range read per layer per loading step (the consumer served its prompts one at a time)
+    assert consumer.workers[0].stats().load_range_calls == MODEL.num_layers * len(consumer_prompts)
+
+
+@BOTH_BACKENDS
+def test_tp2_consumer_equals_local(make_oracle) -> None:
+    oracle = make_oracle(engine_config=small_engine(tp_size=2))
+    producer_prompts, consumer_prompts = two_docs(seed=30)
+    producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
+    assert_loaded(consumer, got, HIT_TOKENS)
+    # two KV heads over two ranks: each rank writes and reads its own storage rank
+    for rank in range(2):
+        assert {k.rsplit("@", 1)[1] for k in producer.put_start_keys(rank)} == {str(rank)}
+        assert {k.rsplit("@", 1)[1] for k in consumer.rank_faults(rank).keys_sent(GET_START)} == {str(rank)}
+
+
+@BOTH_BACKENDS
+def test_tp4_with_two_kv_heads_writes_from_ranks_0_and_2_only(make_oracle) -> None:
+    oracle = make_oracle(engine_config=small_engine(tp_size=4))  # MODEL: 4 heads, 2 KV heads -> put_step 2
+    producer_prompts, consumer_prompts = two_docs(seed=40)
+    producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
+    assert_loaded(consumer, got, HIT_TOKENS)
+    writers = {rank: producer.put_start_keys(rank) for rank in range(4)}
+    assert [bool(writers[r]) for r in range(4)] == [True, False, True, False]
+    assert {k.rsplit("@", 1)[1] for k in writers[0]} == {"0"}
+    assert {k.rsplit("@", 1)[1] for k in writers[2]} == {"1"}
+    assert len(writers[0]) == len(writers[2])
+    # every rank loads, from the storage rank of its head group
+    for rank in range(4):
+        assert {k.rsplit("@", 1)[1] for k in consumer.rank_faults(rank).keys_sent(GET_START)} == {str(rank // 2)}
+
+
+MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=8,
+                        mla_latent_dim=24, index_dim=8, num_mtp_layers=1)
+
+
+def test_mla_indexer_and_mtp_layer_tp2(make_oracle) -> None:
+    oracle = make_oracle(model=MLA_MODEL, engine_config=small_engine(tp_size=2))
+    producer_prompts, consumer_prompts = two_docs(seed=50)
+    producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
+    assert_loaded(consumer, got, HIT_TOKENS)
+    assert all(len(o.draft_logits) == MAX_TOKENS for o in got)  # the MTP layer ran (and matched)
+    layout = consumer.workers[0].layout
+    assert layout is not None and layout.num_layers == MLA_MODEL.num_total_layers  # MTP layer is in the object
+    # MLA is one storage rank: rank 0 writes it, every rank loads it
+    assert producer.put_start_keys(0) and not producer.put_start_keys(1)
+    for rank in range(2):
+        assert {k.rsplit("@", 1)[1] for k in consumer.rank_faults(rank).keys_sent(GET_START)} == {"0"}
+
+
+def test_chunked_prefill_hit_ends_mid_chunk(make_oracle) -> None:
+    budget = 12
+    oracle = make_oracle(engine_config=small_engine(max_num_batched_tokens=budget))
+    producer_prompts = prompts_with_prefix(PREFIX, 1, 2, seed=10)  # 24 tokens: chunks [0,12) [12,24)
+    consumer_prompts = prompts_with_prefix(PREFIX, 1, 18, seed=11)  # 40 tokens, 20 from the pool
+    assert HIT_TOKENS % budget != 0
+    _, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
+    assert_loaded(consumer, got, HIT_TOKENS)
+    prefill = computed_chunks(consumer.engine, got[0].req_id)[:2]
+    assert prefill == [(HIT_TOKENS, budget), (HIT_TOKENS + budget, 40 - HIT_TOKENS - budget)]
+
+
+@BOTH_BACKENDS
+def test_concurrent_requests_share_prefix_keys(make_oracle) -> None:
+    oracle = make_oracle()
+    producer_prompts = prompts_with_prefix(PREFIX, 2, 6, seed=12)
+    consumer_prompts = prompts_with_prefix(PREFIX, 3, 9, seed=13)
+    producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts,
+                                                  producer_batched=True, consumer_batched=True)
+    assert_loaded(consumer, got, HIT_TOKENS)
+    # the producer computed the shared blocks twice in one step but saved each once
+    saved = producer.put_start_keys(0)
+    assert len(saved) == len(set(saved))
+    prefix_keys = consumer.keys(PREFIX, blocks=range(HIT_TOKENS // BLOCK_SIZE))
+    assert set(prefix_keys) <= set(saved)
+    # three requests, one read per shared key, fanned out to three local blocks each
+    stats = consumer.workers[0].stats()
+    assert (stats.load_keys, stats.load_blocks) == (len(prefix_keys), 3 * len(prefix_keys))
+    assert consumer.rank_faults(0).keys_sent(GET_START) == prefix_keys
+    reads = consumer.rank_faults(0).calls(GET_RANGES)
+    assert len(reads) == MODEL.num_layers and all(list(c.keys) == prefix_keys for c in reads)
+
+
+def test_partial_hit_from_a_shorter_producer_prompt(make_oracle) -> None:
+    oracle = make_oracle()
+    producer_prompts = [PREFIX[:10]]  # 2 full blocks reach the pool
+    consumer_prompts = prompts_with_prefix(PREFIX, 1, 9, seed=14)
+    _, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
+    assert_loaded(consumer, got, 8)
+
+
+def test_partial_hit_when_later_keys_are_gone(make_oracle, backend) -> None:
+    """Block 2 lost its rank-1 object and block 4 both: only blocks 0-1 are a hit (a block
+    counts only if every storage rank's object is there; the hit stops at the first miss)."""
+    budget = 8
+    oracle = make_oracle(engine_config=small_engine(tp_size=2, max_num_batched_tokens=budget))
+    producer_prompt = [*PREFIX, *random_tokens(2, seed=15)]  # 24 tokens: chunks [0,8) [8,16) [16,24)
+    consumer_prompts = prompts_with_prefix(PREFIX, 1, 9, seed=16)
+    producer = oracle.pooled()
+    serve(producer.engine, [producer_prompt], MAX_TOKENS)
+    backend.remove(producer.keys(PREFIX, storage_rank=1, blocks=[2]) + [
+        k for r in range(2) for k in producer.keys(PREFIX, storage_rank=r, blocks=[4])])
+    consumer = oracle.pooled()
+    got = serve(consumer.engine, consumer_prompts, MAX_TOKENS)
+    # the local run: blocks 0-1 computed in the producer's first chunk [0, 8), nothing else cached
+    want = local_oracle(oracle.local(), [producer_prompt[:budget]], consumer_prompts, MAX_TOKENS)
+    assert want[0].num_local_cached_tokens == budget
+    assert_identical(got, want)
+    assert_loaded(consumer, got, 8)
+    for rank in range(2):
+        assert consumer.rank_faults(rank).keys_sent(GET_START) == producer.keys(PREFIX, storage_rank=rank, blocks=[0, 1])
