@@ -83,21 +83,25 @@ def run_demo(
             bar.update()
         return outputs
 
-    producer_store = make_store()
-    producer = pooled_engine(model, engine_config, config, store_factory=lambda: producer_store)
+    # one store client per connector: Mooncake get sessions belong to a client, so TP ranks
+    # reading the same key must not share one (as separate worker processes would not)
+    producer_stores: list[KVStore] = []
+    producer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, producer_stores))
     serve(producer, producer_prompts, "producer fills the pool")
-    saved_bytes = _io(producer_store, "batch_put_from_multi_buffer_ranges")[0]
+    saved_bytes = _io(producer_stores, "batch_put_from_multi_buffer_ranges")[0]
     producer.shutdown()
 
-    consumer_store = make_store()
-    consumer = pooled_engine(model, engine_config, config, store_factory=lambda: consumer_store)
+    consumer_stores: list[KVStore] = []
+    consumer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, consumer_stores))
     pooled, rows_io = [], []
     for prompt in consumer_prompts:
-        before = _io(consumer_store)
+        before = _io(consumer_stores)
         pooled.extend(serve(consumer, [prompt], "consumer loads from the pool"))
-        after = _io(consumer_store)
+        after = _io(consumer_stores)
         rows_io.append((after[0] - before[0], after[1] - before[1]))
     consumer.shutdown()
+    for store in producer_stores + consumer_stores:
+        store.close()
 
     local = Engine(model, engine_config)  # the oracle: same prefixes computed locally first
     for prompt in producer_prompts:  # the producer's schedule, so prefix KV bytes are the same
@@ -116,10 +120,22 @@ def run_demo(
     return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch)
 
 
-def _io(store: KVStore, call: str = "batch_get_into_multi_buffer_ranges") -> tuple[int, int]:
-    """(bytes moved, backend calls) of `call` so far, from the CheckedStore's counters."""
-    stats = store.stats().get(call)  # type: ignore[attr-defined]
-    return (stats.nbytes, stats.calls) if stats else (0, 0)
+def _collecting(make_store: Callable[[], KVStore], into: list[KVStore]) -> Callable[[], KVStore]:
+    def factory() -> KVStore:
+        into.append(make_store())
+        return into[-1]
+
+    return factory
+
+
+def _io(stores: list[KVStore], call: str = "batch_get_into_multi_buffer_ranges") -> tuple[int, int]:
+    """(bytes moved, backend calls) of `call` so far over `stores`, from the CheckedStore counters."""
+    nbytes = calls = 0
+    for store in stores:
+        stats = store.stats().get(call)  # type: ignore[attr-defined]
+        if stats:
+            nbytes, calls = nbytes + stats.nbytes, calls + stats.calls
+    return nbytes, calls
 
 
 def _compare(pooled: list[RequestOutput], oracle: list[RequestOutput]) -> tuple[bool, str]:
