@@ -16,6 +16,7 @@ from layerkv.header import Header
 from layerkv.keys import block_keys, namespace_for
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
+from layerkv.ranges import RangeLists
 from layerkv.store.base import KVStore
 from layerkv.store.factory import open_checked_store
 
@@ -101,11 +102,8 @@ def run_datapath_demo(
     return DatapathReport(num_blocks, num_layers, src_layout.object_nbytes, tuple(timings), identical)
 
 
-def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray):  # type: ignore[no-untyped-def]
-    if layer == 0:
-        tpl = layout.header_template(headers.ctypes.data, headers.shape[0])
-        return layout.ranges_with_header(0, ids, tpl, ids)
-    return layout.ranges(layer, ids)
+def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray) -> RangeLists:
+    return layout.step_ranges(layer, ids, layout.header_template(headers.ctypes.data, headers.shape[0]), ids)
 
 
 def _check(results: list[int], expected: int, what: str) -> None:

@@ -195,6 +195,13 @@ class CacheLayout:
         """Header slot ranges followed by one layer's ranges, per key (used for layer 0)."""
         return join_ranges((header, slot_ids), (self._templates[layer_idx], block_ids))
 
+    def step_ranges(self, layer_idx: int, block_ids: np.ndarray, header: SegmentTemplate, slot_ids: np.ndarray) -> RangeLists:
+        """What a layerwise transfer moves for `layer_idx`: the layer's ranges, and for layer 0
+        the header slot's range first (the header travels with the first layer)."""
+        if layer_idx == 0:
+            return self.ranges_with_header(0, block_ids, header, slot_ids)
+        return self.ranges(layer_idx, block_ids)
+
 
 def _layer_sort_key(name: LayerName) -> tuple[bool, int]:
     """(is_draft, index parsed from the name): main layers first, then MTP / draft layers."""

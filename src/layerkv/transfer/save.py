@@ -127,10 +127,7 @@ class SaveJob(JobState):
         if active.size == 0:
             return
         ids = self._block_ids[active]
-        if layer_idx == 0:
-            ranges = self._layout.ranges_with_header(0, ids, self._header_tpl, self._slots[active])
-        else:
-            ranges = self._layout.ranges(layer_idx, ids)
+        ranges = self._layout.step_ranges(layer_idx, ids, self._header_tpl, self._slots[active])
         expected = int(np.sum(ranges.sizes[0]))
         start = time.perf_counter()
         results = np.asarray(
