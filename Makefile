@@ -11,6 +11,7 @@ demo: $(BIN)/.stamp-base
 	$(BIN)/layerkv demo
 
 test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
+	$(BIN)/mypy src/layerkv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base

@@ -133,7 +133,7 @@ class Header:
         )
         for name, value, want in zip(names, got, expected, strict=True):
             if value != want:
-                shown = (value.hex(), want.hex()) if isinstance(value, bytes) else (value, want)
+                shown = (value.hex(), want.hex()) if isinstance(value, bytes) and isinstance(want, bytes) else (value, want)
                 raise HeaderError(
                     f"header field '{name}' mismatch for block {block_hash.hex()}: "
                     f"got {shown[0]}, expected {shown[1]}"

@@ -73,7 +73,7 @@ class Engine:
         model_config: ModelConfig,
         engine_config: EngineConfig | None = None,
         scheduler_hooks: SchedulerHooks | None = None,
-        worker_hooks: list[WorkerHooks] | None = None,
+        worker_hooks: Sequence[WorkerHooks] | None = None,
         weights: Weights | None = None,
     ) -> None:
         self.model_config = model_config

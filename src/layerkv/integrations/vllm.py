@@ -85,9 +85,9 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         )
     for group in groups:
         specs = _layer_specs(group)
-        kinds = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
-        if kinds:
-            problems.append(f"KV cache spec {', '.join(kinds)}: only full attention (MHA/GQA/MQA) and MLA are supported")
+        unsupported = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
+        if unsupported:
+            problems.append(f"KV cache spec {', '.join(unsupported)}: only full attention (MHA/GQA/MQA) and MLA are supported")
         elif len({_spec_text(s) for s in specs}) > 1:
             problems.append(
                 f"per-layer KV specs differ within one group ({len({_spec_text(s) for s in specs})} shapes): "
@@ -160,8 +160,9 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     cache_dtype = vllm_config.cache_config.cache_dtype
     # "auto" means the model dtype; an explicit fp8 name says more than torch.uint8 would.
-    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)  # type: ignore[attr-defined]
     tp_rank, pp_rank = _parallel_ranks(vllm_config, role)
+    assert vllm_config.kv_transfer_config is not None  # a connector exists only with a transfer config
     kv_role = vllm_config.kv_transfer_config.kv_role
     return Deployment(
         model_id=str(model.model),
@@ -288,7 +289,7 @@ class LayerKVStats(KVConnectorStats):
     revokes), summed across steps and TP workers."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int | float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
@@ -317,7 +318,7 @@ class LayerKVPromMetrics(KVConnectorPromMetrics):
         labels = self.per_engine_labelvalues[engine_idx]
         for name, value in (transfer_stats_data or {}).items():
             if isinstance(value, (int, float)) and value > 0:
-                self._total.labels(*labels, name).inc(value)
+                self._total.labels(*labels, name).inc(value)  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- the connector

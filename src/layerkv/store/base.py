@@ -138,7 +138,7 @@ def validate_results(results: object, num_keys: int, call: str) -> list[int]:
     ok = isinstance(results, (list, tuple)) and len(results) == num_keys
     if ok:
         out: list[int] = []
-        for value in results:  # type: ignore[union-attr]
+        for value in results:  # type: ignore[attr-defined]
             if isinstance(value, bool) or not _is_integer(value):
                 ok = False
                 break

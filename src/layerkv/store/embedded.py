@@ -380,7 +380,7 @@ class EmbeddedStore:
 
 def _is_index(value: object) -> bool:
     try:
-        operator.index(value)  # type: ignore[call-overload]
+        operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return False
     return True

@@ -271,7 +271,7 @@ class FaultyStore:
         merged: list[object] = [0] * len(keys)
         for i, code in codes.items():
             merged[i] = code
-        for i, value in zip(passed, inner_result or ()):
+        for i, value in zip(passed, inner_result or ()):  # type: ignore[call-overload]
             merged[i] = value
         return merged
 
