@@ -46,7 +46,7 @@ def mooncake_available() -> bool:
 
 
 @contextlib.contextmanager
-def open_backends(with_mooncake: bool, segment_bytes: int = SEGMENT_BYTES) -> Iterator[list[Backend]]:
+def open_backends(with_mooncake: bool, segment_bytes: int = SEGMENT_BYTES, *, remote: bool = True) -> Iterator[list[Backend]]:
     """Yield the embedded store plus (if asked and installed) both Mooncake setups; closes
     clients and stops masters / the holder process on exit."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # loopback only
@@ -57,7 +57,8 @@ def open_backends(with_mooncake: bool, segment_bytes: int = SEGMENT_BYTES) -> It
         backends = [Backend("embedded", embedded, "in-process store (memcpy under one lock)")]
         if with_mooncake and mooncake_available():
             backends.append(stack.enter_context(_mooncake_local(segment_bytes)))
-            backends.append(stack.enter_context(_mooncake_remote(segment_bytes)))
+            if remote:
+                backends.append(stack.enter_context(_mooncake_remote(segment_bytes)))
         yield backends
 
 
