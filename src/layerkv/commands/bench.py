@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
     p.set_defaults(func=run)
 
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"layerkv bench: unknown suite(s) {', '.join(unknown)}; known: {', '.join(SUITE_NAMES)}", file=sys.stderr)
         return 2
-    options = BenchOptions(quick=args.quick, out_dir=args.out, mooncake=not args.no_mooncake)
+    options = BenchOptions(quick=args.quick, out_dir=args.out, mooncake=not args.no_mooncake, tiny=args.tiny)
     command = "layerkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("layerkv") else \
         "layerkv bench " + shlex.join([*args.suites, *(["--quick"] if args.quick else []), "--out", str(args.out)])
     doc = run_bench(args.suites, options, progress=not args.no_progress, command=command)
