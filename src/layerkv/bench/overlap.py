@@ -138,7 +138,11 @@ def _best(fn: Callable[[], Any], reps: int) -> Any:
 
 
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    import torch
+
     result = SuiteResult(NAME)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 CPUs: leave one to layerkv's receive thread (see notes)
     rig = _Rig(options)
     reps = options.reps
     try:
@@ -164,7 +168,10 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             result.summary[f"{key}.recompute_over_best_layerwise_ttft"] = ratio(recompute * 1e3, best["ttft_ms"])
     finally:
         rig.close()
+        torch.set_num_threads(threads)
     result.notes += [
+        "torch runs with 1 intra-op thread here: with 2 threads on this 2-CPU machine the receive thread's wake-ups "
+        "were delayed by hundreds of ms in some runs (TTFT of every pooled variant swung 3-10x).",
         f"model: {rig.model.num_layers} layers, hidden {rig.model.hidden_size}, {rig.prompt_tokens}-token prompt, "
         f"{rig.prefix_tokens} tokens ({HIT_FRACTION:.0%}) in the pool (embedded store), tp 1; best of {reps} fresh engines per variant (the machine's CPUs are shared; medians swing).",
         "load all, then compute = a WorkerConnector wrapper whose start_load_kv waits for every layer before the "
