@@ -1,0 +1,8 @@
+"""`layerkv bench`: benchmark suites (one module per suite) and the runner that writes
+results.json, results.md and PNG plots. Single-threaded drivers; the layerkv transfer threads
+they exercise are started and joined inside each measurement. Benchmarks report, never assert.
+"""
+
+from __future__ import annotations
+
+SUITES: tuple[str, ...] = ("datapath", "descriptors", "lookup", "objects", "overlap", "scale")

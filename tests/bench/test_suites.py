@@ -1,0 +1,149 @@
+"""Each bench suite in its tiny configuration: well-formed rows, finite numbers, counts that
+match the formulas. Times are never asserted (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from layerkv.bench import SUITES
+from layerkv.bench.common import BenchOptions, Progress, SuiteResult
+from layerkv.cli import main
+
+
+def _run(name: str, tmp_path: Path, mooncake: bool = False) -> SuiteResult:
+    options = BenchOptions(quick=True, out_dir=tmp_path, mooncake=mooncake, tiny=True)
+    progress = Progress(1, enabled=False)
+    try:
+        return importlib.import_module(f"layerkv.bench.{name}").run(options, progress)
+    finally:
+        progress.close()
+
+
+def _numbers_finite(rows: list[dict], skip: tuple[str, ...] = ()) -> None:
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, float) and key not in skip:
+                assert math.isfinite(value), f"{key}={value} in {row}"
+
+
+def _plots_exist(result: SuiteResult, tmp_path: Path) -> None:
+    assert result.plots
+    for name in result.plots:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_datapath_embedded(tmp_path: Path) -> None:
+    result = _run("datapath", tmp_path)
+    assert [r["range_nbytes"] for r in result.rows] == [4096, 65536]
+    for row in result.rows:
+        assert row["backend"] == "embedded" and row["verified"] is True
+        assert row["ranges_per_step"] == row["blocks"] * (1 + 2 * row["layers"])
+        assert row["get_lw_over_wo"] == pytest.approx(row["lw_get_gbps"] / row["wo_get_gbps"])
+        assert row["lw_get_gbps"] > 0 and row["memcpy_gbps"] > 0
+    _numbers_finite(result.rows)
+    _plots_exist(result, tmp_path)
+
+
+@pytest.mark.mooncake
+def test_datapath_mooncake_local_and_remote_segment(tmp_path: Path) -> None:
+    from tests.mooncake_master import require_mooncake
+
+    require_mooncake()
+    result = _run("datapath", tmp_path, mooncake=True)
+    assert sorted({r["backend"] for r in result.rows}) == ["embedded", "mooncake-local", "mooncake-remote"]
+    assert all(r["verified"] for r in result.rows)
+    _numbers_finite(result.rows)
+
+
+def test_descriptors_lists_identical(tmp_path: Path) -> None:
+    result = _run("descriptors", tmp_path)
+    assert {(r["shape"], r["blocks"]) for r in result.rows} == {(s, b) for s in ("gqa kv[2,N,16,8,128]", "mla [N,16,576]") for b in (64, 512)}
+    for row in result.rows:
+        assert row["identical"] is True
+        assert row["ranges_per_layer"] == row["blocks"] * (2 if row["shape"].startswith("gqa") else 1)
+    assert result.summary["all_identical"] == 1.0
+    _numbers_finite(result.rows)
+
+
+def test_descriptor_loop_matches_template_lists() -> None:
+    import numpy as np
+
+    from layerkv.bench.descriptors import build_layout, loop_ranges
+
+    layout = build_layout("gqa kv[2,N,16,8,128]", 32)
+    ids = np.array([5, 0, 31, 7])
+    got = layout.ranges(1, ids)
+    assert (got.ptrs, got.sizes, got.offsets) == loop_ranges(layout, 1, ids.tolist())
+    assert loop_ranges(layout, 1, [5])[0] != loop_ranges(layout, 1, [6])[0]
+
+
+def test_lookup_counts(tmp_path: Path) -> None:
+    result = _run("lookup", tmp_path)
+    rows = {(r["hit_rate"], r["variant"]): r for r in result.rows}
+    blocks = 1024 // 16
+    for hit in (0.0, 0.1, 0.5, 1.0):
+        windowed, one = rows[(hit, "windowed")], rows[(hit, "one query")]
+        assert windowed["hit_blocks"] == one["hit_blocks"] == int(blocks * hit)
+        assert one["keys_queried"] == blocks and one["exists_calls"] == 1
+        # windows of 32 up to and including the first window with a miss
+        assert windowed["keys_queried"] == min(blocks, (int(blocks * hit) // 32 + 1) * 32)
+        assert windowed["backend_exists_calls"] == windowed["exists_calls"]
+    _numbers_finite(result.rows)
+
+
+def test_objects_counts_match_formula(tmp_path: Path) -> None:
+    result = _run("objects", tmp_path)
+    L, B, R = 2, 3, 2
+    rows = {(r["scheme"], r["phase"]): r for r in result.rows}
+    lk_save, lk_load = rows[("block x rank (layerkv)", "save")], rows[("block x rank (layerkv)", "load")]
+    pl_save, pl_load = rows[("block x layer x rank", "save")], rows[("block x layer x rank", "load")]
+    assert lk_save["objects_created"] == B * R and pl_save["objects_created"] == B * L * R
+    assert lk_save["sessions"] == B * R and lk_load["sessions"] == B * R
+    assert lk_save["data_calls"] == L * R and lk_load["data_calls"] == L * R  # one range call per layer per rank
+    assert lk_load["loaded_tokens"] == B * 16
+    assert pl_save["exists_keys"] == pl_load["exists_keys"] == B * L * R
+    assert pl_save["data_calls"] == pl_load["data_calls"] == L * R
+    assert pl_load["verified"] is True
+    assert result.summary["L2 B3 R2.objects_ratio"] == L
+
+
+def test_overlap_rows(tmp_path: Path) -> None:
+    result = _run("overlap", tmp_path)
+    conditions = ("no delay", "transfer ~ compute", "transfer ~ 2x compute")
+    variants = ("recompute all", "load all, then compute", "layerwise prefetch 1", "layerwise prefetch 2")
+    assert [(r["condition"], r["variant"]) for r in result.rows] == [(c, v) for c in conditions for v in variants]
+    for row in result.rows:
+        assert row["ttft_ms"] > 0 and row["transfer_alone_ms"] > 0 and row["compute_alone_ms"] > 0
+        assert math.isnan(row["hidden_fraction"]) != row["variant"].startswith("layerwise")
+    _numbers_finite(result.rows, skip=("hidden_fraction",))
+    _plots_exist(result, tmp_path)
+
+
+def test_scale_rows(tmp_path: Path) -> None:
+    result = _run("scale", tmp_path)
+    assert [(r["layers"], r["prompt_tokens"]) for r in result.rows] == [(4, 1024), (4, 2048)]
+    for row in result.rows:
+        assert row["blocks"] == row["prompt_tokens"] // 16 and row["python_peak_mib"] > 0
+    _numbers_finite(result.rows)
+    _plots_exist(result, tmp_path)
+
+
+def test_cli_writes_json_markdown_and_png(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "descriptors", "lookup", "--quick", "--tiny", "--no-mooncake", "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert list(doc["suites"]) == ["descriptors", "lookup"] and doc["quick"] is True
+    md = (out / "results.md").read_text()
+    assert "## descriptors" in md and "## lookup" in md and "| shape | blocks |" in md
+    assert list(out.glob("*.png"))
+
+
+def test_cli_rejects_unknown_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "nosuch", "--out", str(tmp_path)]) == 2
+    assert "unknown suite(s) nosuch" in capsys.readouterr().err
+    assert set(SUITES) == {"datapath", "descriptors", "lookup", "objects", "overlap", "scale"}
