@@ -152,3 +152,38 @@ def test_stalled_store_raises_transfer_timeout_within_the_timeout(make_rig) -> N
     rig.faults[0].release()
     rig.end_step([s])
     assert_get_sessions_well_formed(rig.faults[0])
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_receive_thread_reads_exactly_prefetch_layers_ahead_of_compute(make_rig, prefetch) -> None:
+    from layerkv.messages import SchedulerStep
+
+    rig = make_rig(num_layers=5, prefetch_layers=prefetch)
+    tokens = _tokens(4)
+    rig.run(Req("a", tokens))
+    b = Req("b", tokens)
+    _, scheduled = rig.admit(b)
+    worker, faulty = rig.workers[0], rig.faults[0]
+    faulty.clear_calls()
+
+    def layers_read() -> list[int]:
+        return sorted({c.layer_idx for c in faulty.calls(GET_RANGES) if c.exit_seq is not None})
+
+    def wait_for(expected: list[int]) -> None:
+        deadline = time.monotonic() + 10
+        while layers_read() != expected and time.monotonic() < deadline:
+            time.sleep(0.005)  # polling the receive thread's progress, bounded
+        assert layers_read() == expected
+
+    worker.bind_connector_metadata(rig.scheduler.build_connector_meta(SchedulerStep((scheduled,))))
+    worker.start_load_kv()
+    wait_for(list(range(prefetch + 1)))  # before compute starts: layer 0 and `prefetch` layers ahead
+    worker.wait_for_layer_load(rig.layer_name(0))
+    assert layers_read() == list(range(prefetch + 1))  # it stops there until compute moves on
+    worker.wait_for_layer_load(rig.layer_name(1))
+    wait_for(list(range(prefetch + 2)))
+    for layer in range(2, 5):
+        worker.wait_for_layer_load(rig.layer_name(layer))
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.clear_connector_metadata()

@@ -1,11 +1,11 @@
-"""One step's layerwise load: the receive thread reads layer l's ranges for every key while
-the compute thread may be at most `prefetch_layers` layers behind, verifies headers with layer
-0, fans a shared key out to every local block that wants it, and ends the get sessions only
-after its last read returned. Touched by the compute thread (wait_layer) and the receive thread
-(run); shared state guarded by JobState.cond.
+"""One step's layerwise load: the receive thread reads layer l's ranges for every key, at most
+`prefetch_layers` layers ahead of the layer the compute thread works on, verifies headers with
+layer 0, fans a shared key out to every local block that wants it, and ends the get sessions
+only after its last read returned. Touched by the compute thread (wait_layer) and the receive
+thread (run); shared state guarded by JobState.cond.
 
-    compute:  start ─ wait(0) ── attn 0 ── wait(1) ── attn 1 ── wait(2) ── ...
-    receive:  read 0 ─ read 1 ──────────── read 2 ──────────── read 3 ...   (prefetch 2)
+    compute:  start ── wait(0) ─ attn 0 ─ wait(1) ─ attn 1 ─ wait(2) ─ attn 2 ...
+    receive:  read 0 ─ read 1 ─ read 2 ── read 3 ────────── read 4 ...          (prefetch 2)
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class LoadJob(JobState):
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> None:
-        """Let the receive thread run ahead to layer_idx + prefetch - 1, then wait for layer_idx.
+        """Let the receive thread run ahead to layer_idx + prefetch, then wait for layer_idx.
         On timeout every block of the job is published invalid and the job is cancelled before
         TransferTimeout is raised (the stalled call ends the sessions when it returns)."""
         with self.cond:
@@ -116,7 +116,8 @@ class LoadJob(JobState):
 
     def _wait_allowed(self, layer_idx: int) -> bool:
         with self.cond:
-            while layer_idx >= self.compute_layer + self._prefetch and not self.cancelled:
+            # read ahead: while compute works on layer c, layers up to c + prefetch may be read
+            while layer_idx > self.compute_layer + self._prefetch and not self.cancelled:
                 self.cond.wait(0.5)
             return not self.cancelled
 
