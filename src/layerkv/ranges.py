@@ -31,7 +31,9 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class RangeLists:
-    """Arguments of one batched range call: one inner list per key (block), all of equal length."""
+    """Arguments of one batched range call: one inner list per key (block), all of equal length.
+    The inner lists of `sizes` and `offsets` are one shared row (the same for every key): read
+    them, never mutate them."""
 
     ptrs: list[list[int]]
     sizes: list[list[int]]
@@ -107,8 +109,12 @@ def join_ranges(*parts: tuple[SegmentTemplate, np.ndarray]) -> RangeLists:
     if len(lengths) != 1:
         raise LayoutError(f"join_ranges needs one id per key in every part, got lengths {sorted(lengths)}")
     cols = [tpl.columns(ids) for tpl, ids in parts]
-    ptrs, sizes, offsets = (np.concatenate([c[k] for c in cols], axis=1) for k in range(3))
-    return RangeLists(ptrs.tolist(), sizes.tolist(), offsets.tolist(), int(ptrs.shape[1]))
+    ptrs = np.concatenate([c[0] for c in cols], axis=1)
+    num_keys = ptrs.shape[0]
+    # sizes and offsets are the same for every key: one shared row (callers only read the lists)
+    sizes_row = [int(n) for c in cols for n in c[1][0]] if num_keys else []
+    offsets_row = [int(o) for c in cols for o in c[2][0]] if num_keys else []
+    return RangeLists(ptrs.tolist(), [sizes_row] * num_keys, [offsets_row] * num_keys, int(ptrs.shape[1]))
 
 
 def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
