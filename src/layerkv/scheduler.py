@@ -54,15 +54,18 @@ class PoolLookup:
 
     def count_hit_blocks(self, hashes: Sequence[BlockHash], start_block: int, end_block: int) -> int:
         """Length of the run of present blocks from `start_block` (exclusive `end_block`),
-        asking one window at a time and stopping at the first window with a miss."""
-        hit = 0
-        for window_start in range(start_block, end_block, self._window_blocks):
-            window = hashes[window_start : min(window_start + self._window_blocks, end_block)]
-            present = self.present(window)
-            for flag in present:
+        asking one window at a time and stopping at the first window with a miss. A window that
+        hits entirely doubles the next one (a long full hit costs log-many queries, a low hit
+        rate still costs one window)."""
+        hit, window_start, window_blocks = 0, start_block, self._window_blocks
+        while window_start < end_block:
+            window = hashes[window_start : min(window_start + window_blocks, end_block)]
+            for flag in self.present(window):
                 if not flag:
                     return hit
                 hit += 1
+            window_start += len(window)
+            window_blocks *= 2
         return hit
 
 

@@ -44,7 +44,7 @@ def test_windowed_queries_stop_at_the_first_window_with_a_miss(make_rig) -> None
     ext, _ = rig.admit(Req("b", _tokens(40, extra=1)))
     assert ext == 5 * BLOCK_SIZE
     calls = rig.sched_faults.calls(IS_EXIST)
-    assert [len(c.keys) for c in calls] == [4, 4]  # blocks 0-3, 4-7 (miss at 5); not 10 windows
+    assert [len(c.keys) for c in calls] == [4, 8]  # blocks 0-3, then a doubled window 4-11 (miss at 5)
     assert rig.scheduler.stats.exists_calls >= 2
 
 
@@ -99,3 +99,14 @@ def test_pipeline_parallel_hit_needs_every_stage() -> None:
     assert scheduler.get_num_new_matched_tokens(view, 0) == (0, False)  # stage 1 has nothing
     commit(1, range(2))
     assert scheduler.get_num_new_matched_tokens(view, 0) == (8, False)  # both stages hold blocks 0-1
+
+
+def test_a_long_full_hit_doubles_the_window(make_rig) -> None:
+    rig = make_rig(exists_window_blocks=2, num_blocks=128)
+    tokens = _tokens(30, extra=1)
+    rig.run(Req("a", tokens))
+    rig.sched_faults.clear_calls()
+    ext, _ = rig.admit(Req("b", tokens))
+    assert ext == 30 * BLOCK_SIZE
+    # 2 + 4 + 8 + 16 blocks: four queries for 30 blocks instead of fifteen windows of 2
+    assert [len(c.keys) for c in rig.sched_faults.calls(IS_EXIST)] == [2, 4, 8, 16]
