@@ -28,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    from layerkv.errors import LayerKVError
+
+    try:
+        return int(args.func(args) or 0)
+    except LayerKVError as exc:  # a setup problem the user can fix: the message, no traceback
+        print(f"layerkv {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

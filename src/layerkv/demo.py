@@ -73,7 +73,6 @@ def run_demo(
     engine_config = EngineConfig(block_size=16, num_blocks=256, max_num_batched_tokens=512, tp_size=tp_size,
                                  model_id="layerkv/demo-llama")
     producer_prompts, consumer_prompts = make_prompts(num_docs, prefix_tokens, question_tokens, model.vocab_size, seed=1)
-    bar = tqdm(total=4 * num_docs, desc="layerkv demo", disable=not progress, leave=False)
 
     def serve(engine: Engine, prompts: list[list[int]], stage: str) -> list[RequestOutput]:
         bar.set_postfix_str(stage)
@@ -87,6 +86,7 @@ def run_demo(
     # reading the same key must not share one (as separate worker processes would not)
     producer_stores: list[KVStore] = []
     producer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, producer_stores))
+    bar = tqdm(total=4 * num_docs, desc="layerkv demo", disable=not progress, leave=False)  # after the store opened
     serve(producer, producer_prompts, "producer fills the pool")
     saved_bytes = _io(producer_stores, "batch_put_from_multi_buffer_ranges")[0]
     producer.shutdown()

@@ -21,3 +21,11 @@ def test_datapath_demo_round_trips_every_layer() -> None:
 def test_demo_command_prints_verified_line(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["demo", "--synthetic"]) == 0
     assert "verified: 32 blocks x 8 layers identical" in capsys.readouterr().out
+
+
+def test_cli_prints_setup_errors_without_a_traceback(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", "/nonexistent/mooncake.json")
+    assert main(["demo", "--store", "mooncake"]) == 2
+    err = capsys.readouterr().err
+    assert "layerkv demo: mooncake_config_path='/nonexistent/mooncake.json'" in err
+    assert "Traceback" not in err

@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # keep Mooncake's info log out of the report
     from layerkv.bench.common import BenchOptions
     from layerkv.bench.runner import run_bench
 

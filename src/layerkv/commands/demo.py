@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.store == "mooncake":
         import os
 
-        os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only on the demo's terminal
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own log: errors only on the demo's terminal
     if args.store == "mooncake" and not config.mooncake_config_path:
         from layerkv.store.mooncake_master import LocalDeployment
 
