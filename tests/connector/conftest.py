@@ -15,6 +15,7 @@ from layerkv.store.base import Code, KVStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import PUT_START
 from tests.connector.rig import Rig
+from tests.store_probes import processing_keys
 
 BACKENDS = ["embedded", "mooncake"]  # + "mooncake" (uses the session `mooncake_store` fixture)
 _tags = itertools.count()
@@ -33,15 +34,8 @@ class StoreBackend:
         raise NotImplementedError
 
     def processing_keys(self, keys: list[str]) -> list[str]:
-        """Keys of `keys` that are PROCESSING (a get start answers -703); ends any session it opens."""
-        if not keys:
-            return []
-        probe = self.client()
-        codes = probe.batch_get_session_start(keys)
-        opened = [k for k, c in zip(keys, codes) if c == 0]
-        if opened:
-            probe.batch_get_session_end(opened)
-        return [k for k, c in zip(keys, codes) if c == int(Code.REPLICA_NOT_READY)]
+        """Keys of `keys` that are PROCESSING (a get start answers -703)."""
+        return processing_keys(self.client(), keys)
 
     def remove(self, keys: list[str]) -> list[int]:
         return self.client().batch_remove(keys)

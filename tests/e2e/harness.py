@@ -25,6 +25,7 @@ from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_START, FaultyStore
 from layerkv.worker import WorkerConnector
+from tests.store_probes import processing_keys
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=5)
 BLOCK_SIZE = 4
@@ -63,16 +64,8 @@ class Backend:
         raise NotImplementedError
 
     def processing_keys(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        """Keys that are PROCESSING (a get start answers -703); ends any session it opens."""
-        keys = sorted(set(keys))
-        if not keys:
-            return []
-        probe = self.client()
-        codes = probe.batch_get_session_start(keys)
-        opened = [k for k, c in zip(keys, codes) if c == 0]
-        if opened:
-            probe.batch_get_session_end(opened)
-        return [k for k, c in zip(keys, codes) if c == int(Code.REPLICA_NOT_READY)]
+        """Keys that are PROCESSING (a get start answers -703)."""
+        return processing_keys(self.client(), keys)
 
     def exists(self, keys: Sequence[ObjectKey]) -> list[int]:
         return list(self.client().batch_is_exist(list(keys)))

@@ -35,6 +35,9 @@ class Case:
 def cases(options: BenchOptions) -> list[Case]:
     if options.tiny:
         return [Case("range", 4 * KiB, 4, 2), Case("range", 64 * KiB, 4, 2)]
+    ranges: tuple[int, ...]
+    blocks: tuple[int, ...]
+    layers: tuple[int, ...]
     if options.quick:
         ranges, rb, rl = (4 * KiB, 64 * KiB, 1 * MiB), 8, 4
         blocks, layers = (8, 64, 256), (4, 16, 48)

@@ -109,6 +109,7 @@ def measure(setup: _Setup, num_layers: int, prompt_tokens: int, reps: int) -> Ro
 
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result = SuiteResult(NAME)
+    grid: dict[int, tuple[int, ...]]  # layers -> prompt lengths
     if options.tiny:
         grid = {4: (1024, 2048)}
     elif options.quick:

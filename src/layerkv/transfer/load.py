@@ -23,6 +23,7 @@ from layerkv.header import Header
 from layerkv.layout import CacheLayout
 from layerkv.messages import BlockHash, ReqId
 from layerkv.store.base import KVStore, ObjectKey
+from layerkv.transfer.rows import KeyRows
 from layerkv.transfer.thread import JobState
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,7 @@ class LoadJob(JobState):
         self._prefetch = prefetch_layers
         self._on_done = on_done
         self._on_failed = on_failed
-        self._block_ids = np.array([k.block_id for k in keys], dtype=np.int64)
-        self._slots = np.arange(len(keys), dtype=np.int64)
-        self._header_tpl = layout.header_template(staging.ctypes.data, staging.shape[0], staging.strides[0])
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging)
         self.failed = np.zeros(len(keys), dtype=bool)  # guarded by cond
         self.layers_done = 0  # guarded by cond
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
@@ -126,8 +125,7 @@ class LoadJob(JobState):
             active = np.flatnonzero(~self.failed)
         if active.size == 0:
             return
-        ids = self._block_ids[active]
-        ranges = self._layout.step_ranges(layer_idx, ids, self._header_tpl, self._slots[active])
+        ranges = self._rows.ranges(layer_idx, active)
         expected = int(np.sum(ranges.sizes[0]))
         keys = [self.keys[i].key for i in active]
         start = time.perf_counter()

@@ -18,6 +18,7 @@ import numpy as np
 from layerkv.layout import CacheLayout
 from layerkv.messages import ReqId
 from layerkv.store.base import KVStore, ObjectKey
+from layerkv.transfer.rows import KeyRows
 from layerkv.transfer.thread import JobState
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,8 @@ class SaveJob(JobState):
         self.keys = keys
         self._store = store
         self._layout = layout
-        self._staging = staging
         self._on_closed = on_closed
-        self._block_ids = np.array([k.block_id for k in keys], dtype=np.int64)
-        self._slots = np.arange(len(keys), dtype=np.int64)
-        self._header_tpl = layout.header_template(staging.ctypes.data, staging.shape[0], staging.strides[0])
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging)
         self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, device event or None)
         self._tainted_reqs: frozenset[ReqId] | None = None  # guarded by cond; set by finalize
         self.failed = np.zeros(len(keys), dtype=bool)  # send thread only until finished
@@ -126,8 +124,7 @@ class SaveJob(JobState):
         active = np.flatnonzero(~self.failed)
         if active.size == 0:
             return
-        ids = self._block_ids[active]
-        ranges = self._layout.step_ranges(layer_idx, ids, self._header_tpl, self._slots[active])
+        ranges = self._rows.ranges(layer_idx, active)
         expected = int(np.sum(ranges.sizes[0]))
         start = time.perf_counter()
         results = np.asarray(
