@@ -45,7 +45,12 @@ class WorkerConnector:
       cleaned up as if it had: such put starts are revoked, such get starts ended.
     * wait_for_layer_load timing out publishes every block of the step invalid, cancels the
       job and raises TransferTimeout; the stuck call's job closes its sessions when it returns.
-    * `stats()` range calls count the calls layerkv makes (one per layer per job); the
+    * read_layers_per_range > 1 with host caches: the receive thread reads layer 0, then groups
+      of k layers, as one range per key into registered staging rows (at most
+      max_transfer_blocks rows of the widest group span), and scatters them with numpy. Device
+      caches ignore it and read each layer's entries directly (no host bounce).
+    * `stats()` range calls count the calls layerkv makes (one per layer or group per chunk of
+      staging rows per job); the
       CheckedStore's own stats count the chunks it sent to the backend.
     """
 
