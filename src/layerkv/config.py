@@ -35,6 +35,9 @@ class LayerKVConfig:
     # Master address override (host:port); default: $MOONCAKE_MASTER, else the config file's.
     mooncake_master: str | None = field(default=None, metadata=_rule("host:port or null", lambda v: v is None or ":" in v, "e.g. 127.0.0.1:50051"))
     prefetch_layers: int = field(default=2, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64))
+    # Load side: read this many layers per range per key into a host staging row, then scatter
+    # (layer 0 alone first). 1 = one range per cache entry per layer. Host (CPU) caches only.
+    read_layers_per_range: int = field(default=1, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64, "default is 1"))
     max_transfer_blocks: int = field(default=64, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 64"))
     max_transfer_bytes: int = field(default=16 * MiB, metadata=_rule("4096 <= value <= 4 GiB", lambda v: 4096 <= v <= 4 * GiB, "default is 16 MiB"))
     exists_window_blocks: int = field(default=32, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 32"))

@@ -26,6 +26,7 @@ from layerkv.stats import WorkerStats
 from layerkv.store.base import Code, KVStore, ObjectKey
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.save import SaveJob, SaveKey, SaveOutcome
+from layerkv.transfer.staged import StagedLayers
 from layerkv.transfer.thread import TransferThread
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,12 @@ class WorkerConnector:
       cleaned up as if it had: such put starts are revoked, such get starts ended.
     * wait_for_layer_load timing out publishes every block of the step invalid, cancels the
       job and raises TransferTimeout; the stuck call's job closes its sessions when it returns.
-    * `stats()` range calls count the calls layerkv makes (one per layer per job); the
+    * read_layers_per_range > 1 with host caches: the receive thread reads layer 0, then groups
+      of k layers, as one range per key into registered staging rows (at most
+      max_transfer_blocks rows of the widest group span), and scatters them with numpy. Device
+      caches ignore it and read each layer's entries directly (no host bounce).
+    * `stats()` range calls count the calls layerkv makes (one per layer or group per chunk of
+      staging rows per job); the
       CheckedStore's own stats count the chunks it sent to the backend.
     """
 
@@ -66,7 +72,8 @@ class WorkerConnector:
         self._plan: StepPlan | None = None  # compute thread only
         self._load: LoadJob | None = None  # compute thread only
         self._save: SaveJob | None = None  # compute thread only
-        self._staging: dict[str, np.ndarray] = {}  # "load"/"save" -> registered header rows
+        self._staging: dict[str, np.ndarray] = {}  # "load"/"save"/"groups" -> registered host rows
+        self._staged: StagedLayers | None = None  # layer-group reads (read_layers_per_range > 1, host caches)
         self._regions: list[int] = []  # registered KV cache region pointers (unregistered on shutdown)
         self._unregistered: list[tuple[int, int]] = []  # regions the store refused so far (compute thread)
         self._next_register_s = 0.0  # compute thread: when to retry a refused registration
@@ -83,6 +90,12 @@ class WorkerConnector:
                 "Use backend='mooncake' for device memory"
             )
         self._header = Header(self.namespace.digest, self.layout)
+        if self.config.read_layers_per_range > 1:
+            if self.layout.device_type == "cpu":
+                self._staged = StagedLayers(self.layout, self.config.read_layers_per_range)
+            else:  # device caches: no host bounce; each layer's entries are read directly
+                log.info("layerkv: read_layers_per_range=%d ignored: KV caches live on %s (staging is host-only)",
+                         self.config.read_layers_per_range, self.layout.device_type)
         self._unregistered = _memory_regions(kv_caches)
         self._register_regions()
         log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
@@ -244,7 +257,11 @@ class WorkerConnector:
         assert self.layout is not None and self._header is not None
         load_keys = self._load_keys(specs)
         try:
-            staging = self._staging_rows("load", len(load_keys))
+            if self._staged is not None:  # keys pass through in chunks of at most max_transfer_blocks
+                rows = min(len(load_keys), self.config.max_transfer_blocks)
+                staging = self._staging_rows("groups", rows, self._staged.row_nbytes)
+            else:
+                staging = self._staging_rows("load", len(load_keys))
         except StoreError as exc:
             self._fail_specs(specs, f"header staging buffer: {exc}")
             return None
@@ -274,6 +291,7 @@ class WorkerConnector:
             prefetch_layers=self.config.prefetch_layers,
             on_done=lambda job: self._on_load_done(ok, job),
             on_failed=self._on_load_failed,
+            staged=self._staged,
         )
         self._recv.submit(job)
         return job
@@ -351,16 +369,21 @@ class WorkerConnector:
             self._stats.save_range_calls += outcome.range_calls
             self._stats.transfer_errors += outcome.error is not None
 
-    def _staging_rows(self, kind: str, num_rows: int) -> np.ndarray:
-        """Registered host rows for `num_rows` headers (grown by doubling, re-registered)."""
+    def _staging_rows(self, kind: str, num_rows: int, row_nbytes: int | None = None) -> np.ndarray:
+        """Registered host rows for `num_rows` headers (or rows of `row_nbytes`), grown by
+        doubling (wide rows: up to max_transfer_blocks), re-registered."""
         assert self.layout is not None
         staging = self._staging.get(kind)
         if staging is None or staging.shape[0] < num_rows:
             if staging is not None:
                 self.store.unregister_buffer(staging.ctypes.data)
-            rows = max(num_rows, 2 * (staging.shape[0] if staging is not None else 32))
+            first = 32 if row_nbytes is None else 1  # wide rows: no head start
+            rows = max(num_rows, 2 * (staging.shape[0] if staging is not None else first))
+            if row_nbytes is not None:  # wide rows serve one backend chunk of keys at a time
+                rows = min(rows, max(num_rows, self.config.max_transfer_blocks))
             self._staging.pop(kind, None)
-            staging = np.zeros((rows, self.layout.header_nbytes), dtype=np.uint8)  # [rows, header_nbytes]
+            width = self.layout.header_nbytes if row_nbytes is None else row_nbytes
+            staging = np.zeros((rows, width), dtype=np.uint8)  # [rows, width]
             self.store.register_buffer(staging.ctypes.data, staging.nbytes)  # StoreError: caller degrades
             self._staging[kind] = staging
         return staging

@@ -12,6 +12,8 @@ def test_defaults_work_and_are_frozen() -> None:
     config = LayerKVConfig.from_dict({}, env={})
     assert (config.backend, config.prefetch_layers, config.max_transfer_blocks) == ("embedded", 2, 64)
     assert config.max_transfer_bytes == 16 << 20
+    assert config.read_layers_per_range == 1
+    assert LayerKVConfig.from_dict({"read_layers_per_range": 64}, env={}).read_layers_per_range == 64
     with pytest.raises(AttributeError):
         config.prefetch_layers = 3  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(config)) == config
@@ -24,6 +26,9 @@ def test_defaults_work_and_are_frozen() -> None:
         ({"prefetch_layers": 0}, r"prefetch_layers=0 must be 1 <= value <= 64"),
         ({"prefetch_layers": "2"}, r"prefetch_layers='2' must be of type int, not str"),
         ({"prefetch_layers": True}, r"prefetch_layers=True must be of type int, not bool"),
+        ({"read_layers_per_range": 0}, r"read_layers_per_range=0 must be 1 <= value <= 64; default is 1"),
+        ({"read_layers_per_range": 65}, r"read_layers_per_range=65 must be 1 <= value <= 64"),
+        ({"read_layers_per_range": 2.0}, r"read_layers_per_range=2.0 must be of type int, not float"),
         ({"max_transfer_bytes": 0}, r"max_transfer_bytes=0 must be 4096 <= value .*default is 16 MiB"),
         ({"max_transfer_blocks": -1}, r"max_transfer_blocks=-1 must be"),
         ({"backend": "redis"}, r"backend='redis' must be one of embedded, mooncake"),

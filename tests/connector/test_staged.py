@@ -1,0 +1,130 @@
+"""Staged layer-group reads (read_layers_per_range > 1): the loaded bytes equal the direct
+path's (fan-out included, layer counts not divisible by k), each group is one range per key,
+a failed group read marks exactly its key's blocks and skips the key afterwards, and a header
+that names another block is caught from the staging row."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from layerkv.messages import KVRole
+from layerkv.store.faults import GET_RANGES
+from tests.connector.rig import BLOCK_SIZE, Req, Rig, fill_value
+from tests.connector.test_load import assert_get_sessions_well_formed
+
+
+def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+
+
+def _pattern_block(rig: Rig, rank: int, layer_idx: int, block_hash: bytes) -> torch.Tensor:
+    """What compute writes in the pattern tests: a different value in every element (K and V
+    differ), so a shifted, swapped or misplaced byte range cannot go unnoticed."""
+    shape = rig.caches[rank][rig.layer_name(layer_idx)][:, 0].shape  # [2, block_size, heads, head_dim]
+    ramp = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    return fill_value(block_hash, layer_idx) + rank * 0.5 + ramp * 0.25
+
+
+@pytest.fixture
+def make_pattern_rig(make_rig, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(Rig, "expected_block", _pattern_block)
+    return make_rig
+
+
+@pytest.mark.parametrize(("num_layers", "k", "max_blocks"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
+def test_staged_bytes_equal_direct_path(make_pattern_rig, num_layers: int, k: int, max_blocks: int) -> None:
+    """max_blocks=4: the 6 keys pass through 4 staging rows in two chunks per group."""
+    producer = make_pattern_rig(num_layers=num_layers)
+    prefix = _tokens(6, extra=0)
+    producer.run(Req("p", prefix + [1]))
+    loaded = {}
+    for name, layers_per_range in (("direct", 1), ("staged", k)):
+        rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range,
+                               max_transfer_blocks=max_blocks)
+        a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
+        (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
+        assert ext_a == ext_b == 6 * BLOCK_SIZE
+        rig.poison(a)
+        rig.poison(b)
+        assert rig.step([sa, sb]) == set()
+        assert rig.wrong_blocks(a, range(6)) == [] and rig.wrong_blocks(b, range(6)) == []
+        assert rig.workers[0].stats().load_failed_blocks == 0
+        loaded[name] = [rig.block_values(0, l, req.block_ids[i]).clone()
+                        for l in range(num_layers) for req in (a, b) for i in range(6)]
+        assert_get_sessions_well_formed(rig.faults[0])
+        if layers_per_range > 1:
+            assert rig.workers[0]._staging["groups"].shape[0] == min(6, max_blocks)
+    assert all(torch.equal(x, y) for x, y in zip(loaded["direct"], loaded["staged"], strict=True))
+
+
+def test_each_group_is_one_range_per_key(make_rig) -> None:
+    tokens = _tokens(8)
+    counts = {}
+    for k in (1, 3):
+        rig = make_rig(num_layers=5, read_layers_per_range=k)
+        if k == 1:
+            rig.run(Req("a", tokens))
+        b = Req(f"b{k}", tokens)
+        _, s = rig.admit(b)
+        rig.faults[0].clear_calls()
+        assert rig.step([s]) == set()
+        assert rig.wrong_blocks(b, range(8)) == []
+        calls = rig.faults[0].calls(GET_RANGES)
+        counts[k] = ([c.layer_idx for c in calls], sum(c.num_ranges for c in calls), rig.workers[0].stats().load_range_calls)
+    # direct: per key 1 header + K and V of 5 layers; staged: groups [0] [1..3] [4], one range each
+    assert counts[1] == ([0, 1, 2, 3, 4], 8 * (1 + 2 * 5), 5)
+    assert counts[3] == ([0, 1, 4], 8 * 3, 3)
+
+
+def test_failed_group_read_marks_exactly_its_blocks(make_rig) -> None:
+    rig = make_rig(num_layers=5, read_layers_per_range=2)
+    prefix = _tokens(6, extra=0)
+    rig.run(Req("p", prefix + [1]))
+    a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
+    (_, sa), (_, sb) = rig.admit(a), rig.admit(b)
+    keys = rig.keys(a, blocks=range(6))
+    f = rig.faults[0]
+    rule = f.fail(GET_RANGES, keys[4], layer_idx=1, times=1)  # group [1, 2]
+    f.clear_calls()
+    invalid = rig.step([sa, sb])
+    assert f.fired(rule) == 1
+    assert invalid == {a.block_ids[4], b.block_ids[4]}  # the shared key: both requests' blocks
+    assert rig.workers[0].stats().load_failed_blocks == 2
+    later = [k for c in f.calls(GET_RANGES) if c.layer_idx == 3 for k in c.keys]
+    assert keys[4] not in later and sorted(later) == sorted(keys[:4] + keys[5:])
+    assert rig.wrong_blocks(a, range(4)) == [] and rig.wrong_blocks(b, range(4)) == []
+    rig.step([rig.chunk(a), rig.chunk(b)])  # recompute from the first invalid block
+    assert rig.wrong_blocks(a, range(7)) == [] and rig.wrong_blocks(b, range(8)) == []
+    assert_get_sessions_well_formed(f)
+
+
+def test_header_of_another_block_is_detected(make_rig, store_factory, caplog) -> None:
+    rig = make_rig(num_layers=4, read_layers_per_range=3)
+    tokens = _tokens(6)
+    req = Req("a", tokens)
+    keys, hashes = rig.keys(req), req.hashes
+    # plant key 2's object with block 3's header before the rig saves (its put then skips key 2)
+    layout, header = rig.workers[0].layout, rig.workers[0]._header
+    planted = np.zeros((1, layout.object_nbytes), dtype=np.uint8)
+    header.encode_into(planted, np.arange(1), [hashes[3]])
+    client = store_factory.client()
+    client.register_buffer(planted.ctypes.data, planted.nbytes)
+    try:
+        assert client.batch_put_from([keys[2]], [planted.ctypes.data], [planted.nbytes]) == [0]
+    finally:
+        client.unregister_buffer(planted.ctypes.data)
+    rig.run(req)
+    b = Req("b", tokens)
+    _, s = rig.admit(b)
+    with caplog.at_level(logging.WARNING, logger="layerkv.worker"):
+        invalid = rig.step([s])
+    assert invalid == {b.block_ids[2]}
+    assert "header field 'block_hash' mismatch" in caplog.text
+    later = {k for c in rig.faults[0].calls(GET_RANGES) if c.layer_idx == 1 for k in c.keys}
+    assert keys[2] not in later and keys[3] in later
+    rig.step([rig.chunk(b)])
+    assert rig.wrong_blocks(b, range(6)) == []
