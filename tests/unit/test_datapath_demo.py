@@ -29,3 +29,8 @@ def test_cli_prints_setup_errors_without_a_traceback(capsys, monkeypatch) -> Non
     err = capsys.readouterr().err
     assert "layerkv demo: mooncake_config_path='/nonexistent/mooncake.json'" in err
     assert "Traceback" not in err
+
+
+def test_demo_rejects_a_bad_read_layers_per_range(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["demo", "--read-layers-per-range", "0"]) == 2
+    assert "read_layers_per_range=0 must be" in capsys.readouterr().err

@@ -10,6 +10,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", choices=("embedded", "mooncake"), default="embedded",
                    help="embedded (in-process, default) or mooncake (starts a local master unless MOONCAKE_CONFIG_PATH is set)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the reference engine (default 1)")
+    p.add_argument("--read-layers-per-range", type=int, default=None, metavar="K",
+                   help="read K layers per range into staging and scatter locally (config read_layers_per_range)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     p.add_argument("--synthetic", action="store_true", help="datapath only: synthetic KV caches, no engine")
     p.set_defaults(func=run)
@@ -26,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from layerkv.config import LayerKVConfig
     from layerkv.demo import format_result, result_json, run_demo
 
-    config = LayerKVConfig.from_dict({"backend": args.store})
+    extra: dict[str, object] = {"backend": args.store}
+    if args.read_layers_per_range is not None:
+        extra["read_layers_per_range"] = args.read_layers_per_range
+    config = LayerKVConfig.from_dict(extra)
     if args.store == "mooncake":
         import os
 
