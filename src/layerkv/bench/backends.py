@@ -7,11 +7,8 @@ Every master binds 127.0.0.1 and is stopped on exit. Driver thread only.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -82,36 +79,11 @@ def _mooncake_local(segment_bytes: int) -> Iterator[Backend]:
 def _mooncake_remote(segment_bytes: int) -> Iterator[Backend]:
     """`layerkv master` in a child process (master + segment holder); our client mounts 0 bytes."""
     from layerkv.store.mooncake import MooncakeStore
+    from layerkv.store.mooncake_master import LocalDeployment
 
-    argv = [sys.executable, "-m", "layerkv.cli", "master", "--port", "0", "--http-port", "0",
-            "--segment-size", str(segment_bytes)]
-    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                              env=dict(os.environ))
-    try:
-        config = json.loads(_read_line(holder, _HOLDER_START_TIMEOUT_S))
-        store = MooncakeStore.from_mooncake_config(config)
+    with LocalDeployment(str(segment_bytes), startup_timeout_s=_HOLDER_START_TIMEOUT_S) as deployment:
+        store = MooncakeStore.from_mooncake_config(deployment.client_config)
         try:
             yield Backend("mooncake-remote", store, "Mooncake over TCP loopback; segment held by a `layerkv master` process")
         finally:
             store.close()
-    finally:
-        holder.terminate()
-        try:
-            holder.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.wait(timeout=5)
-
-
-def _read_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
-    """The holder's one JSON line on stdout (read on a helper thread, bounded by timeout_s)."""
-    import threading
-
-    box: list[bytes] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else b""),
-                              name="layerkv-bench-holder-stdout", daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not box or not box[0].strip():
-        raise RuntimeError(f"`layerkv master` (pid {proc.pid}) printed no client config within {timeout_s:.0f} s")
-    return box[0].decode()

@@ -32,12 +32,7 @@ def line_plot(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[flo
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path.name
+    return _save(plt, fig, ax, path)
 
 
 def bar_plot(path: Path, labels: Sequence[str], groups: Mapping[str, Sequence[float]], *, title: str, ylabel: str,
@@ -54,6 +49,11 @@ def bar_plot(path: Path, labels: Sequence[str], groups: Mapping[str, Sequence[fl
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
+    return _save(plt, fig, ax, path)
+
+
+def _save(plt, fig, ax, path: Path) -> str:  # type: ignore[no-untyped-def]
+    """Legend, layout, write the PNG, free the figure; returns the file name."""
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

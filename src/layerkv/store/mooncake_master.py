@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,12 +238,7 @@ class LocalDeployment:
              "--segment-size", segment_size, "--config-out", str(self.config_path)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )
-        deadline = time.monotonic() + startup_timeout_s
-        line = ""
-        while time.monotonic() < deadline and self._proc.poll() is None:
-            line = self._proc.stdout.readline() if self._proc.stdout else ""  # blocks until the JSON line
-            if line.startswith("{"):
-                break
+        line = _first_line(self._proc, startup_timeout_s)
         if not line.startswith("{"):
             self.stop()
             raise StoreError(f"layerkv master did not start within {startup_timeout_s:.0f} s (exit code {self._proc.poll()})")
@@ -263,3 +259,13 @@ class LocalDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The child's first stdout line, read on a helper thread so a silent child cannot hang us."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""),
+                              name="layerkv-master-stdout", daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0] if box else ""
