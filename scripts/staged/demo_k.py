@@ -3,7 +3,7 @@ path, config replaced; demo defaults untouched). Usage: demo_k.py STORE K [K ...
 import os, sys, statistics
 from layerkv.config import LayerKVConfig
 from layerkv.demo import run_demo
-from layerkv.store.mooncake_master import LocalDeployment
+from layerkv.store.local_deployment import LocalDeployment
 
 store, ks = sys.argv[1], [int(k) for k in sys.argv[2:]]
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -15,14 +15,8 @@ COMMANDS = ("demo", "master", "doctor", "bench")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layerkv", description="Layerwise KV-cache pool for LLM inference engines.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"layerkv.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"layerkv.commands.{name}":
-                raise
-            continue  # a command not built yet
-        module.add_parser(sub)
+    for name in COMMANDS:  # a command module that fails to import is a broken install: let it raise
+        importlib.import_module(f"layerkv.commands.{name}").add_parser(sub)
     return parser
 
 

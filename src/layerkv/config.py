@@ -6,7 +6,10 @@ construction; derived sizes live in the layout object. Any thread may read it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,18 +37,45 @@ class LayerKVConfig:
     mooncake_config_path: str | None = field(default=None, metadata=_rule("a path or null", lambda v: True))
     # Master address override (host:port); default: $MOONCAKE_MASTER, else the config file's.
     mooncake_master: str | None = field(default=None, metadata=_rule("host:port or null", lambda v: v is None or ":" in v, "e.g. 127.0.0.1:50051"))
+    # How a step's loads read: "auto" chooses per step (per layer, layer groups through host
+    # staging, or whole objects, and the concurrent calls) from measured transfer and compute
+    # times; "layers" reads layer by layer (prefetch_layers ahead); "groups" reads
+    # read_layers_per_range layers per range through staging; "whole" reads whole objects.
+    transfer_plan: str = field(default="auto", metadata=_rule("one of auto, layers, groups, whole",
+                                                              lambda v: v in ("auto", "layers", "groups", "whole")))
+    # "layers" / "groups" plans: read at most this many layers ahead of compute
     prefetch_layers: int = field(default=2, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64))
-    # Load side: read this many layers per range per key into a host staging row, then scatter
-    # (layer 0 alone first). 1 = one range per cache entry per layer. Host (CPU) caches only.
+    # "groups" plans: layers per range per key into a host staging row, then scattered (layer 0
+    # alone first). Host (CPU) caches only.
     read_layers_per_range: int = field(default=1, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64, "default is 1"))
+    # concurrent range calls per transfer (Mooncake's TCP transport serialises the ranges of one
+    # call); 0 = auto (up to 4, at least 8 keys per call)
+    transfer_lanes: int = field(default=0, metadata=_rule("0 <= value <= 8", lambda v: 0 <= v <= 8, "default is 0 (auto)"))
     max_transfer_blocks: int = field(default=64, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 64"))
     max_transfer_bytes: int = field(default=16 * MiB, metadata=_rule("4096 <= value <= 4 GiB", lambda v: 4096 <= v <= 4 * GiB, "default is 16 MiB"))
     exists_window_blocks: int = field(default=32, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 32"))
-    load_timeout_s: float = field(default=30.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
-    save_timeout_s: float = field(default=60.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
-    # After the store answers RPC_FAIL (master unreachable), serve without the pool this long
-    # before probing it again (Mooncake spends ~4.4 s per call reconnecting to a dead master).
+    # Bounds on the compute thread's waits: a layer not read in time is recomputed, a save not
+    # written in time is revoked. Never an exception into the engine.
+    load_timeout_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
+    save_timeout_s: float = field(default=10.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
+    # A step's written objects wait for the scheduler's verdict (every rank and stage clean) at
+    # most this long, then they are revoked (Mooncake discards put starts after 30 s).
+    commit_timeout_s: float = field(default=20.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 20"))
+    # A load that has held its get sessions this long restarts them (below the store's lease
+    # TTL: Mooncake's default_kv_lease_ttl is 10 s, the embedded store's embedded_lease_ttl_s).
+    lease_renew_after_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 5"))
+    # Bound on every call that talks to the master (metadata, session start / end / revoke);
+    # past it the call counts as an outage (Mooncake answers a hung master after ~30 s).
+    store_call_timeout_s: float = field(default=2.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600, "default is 2"))
+    # After the store answers RPC_FAIL / RPC_TIMEOUT (master unreachable or hung), serve without
+    # the pool this long before probing it again.
     store_retry_interval_s: float = field(default=5.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600))
+    # Readers check every layer against the checksum in the header (host caches). Turn off only
+    # to measure what the check costs (`layerkv bench plans`); producers always write checksums.
+    verify_checksums: bool = field(default=True, metadata=_rule("true or false", lambda v: True))
+    # Pins the identity of the model weights in the namespace (default: the engine's revision,
+    # else a fingerprint of the checkpoint files). Deployments with different values never share.
+    model_fingerprint: str = field(default="", metadata=_rule("a string", lambda v: True))
     tenant: str = field(default="default", metadata=_rule("a non-empty string without '@'", lambda v: bool(v) and "@" not in v))
     # Placement of new objects (Mooncake ReplicateConfig).
     replica_num: int = field(default=1, metadata=_rule("1 <= value <= 16", lambda v: 1 <= v <= 16))
@@ -60,9 +90,10 @@ class LayerKVConfig:
     range_debug_path: str | None = field(default=None, metadata=_rule("a file path or null (stderr)", lambda v: True))
 
     def __post_init__(self) -> None:
+        hints = _hints()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            _check_type(f.name, value, f.type)
+            _check_type(f.name, value, hints[f.name])
             if not f.metadata["check"](value):
                 fix = f"; {f.metadata['fix']}" if f.metadata["fix"] else ""
                 raise ConfigError(f"{f.name}={value!r} must be {f.metadata['rule']}{fix}")
@@ -105,22 +136,39 @@ class LayerKVConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_type(name: str, value: Any, annotation: Any) -> None:
-    text = str(annotation)
-    allowed: tuple[type, ...]
-    if text.startswith("Backend") or text.startswith("str"):
-        allowed = (str,)
-    elif text.startswith("int"):
-        allowed = (int,)
-    elif text.startswith("float"):
-        allowed = (int, float)
-    elif text.startswith("bool"):
-        allowed = (bool,)
-    else:  # pragma: no cover - a field with a type this checker does not know
-        raise AssertionError(f"config field {name} has unchecked type {text}")
-    if value is None and "None" in text:
-        return
-    if isinstance(value, bool) and bool not in allowed:
-        raise ConfigError(f"{name}={value!r} must be of type {text}, not bool")
-    if not isinstance(value, allowed):
-        raise ConfigError(f"{name}={value!r} must be of type {text}, not {type(value).__name__}")
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """ConfigError unless `value` is of the (resolved) annotation `hint`: int, float (an int is
+    fine), bool, str, a Literal, or a union of them (`X | None`). A bool is never an int."""
+    if not _is_instance(value, hint):
+        raise ConfigError(f"{name}={value!r} must be of type {_type_text(hint)}, not {type(value).__name__}")
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:  # the type here; which values are allowed is the field's rule
+        return any(type(value) is type(arg) for arg in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return isinstance(value, hint)
+    raise AssertionError(f"config type {hint!r} has no check")  # a field with a type this checker does not know
+
+
+def _type_text(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return " | ".join(sorted({type(a).__name__ for a in typing.get_args(hint)}))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in typing.get_args(hint))
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    """The resolved field annotations of LayerKVConfig (computed once)."""
+    return typing.get_type_hints(LayerKVConfig)

@@ -1,18 +1,13 @@
 """The engine-neutral connector: `SchedulerConnector` (scheduler.py) and `WorkerConnector`
-(worker.py) implement the vLLM-named hooks of hooks.py; `build_connector` picks one by role.
-Engines (reference engine, vLLM facade) import from here only.
+(worker.py) implement the vLLM-named hooks of hooks.py over a `CheckedStore` the caller opens
+(`store.factory.open_checked_store`). Engines (reference engine, vLLM facade) import from here.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
-from layerkv.config import LayerKVConfig
-from layerkv.messages import Deployment
-from layerkv.plan import BlockSpec, StepPlan
+from layerkv.plan import BlockSpec, StepPlan, StepVerdict
 from layerkv.scheduler import PoolLookup, SchedulerConnector
 from layerkv.stats import SchedulerStats, WorkerStats
-from layerkv.store.base import KVStore
 from layerkv.worker import WorkerConnector
 
 __all__ = [
@@ -21,17 +16,7 @@ __all__ = [
     "SchedulerConnector",
     "SchedulerStats",
     "StepPlan",
+    "StepVerdict",
     "WorkerConnector",
     "WorkerStats",
-    "build_connector",
 ]
-
-
-def build_connector(
-    role: Literal["scheduler", "worker"], config: LayerKVConfig, deployment: Deployment, store: KVStore | None = None
-) -> SchedulerConnector | WorkerConnector:
-    if role == "scheduler":
-        return SchedulerConnector(config, deployment, store)
-    if role == "worker":
-        return WorkerConnector(config, deployment, store)
-    raise ValueError(f"role={role!r} must be 'scheduler' or 'worker'")

@@ -14,6 +14,7 @@ import numpy as np
 from layerkv.config import LayerKVConfig
 from layerkv.header import Header
 from layerkv.keys import block_keys, namespace_for
+from layerkv.transfer.rows import KeyRows
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.ranges import RangeLists
@@ -61,7 +62,7 @@ def run_datapath_demo(
     dst_layout = CacheLayout.from_caches(dst, num_blocks, max_transfer_bytes=config.max_transfer_bytes)
     deployment = Deployment(model_id="demo/synthetic", kv_dtype="float32", block_size=block_size, num_kv_heads=heads)
     namespace = namespace_for(deployment, "demo", src_layout)
-    header = Header(namespace.digest, src_layout)
+    header = Header(namespace.digest, src_layout.digest, src_layout.num_layers, src_layout.object_nbytes)
     hashes = [seed.to_bytes(4, "big") + i.to_bytes(4, "big") for i in range(num_blocks)]
     keys = block_keys(namespace, hashes, 0)
     for arrays in (src, dst):
@@ -103,7 +104,7 @@ def run_datapath_demo(
 
 
 def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray) -> RangeLists:
-    return layout.step_ranges(layer, ids, layout.header_template(headers.ctypes.data, headers.shape[0]), ids)
+    return KeyRows(ids, layout, headers).step(layer, np.arange(len(ids)))
 
 
 def _check(results: list[int], expected: int, what: str) -> None:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from layerkv.config import LayerKVConfig
 from layerkv.engine import Engine, EngineConfig, ModelConfig, RequestOutput
 from layerkv.engine.pooled import pooled_engine
-from layerkv.store.base import KVStore
+from layerkv.store.checked import CheckedStore
 from layerkv.store.factory import open_checked_store
 
 DEMO_MODEL = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
@@ -44,6 +44,7 @@ class DemoResult:
     producer_saved_bytes: int
     identical: bool
     mismatch: str
+    checksum_failures: int = 0  # layers whose bytes failed verification (recomputed, objects removed)
 
 
 def make_prompts(num_docs: int, prefix_tokens: int, question_tokens: int, vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -60,7 +61,7 @@ def make_prompts(num_docs: int, prefix_tokens: int, question_tokens: int, vocab:
 def run_demo(
     config: LayerKVConfig,
     *,
-    store_factory: Callable[[], KVStore] | None = None,
+    store_factory: Callable[[], CheckedStore] | None = None,
     tp_size: int = 1,
     num_docs: int = 4,
     prefix_tokens: int = 384,
@@ -84,14 +85,14 @@ def run_demo(
 
     # one store client per connector: Mooncake get sessions belong to a client, so TP ranks
     # reading the same key must not share one (as separate worker processes would not)
-    producer_stores: list[KVStore] = []
+    producer_stores: list[CheckedStore] = []
     producer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, producer_stores))
     bar = tqdm(total=4 * num_docs, desc="layerkv demo", disable=not progress, leave=False)  # after the store opened
     serve(producer, producer_prompts, "producer fills the pool")
-    saved_bytes = _io(producer_stores, "batch_put_from_multi_buffer_ranges")[0]
+    saved_bytes = _io(producer_stores, ("batch_put_from_multi_buffer_ranges",))[0]
     producer.shutdown()
 
-    consumer_stores: list[KVStore] = []
+    consumer_stores: list[CheckedStore] = []
     consumer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, consumer_stores))
     pooled, rows_io = [], []
     for prompt in consumer_prompts:
@@ -99,6 +100,7 @@ def run_demo(
         pooled.extend(serve(consumer, [prompt], "consumer loads from the pool"))
         after = _io(consumer_stores)
         rows_io.append((after[0] - before[0], after[1] - before[1]))
+    checksum_failures = sum(w.stats().checksum_failures for w in consumer.runner.worker_hooks)  # type: ignore[attr-defined]
     consumer.shutdown()
     for store in producer_stores + consumer_stores:
         store.close()
@@ -117,25 +119,29 @@ def run_demo(
                 o.ttft_s * 1e3, c.ttft_s * 1e3, io[0], io[1])
         for o, c, io in zip(pooled, cold, rows_io)
     )
-    return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch)
+    return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch, checksum_failures)
 
 
-def _collecting(make_store: Callable[[], KVStore], into: list[KVStore]) -> Callable[[], KVStore]:
-    def factory() -> KVStore:
+def _collecting(make_store: Callable[[], CheckedStore], into: list[CheckedStore]) -> Callable[[], CheckedStore]:
+    def factory() -> CheckedStore:
         into.append(make_store())
         return into[-1]
 
     return factory
 
 
-def _io(stores: list[KVStore], call: str = "batch_get_into_multi_buffer_ranges") -> tuple[int, int]:
-    """(bytes moved, backend calls) of `call` so far over `stores`, from the CheckedStore counters."""
-    nbytes = calls = 0
+_LOAD_CALLS = ("batch_get_into_multi_buffer_ranges", "batch_get_into")  # range reads, whole-object reads
+
+
+def _io(stores: list[CheckedStore], calls: tuple[str, ...] = _LOAD_CALLS) -> tuple[int, int]:
+    """(bytes moved, backend data calls) of `calls` so far over `stores`, from the CheckedStore counters."""
+    nbytes = num_calls = 0
     for store in stores:
-        stats = store.stats().get(call)  # type: ignore[attr-defined]
-        if stats:
-            nbytes, calls = nbytes + stats.nbytes, calls + stats.calls
-    return nbytes, calls
+        for call in calls:
+            stats = store.stats().get(call)
+            if stats:
+                nbytes, num_calls = nbytes + stats.nbytes, num_calls + stats.calls
+    return nbytes, num_calls
 
 
 def _compare(pooled: list[RequestOutput], oracle: list[RequestOutput]) -> tuple[bool, str]:

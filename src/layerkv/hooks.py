@@ -10,8 +10,9 @@ Call order per engine step (as vLLM does it):
     worker:     bind_connector_metadata(meta); start_load_kv()
                 for each layer: wait_for_layer_load(name) -> attention -> save_kv_layer(name)
                 wait_for_save(); get_finished(...); get_block_ids_with_load_errors()
-                clear_connector_metadata()
-    scheduler:  update_connector_output(report); request_finished(...) when a request ends
+                report_steps(); clear_connector_metadata()
+    scheduler:  update_connector_output(report: union of every worker's invalid blocks and
+                reported steps); request_finished(...) when a request ends
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class SchedulerHooks(Protocol):
         """(delay freeing the blocks?, kv_transfer_params). layerkv never delays."""
         ...
 
+    def has_pending_work(self) -> bool:
+        """The engine must keep stepping (nothing scheduled) while this is True: a verdict on
+        earlier saves waits for reports or for a step to carry it to the workers."""
+        ...
+
 
 class WorkerHooks(Protocol):
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
@@ -59,9 +65,19 @@ class WorkerHooks(Protocol):
 
     def get_block_ids_with_load_errors(self) -> set[int]: ...
 
+    def report_steps(self) -> tuple[int, ...]:
+        """Step numbers (StepPlan.step_seq) this worker ran since the last call; the engine
+        concatenates them over every worker into WorkerReport.reported_steps."""
+        ...
+
     def clear_connector_metadata(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for background transfers (writes, commits) to finish; True if they did. Not a
+        vLLM hook: engines that want their saves readable when a call returns use it."""
+        ...
 
 
 class NullScheduler:
@@ -81,6 +97,9 @@ class NullScheduler:
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
         return False, None
+
+    def has_pending_work(self) -> bool:
+        return False
 
 
 class NullWorker:
@@ -110,8 +129,14 @@ class NullWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
 
+    def report_steps(self) -> tuple[int, ...]:
+        return ()
+
     def clear_connector_metadata(self) -> None:
         return None
 
     def shutdown(self) -> None:
         return None
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True

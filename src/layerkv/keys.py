@@ -7,10 +7,11 @@ keys for sessions. Any thread.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,15 +75,19 @@ def storage_placement(deployment: Deployment) -> StoragePlacement:
     return StoragePlacement(put_step, d.tp_rank // put_step, d.tp_rank % put_step == 0, d.tp_size // put_step)
 
 
-def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None) -> Namespace:
+def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
+                  model_fingerprint: str = "") -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
     JSON; never Python's hash()) of everything that makes objects incompatible. The worker's own
     tp_rank / pp_rank within a stage are excluded where they do not change the objects.
 
-    The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
+    `model_fingerprint` (the user's pin, config `model_fingerprint`) replaces the engine's
+    `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
     scheduler has no tensors) or, when that is empty, as the registered `layout`'s signature.
     The object header carries the exact layout digest, checked on every read."""
     placement = storage_placement(deployment)
+    if model_fingerprint:
+        deployment = dataclasses.replace(deployment, model_fingerprint=model_fingerprint)
     if not tenant or "@" in tenant:
         raise ConfigError(f"tenant={tenant!r} must be a non-empty string without '@'")
     d = deployment
@@ -90,7 +95,8 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
         "schema_version": SCHEMA_VERSION,
         "tenant": tenant,
         "model_id": d.model_id,
-        "model_revision": d.model_revision,
+        "model_fingerprint": d.model_fingerprint,
+        "model_settings": d.model_settings,
         "kv_dtype": d.kv_dtype,
         "block_size": d.block_size,
         "kv_signature": _kv_signature(deployment, layout),
@@ -123,42 +129,25 @@ def model_basename(model_id: str) -> str:
     return base or "model"
 
 
-def block_hash_bytes(block_hash: bytes | int) -> bytes:
-    """Bytes of an engine block hash. Ints (older engines): 8 bytes big-endian (negative values in
-    int64 range as two's complement), or as many bytes as a larger non-negative int needs."""
+def block_hash_bytes(block_hash: bytes) -> bytes:
+    """The engine's block hash as bytes. Block hashes are bytes end to end (object keys, headers,
+    plans); an engine adapter converts other hash types once, at its boundary."""
     if isinstance(block_hash, (bytes, bytearray, memoryview)):
         raw = bytes(block_hash)
         if not raw:
             raise ConfigError("block hash must not be empty")
         return raw
-    if isinstance(block_hash, int) and not isinstance(block_hash, bool):
-        if -(1 << 63) <= block_hash < 0:
-            return (block_hash & ((1 << 64) - 1)).to_bytes(8, "big")
-        if block_hash < 0:
-            raise ConfigError(f"block hash {block_hash} is a negative int outside int64")
-        return block_hash.to_bytes(max(8, -(-block_hash.bit_length() // 8)), "big")
-    raise ConfigError(f"block hash must be bytes or int, got {type(block_hash).__name__}")
+    raise ConfigError(f"block hash must be bytes (convert engine hashes at the adapter), got {type(block_hash).__name__}")
 
 
-def block_key(namespace: Namespace | str, block_hash: bytes | int, storage_rank: int) -> ObjectKey:
+def block_key(namespace: Namespace | str, block_hash: bytes, storage_rank: int) -> ObjectKey:
     """`<namespace>@<block_hash_hex>@<storage_rank>`."""
     name = namespace.name if isinstance(namespace, Namespace) else namespace
     return f"{name}@{block_hash_bytes(block_hash).hex()}@{storage_rank}"
 
 
-def block_keys(namespace: Namespace | str, block_hashes: Iterable[bytes | int], storage_rank: int) -> list[ObjectKey]:
+def block_keys(namespace: Namespace | str, block_hashes: Iterable[bytes], storage_rank: int) -> list[ObjectKey]:
     """Keys of many blocks for one storage rank, in the order of `block_hashes`."""
     name = namespace.name if isinstance(namespace, Namespace) else namespace
     suffix = f"@{storage_rank}"
     return [f"{name}@{block_hash_bytes(h).hex()}{suffix}" for h in block_hashes]
-
-
-def block_keys_all_ranks(
-    namespace: Namespace | str, block_hashes: Sequence[bytes | int], num_storage_ranks: int
-) -> list[list[ObjectKey]]:
-    """Keys of every storage rank per block: result[i][r] is block i's key on storage rank r.
-    The scheduler counts a block as a hit only when all of result[i] are COMPLETE."""
-    name = namespace.name if isinstance(namespace, Namespace) else namespace
-    suffixes = [f"@{r}" for r in range(num_storage_ranks)]
-    prefixes = [f"{name}@{block_hash_bytes(h).hex()}" for h in block_hashes]
-    return [[p + s for s in suffixes] for p in prefixes]

@@ -7,6 +7,12 @@ One object per (block, storage rank); entries of a layer in registration order:
     0        header_nbytes                                              object_nbytes
     | header | L0 e0 | L0 e1 | L1 e0 | L1 e1 | ... | L(n-1) e.. | MTP/draft layers ... |
              ^ layer_offset(0)       ^ layer_offset(1) = header + bytes of layer 0
+
+An entry is usable when one block of it is one dense byte run, in whatever physical order its
+dimensions have (vLLM's LBHNC and LBNHC keep [H, N, C] resp. [N, H, C] of a block together;
+the cross-layer BLHNC / BLNHC also put the layers of a block side by side). That byte order
+is part of the signature, so caches that order a block differently never share objects.
+Layouts that scatter one block (vLLM's LHBNC, BHLNC: heads outside blocks) are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.header import header_nbytes_for
-from layerkv.ranges import RangeLists, Segment, SegmentTemplate, join_ranges
+from layerkv.ranges import Segment, SegmentTemplate, merge_segments
 
 LayerName = str
 _LAYERS_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -45,6 +51,13 @@ class CacheEntry:
     dtype: str
     device_type: str
     object_offset: int
+    # Logical dims of block_shape with size > 1, outermost in memory first: ascending for a
+    # C-contiguous block; e.g. (1, 0, 2) for a [H, N, C] view stored as [N, H, C] (LBNHC).
+    block_order: tuple[int, ...] = ()
+
+    @property
+    def is_c_order(self) -> bool:
+        return list(self.block_order) == sorted(self.block_order)
 
     @property
     def segment(self) -> Segment:
@@ -72,6 +85,7 @@ class _RawEntry:
     block_shape: tuple[int, ...]
     dtype: str
     device_type: str
+    block_order: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -84,11 +98,10 @@ class CacheLayout:
     object_nbytes: int
     max_transfer_bytes: int
     device_type: str
-    signature: str  # stable text: layers, entries, per-block shape, dtype, bytes
+    signature: str  # stable text: layers, entries, per-block shape, byte order, dtype, bytes
     digest: bytes  # 16 bytes of sha256(signature)
     _layer_idx_by_name: Mapping[LayerName, int] = field(repr=False)
     _templates: tuple[SegmentTemplate, ...] = field(repr=False)
-    _object_template: SegmentTemplate = field(repr=False)
 
     @classmethod
     def from_caches(
@@ -109,8 +122,16 @@ class CacheLayout:
         if not caches:
             raise LayoutError("no KV caches registered: caches is empty")
         grouped: dict[tuple[bool, int], list[_RawEntry]] = {}
+        owners: dict[tuple[bool, int], tuple[str, LayerName]] = {}  # layer -> (module prefix, first name)
         for name, value in caches.items():
             key = _layer_sort_key(name)
+            prefix = _layer_prefix(name)
+            first = owners.setdefault(key, (prefix, name))
+            if first[0] != prefix:  # several caches of one layer share its module path; others are a clash
+                raise LayoutError(
+                    f"cache names {first[1]!r} and {name!r} both parse to layer index {key[1]} but belong to "
+                    f"different modules ({first[0]!r}, {prefix!r}); layerkv keys layers by index: rename the caches"
+                )
             grouped.setdefault(key, []).extend(_entries_of(name, value, num_blocks, kv_first))
         device_types = sorted({e.device_type for group in grouped.values() for e in group})
         if len(device_types) != 1:
@@ -120,9 +141,6 @@ class CacheLayout:
         signature = _signature(layers)
         templates = tuple(
             SegmentTemplate.build([e.segment for e in layer], num_blocks, max_transfer_bytes) for layer in layers
-        )
-        whole = SegmentTemplate.build(
-            [e.segment for layer in layers for e in layer], num_blocks, max_transfer_bytes
         )
         return cls(
             layers=layers,
@@ -135,7 +153,6 @@ class CacheLayout:
             digest=hashlib.sha256(signature.encode()).digest()[:16],
             _layer_idx_by_name={e.layer_name: e.layer_idx for layer in layers for e in layer},
             _templates=templates,
-            _object_template=whole,
         )
 
     @property
@@ -161,19 +178,27 @@ class CacheLayout:
     def layer_nbytes(self, layer_idx: int) -> int:
         return sum(e.block_nbytes for e in self.layers[layer_idx])
 
-    def entry_offset(self, layer_idx: int, entry_idx: int) -> int:
-        return self.layers[layer_idx][entry_idx].object_offset
-
     def template(self, layer_idx: int) -> SegmentTemplate:
         """Segments of one layer (object offsets are absolute, header included)."""
         return self._templates[layer_idx]
 
-    def object_template(self) -> SegmentTemplate:
-        """Segments of all layers (without the header) for whole-object transfers."""
-        return self._object_template
+    def layer_group_template(self, first_layer: int, num_layers: int) -> SegmentTemplate:
+        """Segments of layers [first_layer, first_layer + num_layers) together, merged where
+        they are adjacent both locally and in the object. In a cross-layer cache (vLLM's BLHNC /
+        BLNHC: the layers of one block side by side, in object order) a group is one segment
+        per block: one range per key reads it straight into the cache, without staging."""
+        if num_layers < 1 or first_layer < 0 or first_layer + num_layers > self.num_layers:
+            raise LayoutError(
+                f"layer group [{first_layer}, {first_layer + num_layers}) is not within the {self.num_layers} layers"
+            )
+        segments = [e.segment for layer in self.layers[first_layer:first_layer + num_layers] for e in layer]
+        return SegmentTemplate.build(segments, self.num_blocks, self.max_transfer_bytes)
 
-    def segments_per_layer(self) -> tuple[int, ...]:
-        return tuple(t.num_segments for t in self._templates)
+    def layers_adjacent(self, first_layer: int, num_layers: int) -> bool:
+        """True when layers [first_layer, first_layer + num_layers) of every block are one local
+        byte run in object order (before any `max_transfer_bytes` split): a cross-layer cache."""
+        segments = [e.segment for layer in self.layers[first_layer:first_layer + num_layers] for e in layer]
+        return len(segments) > 0 and len(merge_segments(segments)) == 1
 
     def header_template(self, staging_ptr: int, num_slots: int, slot_stride_nbytes: int | None = None) -> SegmentTemplate:
         """The header segment: slot s of a host staging buffer at staging_ptr + s * stride
@@ -185,22 +210,6 @@ class CacheLayout:
             [Segment(staging_ptr, stride, self.header_nbytes, 0)], num_slots, max(self.max_transfer_bytes, self.header_nbytes)
         )
 
-    def ranges(self, layer_idx: int, block_ids: np.ndarray) -> RangeLists:
-        """Range-call lists of one layer for `block_ids` (one inner list per block)."""
-        return self._templates[layer_idx].ranges(block_ids)
-
-    def ranges_with_header(
-        self, layer_idx: int, block_ids: np.ndarray, header: SegmentTemplate, slot_ids: np.ndarray
-    ) -> RangeLists:
-        """Header slot ranges followed by one layer's ranges, per key (used for layer 0)."""
-        return join_ranges((header, slot_ids), (self._templates[layer_idx], block_ids))
-
-    def step_ranges(self, layer_idx: int, block_ids: np.ndarray, header: SegmentTemplate, slot_ids: np.ndarray) -> RangeLists:
-        """What a layerwise transfer moves for `layer_idx`: the layer's ranges, and for layer 0
-        the header slot's range first (the header travels with the first layer)."""
-        if layer_idx == 0:
-            return self.ranges_with_header(0, block_ids, header, slot_ids)
-        return self.ranges(layer_idx, block_ids)
 
 
 def _layer_sort_key(name: LayerName) -> tuple[bool, int]:
@@ -213,6 +222,13 @@ def _layer_sort_key(name: LayerName) -> tuple[bool, int]:
     return (_DRAFT_RE.search(name) is not None, int(match.group(1)))
 
 
+def _layer_prefix(name: LayerName) -> str:
+    """The name up to the parsed layer index ('model.layers.3' of 'model.layers.3.self_attn.attn')."""
+    match = _LAYERS_RE.search(name) or _ANY_INDEX_RE.search(name)
+    assert match is not None  # _layer_sort_key raised otherwise
+    return name[: match.end(1)]
+
+
 def _place(grouped: dict[tuple[bool, int], list[_RawEntry]], header_nbytes: int) -> tuple[tuple[tuple[CacheEntry, ...], ...], int]:
     """Assign layer indices and object offsets; returns the layers and the object size."""
     layers: list[tuple[CacheEntry, ...]] = []
@@ -222,7 +238,7 @@ def _place(grouped: dict[tuple[bool, int], list[_RawEntry]], header_nbytes: int)
         for entry_idx, raw in enumerate(grouped[key]):
             entries.append(CacheEntry(
                 raw.layer_name, layer_idx, entry_idx, raw.base_ptr, raw.block_stride_nbytes,
-                raw.block_nbytes, raw.block_shape, raw.dtype, raw.device_type, offset,
+                raw.block_nbytes, raw.block_shape, raw.dtype, raw.device_type, offset, raw.block_order,
             ))
             offset += raw.block_nbytes
         layers.append(tuple(entries))
@@ -231,11 +247,19 @@ def _place(grouped: dict[tuple[bool, int], list[_RawEntry]], header_nbytes: int)
 
 def _signature(layers: Sequence[Sequence[CacheEntry]]) -> str:
     """Stable text of what makes objects (in)compatible: per layer, per entry the per-block
-    shape, dtype and bytes. Names and addresses are deliberately left out."""
+    shape, dtype and bytes, and the byte order inside a block when it is not C order
+    (`@order=1,0,2`: a [H, N, C] block stored as [N, H, C]). Names and addresses are
+    deliberately left out, and so is where the layers of a block sit (their object bytes
+    are the same)."""
     parts = [f"layerkv-layout-v1;layers={len(layers)}"]
     for layer in layers:
-        parts.append("|".join(f"{'x'.join(map(str, e.block_shape))}:{e.dtype}:{e.block_nbytes}" for e in layer))
+        parts.append("|".join(_entry_signature(e) for e in layer))
     return ";".join(parts)
+
+
+def _entry_signature(entry: CacheEntry) -> str:
+    text = f"{'x'.join(map(str, entry.block_shape))}:{entry.dtype}:{entry.block_nbytes}"
+    return text if entry.is_c_order else f"{text}@order={','.join(map(str, entry.block_order))}"
 
 
 def _info(name: LayerName, value: Any) -> _ArrayInfo:
@@ -296,18 +320,19 @@ def _block_entry(
     name: LayerName, info: _ArrayInfo, base_ptr: int, block_stride_nbytes: int,
     block_shape: tuple[int, ...], block_strides: tuple[int, ...], num_blocks: int,
 ) -> _RawEntry:
-    """One entry whose block b is the C-contiguous sub-array at base_ptr + b * stride."""
+    """One entry whose block b is the dense sub-array at base_ptr + b * stride, its dims in
+    any physical order (recorded in `block_order`)."""
     block_nbytes = math.prod(block_shape) * info.itemsize
     if block_nbytes == 0:
         raise LayoutError(f"cache {name!r} shape {list(info.shape)} has zero bytes per block")
-    expected = info.itemsize
-    for size, stride in zip(reversed(block_shape), reversed(block_strides)):
-        if size != 1 and stride != expected:
-            raise LayoutError(
-                f"cache {name!r} shape {list(info.shape)} strides(bytes) {list(info.strides_nbytes)}: "
-                f"one block is not contiguous in memory; layerkv needs each block's bytes contiguous"
-            )
-        expected *= size
+    order = _dense_order(block_shape, block_strides, info.itemsize)
+    if order is None:
+        raise LayoutError(
+            f"cache {name!r} shape {list(info.shape)} strides(bytes) {list(info.strides_nbytes)}: "
+            f"one block is not contiguous in memory (its bytes are not one run in any dimension order); "
+            f"layerkv needs each block of a layer in one byte run: with vLLM use a layout such as LBHNC, "
+            f"LBNHC, BLHNC or BLNHC, not LHBNC or BHLNC"
+        )
     if num_blocks == 1:
         block_stride_nbytes = block_nbytes
     elif block_stride_nbytes < block_nbytes:
@@ -315,4 +340,18 @@ def _block_entry(
             f"cache {name!r} shape {list(info.shape)}: block stride {block_stride_nbytes} bytes is smaller "
             f"than one block ({block_nbytes} bytes); blocks would overlap"
         )
-    return _RawEntry(name, base_ptr, block_stride_nbytes, block_nbytes, tuple(block_shape), info.dtype, info.device_type)
+    return _RawEntry(name, base_ptr, block_stride_nbytes, block_nbytes, tuple(block_shape), info.dtype,
+                     info.device_type, order)
+
+
+def _dense_order(shape: Sequence[int], strides_nbytes: Sequence[int], itemsize: int) -> tuple[int, ...] | None:
+    """The dims of size > 1, outermost in memory first, if they tile one dense byte run
+    (innermost stride = itemsize, each next stride = the previous run); None otherwise.
+    Size-1 dims carry no bytes of their own, so their strides do not matter."""
+    dims = sorted((i for i, size in enumerate(shape) if size != 1), key=lambda i: (-strides_nbytes[i], i))
+    expected = itemsize
+    for i in reversed(dims):
+        if strides_nbytes[i] != expected:
+            return None
+        expected *= shape[i]
+    return tuple(dims)

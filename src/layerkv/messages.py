@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from layerkv.errors import ConfigError
+
 ReqId = str
 BlockHash = bytes  # the engine's chained block hash (already salted: cache salt, LoRA, mm)
 
@@ -38,13 +40,25 @@ class Deployment:
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
-    model_revision: str = ""
+    # What identifies the weights (a revision / commit, or a fingerprint of the checkpoint
+    # files; see fingerprint.py) and a digest of the settings that change KV bytes
+    # (quantization, rope / hf overrides, layer count incl. draft layers, KV cache scales).
+    model_fingerprint: str = ""
+    model_settings: str = ""
     is_mla: bool = False
     role: KVRole = KVRole.BOTH
     # Per-layer cache shapes as both the scheduler and the workers can compute them (e.g.
     # "L0:k[16,2,64]f16+v[16,2,64]f16;L1:..."); part of the key namespace, so deployments
     # with different cache layouts never share objects.
     kv_signature: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_heads", "tp_size", "pp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Deployment.{name}={value!r} must be an int >= 1")
+        if not self.model_id:
+            raise ConfigError("Deployment.model_id must not be empty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +95,11 @@ class SchedulerStep:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
-    """What a worker returns to the scheduler side after a step (vLLM's KVConnectorOutput)."""
+    """What the workers return to the scheduler side after a step (vLLM's KVConnectorOutput),
+    already combined over every worker: `invalid_block_ids` is the union, `reported_steps` the
+    concatenation of each worker's step numbers (a step counts once per worker that ran it)."""
 
     finished_sending: frozenset[ReqId] = field(default_factory=frozenset)
     finished_recving: frozenset[ReqId] = field(default_factory=frozenset)
     invalid_block_ids: frozenset[int] = field(default_factory=frozenset)
+    reported_steps: tuple[int, ...] = ()

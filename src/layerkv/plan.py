@@ -1,6 +1,7 @@
 """The per-step metadata the scheduler side hands every worker: which blocks each request
-loads from the pool and which new full blocks it saves. Plain frozen dataclasses, picklable;
-built on the scheduler thread, read on the worker's compute and transfer threads.
+loads from the pool, which new full blocks it saves, and the verdicts on earlier steps' saves
+(commit, or revoke what tainted requests wrote). Plain frozen dataclasses, picklable; built on
+the scheduler thread, read on the worker's compute and transfer threads.
 """
 
 from __future__ import annotations
@@ -26,15 +27,38 @@ class BlockSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StepVerdict:
+    """The decision on the put sessions an earlier step left open, taken once every worker of
+    every rank and stage reported that step: commit them, except those owned by a tainted
+    request (its load failed on some rank or stage, or its block table held a block whose load
+    failed), which are revoked. `revoke_all`: the step's outcome cannot be known (a worker's
+    report never came): revoke everything."""
+
+    step_seq: int
+    tainted_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
+    revoke_all: bool = False
+
+    def revokes(self, req_id: ReqId) -> bool:
+        return self.revoke_all or req_id in self.tainted_req_ids
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """One engine step's transfer plan (the connector metadata)."""
 
+    step_seq: int = 0  # numbers the step; workers report it back (WorkerReport.reported_steps)
+    num_tokens: int = 0  # tokens the engine computes in this step (the transfer planner's compute estimate)
     loads: tuple[BlockSpec, ...] = ()
     saves: tuple[BlockSpec, ...] = ()
-    # Requests that left the engine (finished, aborted, preempted) since the last step: the
-    # worker releases their sessions and forgets them.
+    # Requests that left the engine (finished, aborted, preempted) since the last step.
     ended_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
+    # Verdicts on earlier steps' open put sessions, applied before this step's saves start.
+    verdicts: tuple[StepVerdict, ...] = ()
+    # Blocks whose load failed earlier and that a request of this step attends to without
+    # rewriting them (vLLM keeps such a block in its prefix cache): every worker reports them
+    # invalid again, so the engine recomputes them and this step's saves over them are revoked.
+    reinvalidate: frozenset[int] = field(default_factory=frozenset)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.ended_req_ids
+        return not (self.loads or self.saves or self.ended_req_ids or self.verdicts or self.reinvalidate)

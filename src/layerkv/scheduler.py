@@ -1,23 +1,27 @@
 """Scheduler side of the connector: pool hit planning (windowed exists queries that stop at
-the first miss) and the per-step plan (blocks to load, new full blocks to save). Runs on the
-engine's scheduler thread only; no locks.
+the first miss), the per-step plan (blocks to load, new full blocks to save) and the commit
+verdicts: a step's saves are committed only after every worker of every rank and stage reported
+the step, and never those of a request whose block table held a block that failed to load.
+Runs on the engine's scheduler thread only; no locks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from layerkv.config import LayerKVConfig
 from layerkv.keys import block_keys, namespace_for, storage_placement
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
-from layerkv.plan import BlockSpec, StepPlan
+from layerkv.plan import BlockSpec, StepPlan, StepVerdict
 from layerkv.stats import SchedulerStats
-from layerkv.store.base import KVStore
+from layerkv.store.checked import CheckedStore
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ class PoolLookup:
     """Asks the store which blocks are readable: a block counts only if every storage rank's
     key is COMPLETE. Results outside {0, 1} are errors, never hits."""
 
-    def __init__(self, store: KVStore, namespace: str | Sequence[str], num_storage_ranks: int, window_blocks: int,
+    def __init__(self, store: CheckedStore, namespace: str | Sequence[str], num_storage_ranks: int, window_blocks: int,
                  stats: SchedulerStats) -> None:
         self._store = store
         # every (pipeline stage namespace, storage rank) pair must hold a block for a hit
@@ -75,19 +79,29 @@ class _PendingLoad:
     num_blocks: int
 
 
+@dataclass(slots=True)
+class _AwaitedStep:
+    """A step with saves whose verdict waits for every worker's report."""
+
+    block_tables: dict[ReqId, frozenset[int]]  # every request of the step: all its block ids
+    since_s: float  # monotonic time the step was planned
+    invalid_block_ids: set[int] = field(default_factory=set)  # reported while it waited
+    num_reports: int = 0
+
+
 class SchedulerConnector:
     """The scheduler hooks (see hooks.SchedulerHooks) backed by a store."""
 
-    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: KVStore | None = None) -> None:
-        from layerkv.store.factory import open_checked_store
-
+    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> None:
         self.config = config
         self.deployment = deployment
-        self.store = store if store is not None else open_checked_store(config)
-        self.namespace = namespace_for(deployment, config.tenant)
+        self.store = store
+        self.namespace = namespace_for(deployment, config.tenant, model_fingerprint=config.model_fingerprint)
         # with pipeline parallelism each stage writes its own layers under its own namespace
-        stage_namespaces = [namespace_for(dataclasses.replace(deployment, pp_rank=s), config.tenant).name
-                            for s in range(deployment.pp_size)]
+        stage_namespaces = [
+            namespace_for(dataclasses.replace(deployment, pp_rank=s), config.tenant, model_fingerprint=config.model_fingerprint).name
+            for s in range(deployment.pp_size)
+        ]
         self.stats = SchedulerStats()
         placement = storage_placement(deployment)
         self._lookup = PoolLookup(self.store, stage_namespaces, placement.num_storage_ranks, config.exists_window_blocks, self.stats)
@@ -95,6 +109,11 @@ class SchedulerConnector:
         self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
         self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc
         self._ended: set[ReqId] = set()
+        self._next_step_seq = 0
+        self._num_workers = deployment.tp_size * deployment.pp_size  # reports a step needs
+        self._awaiting: dict[int, _AwaitedStep] = {}  # step seq -> its saves' owners, until settled
+        self._verdicts: list[StepVerdict] = []  # decided, not yet sent
+        self._suspect: set[int] = set()  # block ids whose load failed and that nobody rewrote since
 
     # -- hooks ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
@@ -131,13 +150,76 @@ class SchedulerConnector:
         saves = self._plan_saves(step, {spec.req_id for spec in loads}) if self.deployment.role.saves else ()
         ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
         self._ended.clear()
+        seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
+        if saves:
+            self._awaiting[seq] = _AwaitedStep({r.req_id: frozenset(r.block_ids) for r in step.requests}, time.monotonic())
+        verdicts, self._verdicts = tuple(self._verdicts), []
         self.stats.steps += 1
         self.stats.load_blocks += sum(len(spec) for spec in loads)
         self.stats.save_blocks += sum(len(spec) for spec in saves)
-        return StepPlan(loads=loads, saves=saves, ended_req_ids=ended)
+        num_tokens = sum(r.num_scheduled_tokens for r in step.requests)
+        reinvalidate = self._stale_blocks(step, loads)
+        return StepPlan(step_seq=seq, num_tokens=num_tokens, loads=loads, saves=saves, ended_req_ids=ended,
+                        verdicts=verdicts, reinvalidate=reinvalidate)
+
+    def _stale_blocks(self, step: SchedulerStep, loads: tuple[BlockSpec, ...]) -> frozenset[int]:
+        """Suspect blocks a request of `step` attends to as already computed (an engine prefix-
+        cache hit on a block whose load failed); blocks this step rewrites (loads or computes
+        whole) stop being suspect."""
+        if not self._suspect:
+            return frozenset()
+        bs = self._block_size
+        written = {b for spec in loads for b in spec.block_ids}
+        for r in step.requests:
+            first = -(-r.num_computed_tokens // bs)  # blocks computed whole by this step
+            last = (r.num_computed_tokens + r.num_scheduled_tokens) // bs
+            written.update(r.block_ids[first:last])
+        self._suspect -= written
+        stale = {b for r in step.requests for b in r.block_ids[: r.num_computed_tokens // bs]
+                 if b in self._suspect and b not in written}
+        self.stats.stale_blocks_reinvalidated += len(stale)
+        return frozenset(stale)
 
     def update_connector_output(self, report: WorkerReport) -> None:
+        """A step's combined worker output: decide the steps every worker has now reported.
+        Failed blocks count against every step still waiting (under async scheduling a step can
+        be built before the previous step's failures are known)."""
         self.stats.load_failures += len(report.invalid_block_ids)
+        self._suspect |= report.invalid_block_ids
+        for awaited in self._awaiting.values():
+            awaited.invalid_block_ids |= report.invalid_block_ids
+        counts = Counter(report.reported_steps)
+        for seq, n in counts.items():
+            if seq in self._awaiting:
+                self._awaiting[seq].num_reports += n
+        latest = max(counts, default=-1)
+        for seq in sorted(self._awaiting):
+            awaited = self._awaiting[seq]
+            if awaited.num_reports >= self._num_workers:
+                del self._awaiting[seq]
+                tainted = frozenset(r for r, blocks in awaited.block_tables.items() if blocks & awaited.invalid_block_ids)
+                self._verdicts.append(StepVerdict(seq, tainted))
+                self.stats.tainted_requests += len(tainted)
+            elif seq < latest:  # a later step is reported, this one never will be in full
+                del self._awaiting[seq]
+                log.warning("layerkv: step %d was reported by %d of %d workers; revoking its saves",
+                            seq, awaited.num_reports, self._num_workers)
+                self._verdicts.append(StepVerdict(seq, revoke_all=True))
+                self.stats.unreported_steps += 1
+
+    def has_pending_work(self) -> bool:
+        """True while a step's saves wait for their verdict or a decided verdict waits for the
+        next step to carry it: the engine must keep stepping (with nothing scheduled) or the
+        last step's objects are never committed. A step whose reports did not all come within
+        commit_timeout_s is given up here too (the workers revoke such sessions themselves)."""
+        deadline = time.monotonic() - self.config.commit_timeout_s
+        for seq in [s for s, a in self._awaiting.items() if a.since_s < deadline]:
+            awaited = self._awaiting.pop(seq)
+            log.warning("layerkv: step %d was reported by %d of %d workers within %.0f s; revoking its saves",
+                        seq, awaited.num_reports, self._num_workers, self.config.commit_timeout_s)
+            self._verdicts.append(StepVerdict(seq, revoke_all=True))
+            self.stats.unreported_steps += 1
+        return bool(self._awaiting or self._verdicts)
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
         self._matched.pop(request.req_id, None)
@@ -147,7 +229,10 @@ class SchedulerConnector:
 
     # -- save planning --------------------------------------------------------------------
     def _plan_saves(self, step: SchedulerStep, loading: set[ReqId]) -> tuple[BlockSpec, ...]:
-        """New full blocks of this step whose keys are not all in the pool yet."""
+        """New full blocks of this step whose keys are not all in the pool yet (none while the
+        store is down: nothing could be saved)."""
+        if self.store.is_down():
+            return ()
         candidates: list[tuple[ReqId, BlockHash, int]] = []
         seen: set[BlockHash] = set()
         for request in step.requests:

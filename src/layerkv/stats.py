@@ -21,6 +21,9 @@ class SchedulerStats:
     save_blocks: int = 0
     save_skipped_existing: int = 0
     load_failures: int = 0
+    tainted_requests: int = 0  # requests whose step's saves were revoked (a block they used failed)
+    unreported_steps: int = 0  # steps some worker never reported: their saves revoked
+    stale_blocks_reinvalidated: int = 0  # failed blocks a later request hit in the engine's prefix cache
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -29,21 +32,42 @@ class SchedulerStats:
 @dataclass(slots=True)
 class WorkerStats:
     steps: int = 0
+    # loads
     load_keys: int = 0
     load_blocks: int = 0
     loaded_bytes: int = 0
     load_range_calls: int = 0
-    load_failed_blocks: int = 0
-    save_keys: int = 0
+    load_failed_blocks: int = 0  # reported to the engine for recompute
+    load_timeouts: int = 0  # waits for a layer that gave up (the blocks were recomputed)
+    load_skipped_stuck: int = 0  # steps whose loads were recomputed at once: an earlier load was stuck
+    header_failures: int = 0
+    checksum_failures: int = 0
+    removed_objects: int = 0  # objects that failed verification, removed from the pool
+    fenced_keys: int = 0  # sessions not used after a store outage
+    lease_renewals: int = 0
+    load_wait_s: float = 0.0  # compute thread time spent waiting for layers
+    load_plans_layers: int = 0  # steps whose load plan read layer by layer straight into the cache
+    load_plans_groups: int = 0  # ... groups of layers through staging
+    load_plans_whole: int = 0  # ... whole objects through staging
+    # saves
+    save_keys: int = 0  # put sessions started
     saved_bytes: int = 0
     save_range_calls: int = 0
-    committed_keys: int = 0
-    revoked_keys: int = 0
-    save_failed_keys: int = 0
     save_skipped_existing: int = 0
-    tainted_keys: int = 0
-    transfer_errors: int = 0
-    load_wait_s: float = 0.0  # compute thread time spent waiting for layers
+    save_failed_keys: int = 0  # put start failed, or revoked by the save job (write failure, incomplete step)
+    save_timeouts: int = 0
+    save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
+    # commit protocol
+    committed_keys: int = 0
+    revoked_tainted: int = 0  # owned by a request that attended to a failed block (any rank / stage)
+    revoked_unsettled: int = 0  # no verdict within commit_timeout_s
+    revoked_on_shutdown: int = 0
+    commit_failed: int = 0
+    transfer_errors: int = 0  # a transfer thread raised (its step's transfers failed)
+
+    def count_plan(self, mode: str) -> None:
+        name = f"load_plans_{mode}"
+        setattr(self, name, getattr(self, name) + 1)
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)

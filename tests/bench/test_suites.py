@@ -77,7 +77,7 @@ def test_descriptor_loop_matches_template_lists() -> None:
 
     layout = build_layout("gqa kv[2,N,16,8,128]", 32)
     ids = np.array([5, 0, 31, 7])
-    got = layout.ranges(1, ids)
+    got = layout.template(1).ranges(ids)
     assert (got.ptrs, got.sizes, got.offsets) == loop_ranges(layout, 1, ids.tolist())
     assert loop_ranges(layout, 1, [5])[0] != loop_ranges(layout, 1, [6])[0]
 
@@ -104,7 +104,8 @@ def test_objects_counts_match_formula(tmp_path: Path) -> None:
     pl_save, pl_load = rows[("block x layer x rank", "save")], rows[("block x layer x rank", "load")]
     assert lk_save["objects_created"] == B * R and pl_save["objects_created"] == B * L * R
     assert lk_save["sessions"] == B * R and lk_load["sessions"] == B * R
-    assert lk_save["data_calls"] == L * R and lk_load["data_calls"] == L * R  # one range call per layer per rank
+    assert lk_save["data_calls"] == (L + 1) * R  # one range call per layer per rank, then the headers
+    assert lk_load["data_calls"] == L * R  # one per layer per rank (the header travels with layer 0)
     assert lk_load["loaded_tokens"] == B * 16
     assert pl_save["exists_keys"] == pl_load["exists_keys"] == B * L * R
     assert pl_save["data_calls"] == pl_load["data_calls"] == L * R
@@ -146,4 +147,16 @@ def test_cli_writes_json_markdown_and_png(tmp_path: Path) -> None:
 def test_cli_rejects_unknown_suite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "nosuch", "--out", str(tmp_path)]) == 2
     assert "unknown suite(s) nosuch" in capsys.readouterr().err
-    assert set(SUITES) == {"datapath", "descriptors", "lookup", "objects", "overlap", "scale"}
+    assert set(SUITES) == {"datapath", "plans", "descriptors", "lookup", "objects", "overlap", "scale"}
+
+
+def test_plans_rows_compare_every_plan_with_whole_objects(tmp_path: Path) -> None:
+    result = _run("plans", tmp_path)
+    paths = {(r["backend"], r["direction"], r["path"]) for r in result.rows}
+    for backend in {r["backend"] for r in result.rows}:
+        for path in ("whole object", "layerkv save (layers)", "layerkv save (auto)"):
+            assert (backend, "put", path) in paths
+        for plan in ("layers", "groups", "whole", "auto"):
+            assert (backend, "get", f"layerkv load ({plan})") in paths
+    assert all(r["verified"] for r in result.rows if "verified" in r)
+    _numbers_finite(result.rows)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from layerkv.store.base import KVStore
+from layerkv.store.base import STORE_CALLS, KVStore
 from layerkv.store.embedded import EmbeddedStore
 
 MiB = 1 << 20
@@ -90,11 +90,7 @@ class PrefixedKeys:
     """Forwards every call of a store with each key prefixed, so tests sharing one real master
     never see each other's objects (the contract suite uses short fixed key names)."""
 
-    _KEYED = {
-        "batch_is_exist", "batch_put_session_start", "batch_put_from_multi_buffer_ranges", "batch_put_session_end",
-        "batch_put_session_revoke", "batch_get_session_start", "batch_get_into_multi_buffer_ranges",
-        "batch_get_session_end", "batch_put_from", "batch_get_into", "batch_remove",
-    }
+    _KEYED = frozenset(STORE_CALLS)  # every batch call takes keys first
 
     def __init__(self, inner: KVStore, prefix: str) -> None:
         self.inner, self.prefix, self.name = inner, prefix, inner.name

@@ -1,6 +1,6 @@
 """Backends for the connector tests and the per-test leak check. `store_factory` is parametrised
 over every backend (add "mooncake" to BACKENDS once the real-master fixture is merged); `make_rig`
-builds rigs on it and, after the test, drains them and asserts: tracker empty, no PROCESSING
+builds rigs on it and, after the test, drains them and asserts: no session left, no PROCESSING
 object of ours, transfer threads joined."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from layerkv.store.base import Code, KVStore
+from layerkv.store.base import KVStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import PUT_START
 from tests.connector.rig import Rig
@@ -117,15 +117,14 @@ def make_rig(store_factory: StoreBackend) -> Iterator[Any]:
             faulty.release()
         rig.drain()
         for rank, worker in enumerate(rig.workers):
-            if not worker.tracker.is_empty():
-                problems.append(f"rank {rank} tracker not empty: {worker.tracker.snapshot()}")
+            if not worker.is_idle(5.0):
+                problems.append(f"rank {rank} sessions left: {worker.open_sessions()}")
         started = sorted({k for f in rig.faults for k in f.keys_sent(PUT_START)})
         stuck = store_factory.processing_keys(started)
         if stuck:
             problems.append(f"PROCESSING objects left: {stuck[:4]} ({len(stuck)})")
         rig.shutdown()
-        alive = [w._recv.name for w in rig.workers if w._recv._thread.is_alive()]
-        alive += [w._send.name for w in rig.workers if w._send._thread.is_alive()]
+        alive = [name for w in rig.workers for name in w.threads_alive()]
         if alive:
             problems.append(f"threads still alive after shutdown: {alive}")
     assert not problems, "; ".join(problems)

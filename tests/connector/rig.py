@@ -17,7 +17,7 @@ from layerkv.connector import SchedulerConnector, WorkerConnector
 from layerkv.keys import block_keys
 from layerkv.messages import Deployment, KVRole, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.store.checked import CheckedStore
-from layerkv.store.faults import FaultyStore
+from layerkv.store.faults import GET_END, GET_RANGES, GET_START, FaultyStore
 
 BLOCK_SIZE = 4
 
@@ -59,7 +59,10 @@ class Rig:
     def __init__(self, backend: Any, *, num_layers: int = 3, num_blocks: int = 64, num_kv_heads: int = 2,
                  head_dim: int = 8, tp_size: int = 1, role: KVRole = KVRole.BOTH, call_save: bool = True,
                  **config: Any) -> None:
-        self.config = LayerKVConfig.from_dict({"load_timeout_s": 5.0, "save_timeout_s": 5.0, **config}, env={})
+        # the per-layer plan unless a test asks for another (most tests pin per-layer behaviour)
+        plan = "groups" if config.get("read_layers_per_range", 1) > 1 else "layers"
+        self.config = LayerKVConfig.from_dict({"load_timeout_s": 5.0, "save_timeout_s": 5.0, "transfer_plan": plan, **config},
+                                              env={})
         self.backend = backend
         self.num_layers, self.num_blocks, self.tp_size, self.call_save = num_layers, num_blocks, tp_size, call_save
         heads_per_rank = max(1, num_kv_heads // tp_size)
@@ -89,7 +92,10 @@ class Rig:
         self.finished: set[str] = set()
 
     def _checked(self, faulty: FaultyStore) -> CheckedStore:
-        return CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks)
+        """As layerkv opens its store: chunked, bounded metadata calls, outage short-circuit."""
+        return CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks,
+                            retry_interval_s=self.config.store_retry_interval_s,
+                            call_timeout_s=self.config.store_call_timeout_s)
 
     def layer_name(self, layer_idx: int) -> str:
         return f"model.layers.{layer_idx}.self_attn.attn"
@@ -121,6 +127,27 @@ class Rig:
         n = remaining if budget is None else min(budget, remaining)
         return ScheduledRequest(req.req_id, tuple(req.block_ids), req.num_computed, n, req.hashes, resumed)
 
+    def worker_step(self, scheduled: list[ScheduledRequest], *, deferred: bool = False) -> tuple[set[int], tuple[int, ...]]:
+        """One step of rank 0 in vLLM's hook order; `deferred`: the order vLLM uses with
+        speculative decoding (load errors and the step report before wait_for_save). Returns
+        (invalid blocks, reported steps); the scheduler side gets them as vLLM would pass them."""
+        worker = self.workers[0]
+        plan = self.scheduler.build_connector_meta(self.step_of(scheduled))
+        worker.bind_connector_metadata(plan)
+        worker.start_load_kv()
+        for layer_idx in range(self.num_layers):
+            worker.wait_for_layer_load(self.layer_name(layer_idx))
+            self._compute_layer(0, layer_idx, scheduled)
+            worker.save_kv_layer(self.layer_name(layer_idx))
+        if not deferred:
+            worker.wait_for_save()
+        invalid, steps = worker.get_block_ids_with_load_errors(), worker.report_steps()
+        if deferred:
+            worker.wait_for_save()
+        worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(WorkerReport(invalid_block_ids=frozenset(invalid), reported_steps=steps))
+        return invalid, steps
+
     def step(self, scheduled: list[ScheduledRequest], *, finished: frozenset[str] = frozenset(),
              preempted: frozenset[str] = frozenset(), layers: int | None = None) -> set[int]:
         """Run one engine step; returns the invalid block ids the workers reported. Requests
@@ -144,12 +171,14 @@ class Rig:
 
     def end_step(self, scheduled: list[ScheduledRequest], finished: frozenset[str] = frozenset()) -> set[int]:
         invalid: set[int] = set()
+        reported: list[int] = []
         for worker in self.workers:
             worker.wait_for_save()
             worker.get_finished(set(finished))
             invalid |= worker.get_block_ids_with_load_errors()
+            reported.extend(worker.report_steps())
             worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(WorkerReport(invalid_block_ids=frozenset(invalid)))
+        self.scheduler.update_connector_output(WorkerReport(invalid_block_ids=frozenset(invalid), reported_steps=tuple(reported)))
         for s in scheduled:
             req = self.reqs[s.req_id]
             req.num_computed = s.num_computed_tokens + s.num_scheduled_tokens
@@ -159,12 +188,24 @@ class Rig:
         return invalid
 
     def run(self, req: Req, budget: int | None = None) -> tuple[int, set[int]]:
-        """Admit `req` and step it until its prompt is computed; (pool tokens, invalid blocks)."""
+        """Admit `req` and step it until its prompt is computed, then one empty step that carries
+        the verdicts on its saves (commits happen a step later); (pool tokens, invalid blocks)."""
         ext, s = self.admit(req, budget)
         invalid = self.step([s])
         while not req.done:
             invalid |= self.step([self.chunk(req, budget)])
+        self.settle()
         return ext, invalid
+
+    def settle(self) -> None:
+        """An engine step with nothing scheduled: delivers the verdicts on earlier saves; then
+        waits for the background writes and commits."""
+        self.step([])
+        self.flush()
+
+    def flush(self) -> None:
+        for worker in self.workers:
+            assert worker.flush(5.0), "background transfers did not finish"
 
     def finish(self, *reqs: Req) -> None:
         """The requests end: request_finished on the scheduler, then a step that carries the ids."""
@@ -212,3 +253,24 @@ class Rig:
     def shutdown(self) -> None:
         for worker in self.workers:
             worker.shutdown()
+
+
+def assert_get_sessions_well_formed(faulty) -> None:
+    """Per key: start -> reads that all returned -> exactly one end, before any new start."""
+    calls = sorted(faulty.calls(), key=lambda c: c.enter_seq)
+    open_since: dict[str, int] = {}  # key -> start's exit seq
+    last_read_exit: dict[str, int] = {}
+    for c in calls:
+        for key in c.keys:
+            if c.method == GET_START:
+                assert key not in open_since, f"second get start on open session {key}"
+                open_since[key] = c.exit_seq
+            elif c.method == GET_RANGES:
+                assert key in open_since, f"read of {key} outside a session"
+                last_read_exit[key] = max(last_read_exit.get(key, -1), c.exit_seq)
+            elif c.method == GET_END:
+                assert key in open_since, f"get end of {key} without an open session (twice?)"
+                assert last_read_exit.get(key, -1) < c.enter_seq, f"get end of {key} while a read was in flight"
+                del open_since[key]
+                last_read_exit.pop(key, None)
+    assert not open_since, f"get sessions never ended: {sorted(open_since)[:3]}"

@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from layerkv.errors import TransferTimeout
 from layerkv.store.faults import GET_END, GET_RANGES, GET_START
-from tests.connector.rig import BLOCK_SIZE, Req
+from tests.connector.rig import BLOCK_SIZE, Req, assert_get_sessions_well_formed
 
 
 def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
@@ -25,27 +24,6 @@ def _two_sharing(rig, shared_blocks: int = 4):
     (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)
     assert ext_a == ext_b == shared_blocks * BLOCK_SIZE
     return a, b, [sa, sb]
-
-
-def assert_get_sessions_well_formed(faulty) -> None:
-    """Per key: start -> reads that all returned -> exactly one end, before any new start."""
-    calls = sorted(faulty.calls(), key=lambda c: c.enter_seq)
-    open_since: dict[str, int] = {}  # key -> start's exit seq
-    last_read_exit: dict[str, int] = {}
-    for c in calls:
-        for key in c.keys:
-            if c.method == GET_START:
-                assert key not in open_since, f"second get start on open session {key}"
-                open_since[key] = c.exit_seq
-            elif c.method == GET_RANGES:
-                assert key in open_since, f"read of {key} outside a session"
-                last_read_exit[key] = max(last_read_exit.get(key, -1), c.exit_seq)
-            elif c.method == GET_END:
-                assert key in open_since, f"get end of {key} without an open session (twice?)"
-                assert last_read_exit.get(key, -1) < c.enter_seq, f"get end of {key} while a read was in flight"
-                del open_since[key]
-                last_read_exit.pop(key, None)
-    assert not open_since, f"get sessions never ended: {sorted(open_since)[:3]}"
 
 
 def test_shared_load_key_is_read_once(make_rig) -> None:
@@ -134,7 +112,7 @@ def test_exception_in_the_receive_thread_does_not_hang(make_rig) -> None:
     assert_get_sessions_well_formed(rig.faults[0])
 
 
-def test_stalled_store_raises_transfer_timeout_within_the_timeout(make_rig) -> None:
+def test_stalled_store_is_a_recompute_within_the_timeout_never_an_exception(make_rig) -> None:
     rig = make_rig(load_timeout_s=0.5)
     tokens = _tokens(4)
     rig.run(Req("a", tokens))
@@ -145,12 +123,15 @@ def test_stalled_store_raises_transfer_timeout_within_the_timeout(make_rig) -> N
     worker.bind_connector_metadata(rig.scheduler.build_connector_meta(rig.step_of([s])))
     worker.start_load_kv()
     start = time.monotonic()
-    with pytest.raises(TransferTimeout, match="layer 0 within 0.5 s"):
-        worker.wait_for_layer_load(rig.layer_name(0))
+    for layer_idx in range(rig.num_layers):  # returns: the engine goes on computing
+        worker.wait_for_layer_load(rig.layer_name(layer_idx))
+    worker.wait_for_save()
     assert time.monotonic() - start < 5.0  # bounded: not the 60 s stall
     assert worker.get_block_ids_with_load_errors() == set(b.block_ids[:4])
+    assert worker.stats().load_timeouts == 1
     rig.faults[0].release()
     rig.end_step([s])
+    assert worker.is_idle(5.0)
     assert_get_sessions_well_formed(rig.faults[0])
 
 

@@ -13,8 +13,7 @@ import torch
 
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES
-from tests.connector.rig import BLOCK_SIZE, Req, Rig, fill_value
-from tests.connector.test_load import assert_get_sessions_well_formed
+from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
 
 
 def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
@@ -35,16 +34,18 @@ def make_pattern_rig(make_rig, monkeypatch):  # type: ignore[no-untyped-def]
     return make_rig
 
 
-@pytest.mark.parametrize(("num_layers", "k", "max_blocks"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
-def test_staged_bytes_equal_direct_path(make_pattern_rig, num_layers: int, k: int, max_blocks: int) -> None:
-    """max_blocks=4: the 6 keys pass through 4 staging rows in two chunks per group."""
+@pytest.mark.parametrize(("num_layers", "k", "max_rows"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
+def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layers: int, k: int, max_rows: int) -> None:
+    """max_rows=4 (the staging memory bound): the 6 keys pass through 4 staging rows in two waves per group."""
+    import layerkv.worker
+
     producer = make_pattern_rig(num_layers=num_layers)
     prefix = _tokens(6, extra=0)
     producer.run(Req("p", prefix + [1]))
     loaded = {}
     for name, layers_per_range in (("direct", 1), ("staged", k)):
-        rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range,
-                               max_transfer_blocks=max_blocks)
+        rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range)
+        monkeypatch.setattr(layerkv.worker, "MAX_STAGING_NBYTES", max_rows * rig.workers[0].layout.object_nbytes)
         a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
         (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
         assert ext_a == ext_b == 6 * BLOCK_SIZE
@@ -57,7 +58,8 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, num_layers: int, k: in
                         for l in range(num_layers) for req in (a, b) for i in range(6)]
         assert_get_sessions_well_formed(rig.faults[0])
         if layers_per_range > 1:
-            assert rig.workers[0]._staging["groups"].shape[0] == min(6, max_blocks)
+            rows = max(b.array.shape[0] for b in rig.workers[0]._staging._buffers if b.kind == "groups")
+            assert rows == max_rows if max_rows < 6 else rows >= 6  # the bound forces waves
     assert all(torch.equal(x, y) for x, y in zip(loaded["direct"], loaded["staged"], strict=True))
 
 

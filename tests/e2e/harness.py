@@ -1,7 +1,7 @@
 """The oracle harness: pooled engines (producer / consumer) whose every connector talks to the
 store through CheckedStore(FaultyStore(client)), local engines without hooks, and the
 comparisons. One `Oracle` per test; `check_and_close()` shuts every engine down and asserts
-that nothing is left in flight (trackers empty, no PROCESSING object, transfer threads joined).
+that nothing is left in flight (no session left, no PROCESSING object, transfer threads joined).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from layerkv.engine import Engine, EngineConfig, ModelConfig, RequestOutput, Ste
 from layerkv.engine.pooled import pooled_engine
 from layerkv.keys import block_keys
 from layerkv.messages import KVRole
-from layerkv.store.base import Code, KVStore, ObjectKey
+from layerkv.store.base import KVStore, ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_START, FaultyStore
@@ -170,7 +170,10 @@ class Oracle:
         base = engine_config or small_engine()
         # the tag keeps namespaces of tests apart on a shared Mooncake master
         self.engine_config = dataclasses.replace(base, model_id=f"e2e/{backend.tag}")
-        self.config = LayerKVConfig.from_dict({"load_timeout_s": 10.0, "save_timeout_s": 10.0, **layerkv}, env={})
+        plan = "groups" if layerkv.get("read_layers_per_range", 1) > 1 else "layers"  # fault tests pin per-layer reads
+        self.config = LayerKVConfig.from_dict(
+            {"load_timeout_s": 10.0, "save_timeout_s": 10.0, "store_call_timeout_s": 10.0, "transfer_plan": plan, **layerkv},
+            env={})
         self.runs: list[PooledRun] = []
         self.locals: list[Engine] = []
 
@@ -181,7 +184,9 @@ class Oracle:
         def store_factory() -> KVStore:  # called for the scheduler, then for ranks 0, 1, ...
             faulty = FaultyStore(self.backend.client(max(0, len(faults) - 1)))
             faults.append(faulty)
-            checked.append(CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks))
+            checked.append(CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks,
+                                        retry_interval_s=self.config.store_retry_interval_s,
+                                        call_timeout_s=self.config.store_call_timeout_s))
             return checked[-1]
 
         engine_config = dataclasses.replace(self.engine_config, **engine_changes)
@@ -199,7 +204,7 @@ class Oracle:
         return sorted({k for run in self.runs for f in run.faults for k in f.keys_sent(PUT_START)})
 
     def check_and_close(self) -> None:
-        """Shut every engine down; assert trackers empty, nothing PROCESSING, threads joined."""
+        """Shut every engine down; assert no session left, nothing PROCESSING, threads joined."""
         problems: list[str] = []
         for i, run in enumerate(self.runs):
             for f in run.faults:
@@ -208,10 +213,10 @@ class Oracle:
             if run.engine.has_work():
                 problems.append(f"engine {i} still has work")
             for rank, worker in enumerate(run.workers):
-                if not worker.tracker.is_empty():
-                    problems.append(f"engine {i} rank {rank} tracker not empty: {worker.tracker.snapshot()}")
+                if not worker.is_idle(5.0):
+                    problems.append(f"engine {i} rank {rank} sessions left: {worker.open_sessions()}")
             run.engine.shutdown()
-            alive = [t.name for w in run.workers for t in (w._recv, w._send) if t._thread.is_alive()]
+            alive = [name for w in run.workers for name in w.threads_alive()]
             if alive:
                 problems.append(f"engine {i}: threads alive after shutdown: {alive}")
         written = self.written_keys()
@@ -277,3 +282,58 @@ def chunks_of(engine: Engine, req_id: str, steps: Sequence[StepRecord] | None = 
 def computed_chunks(engine: Engine, req_id: str) -> list[tuple[int, int]]:
     """(first token, num tokens) computed per kept step: what decides a request's float bits."""
     return [(start, n) for start, n, _ in chunks_of(engine, req_id)]
+
+
+# ---- the oracle scenario shared by the oracle tests -----------------------------------------
+
+PREFIX = random_tokens(22, seed=1)  # 5 full blocks + 2 tokens
+HIT_TOKENS = 20  # the full blocks the producer and consumer prompts share
+MAX_TOKENS = 3
+
+
+def two_docs(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two documents with their own 22-token prefix: (producer prompts, consumer prompts)."""
+    prefixes = [random_tokens(22, seed=seed), random_tokens(22, seed=seed + 1)]
+    producer = [prompts_with_prefix(p, 1, 6, seed=seed + 2 + i)[0] for i, p in enumerate(prefixes)]
+    consumer = [prompts_with_prefix(p, 1, 9, seed=seed + 4 + i)[0] for i, p in enumerate(prefixes)]
+    return producer, consumer
+
+
+def produce_and_consume(
+    oracle: Oracle,
+    producer_prompts: Sequence[Sequence[int]],
+    consumer_prompts: Sequence[Sequence[int]],
+    *,
+    producer_batched: bool = False,
+    consumer_batched: bool = False,
+) -> tuple[PooledRun, PooledRun, list[RequestOutput]]:
+    """Producer run, consumer run, local run; asserts the consumer equals the local run."""
+    producer = oracle.pooled()
+    serve(producer.engine, producer_prompts, MAX_TOKENS, batched=producer_batched)
+    consumer = oracle.pooled()
+    got = serve(consumer.engine, consumer_prompts, MAX_TOKENS, batched=consumer_batched)
+    local = oracle.local()
+    want = local_oracle(local, producer_prompts, consumer_prompts, MAX_TOKENS,
+                        producer_batched=producer_batched, consumer_batched=consumer_batched)
+    assert_identical(got, want)
+    # the local run hit its prefix cache exactly where the consumer hit the pool (or its own cache)
+    assert [w.num_local_cached_tokens for w in want] == [g.num_local_cached_tokens + g.num_external_tokens for g in got]
+    return producer, consumer, got
+
+
+def assert_loaded(consumer: PooledRun, got: Sequence[RequestOutput], hit_tokens: int) -> None:
+    """The consumer really loaded `hit_tokens` per request, on every rank, through range reads."""
+    assert [o.num_external_tokens for o in got] == [hit_tokens] * len(got)
+    assert all(o.num_local_cached_tokens == 0 for o in got)
+    for rank, worker in enumerate(consumer.workers):
+        stats = worker.stats()
+        assert stats.load_range_calls > 0 and stats.loaded_bytes > 0, f"rank {rank}: {stats}"
+        assert stats.load_failed_blocks == 0 and stats.transfer_errors == 0, f"rank {rank}: {stats}"
+        assert consumer.rank_checked(rank).stats()[GET_RANGES].calls >= stats.load_range_calls
+    assert consumer.range_reads() > 0
+
+
+MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=8,
+                        mla_latent_dim=24, index_dim=8, num_mtp_layers=1)
+
+

@@ -31,7 +31,7 @@ def main(job_path: str) -> int:
         for prompt in job["prompts"]:
             engine.generate([prompt], job["max_tokens"])
         stats = [w.stats().as_dict() for w in engine.runner.worker_hooks]  # type: ignore[attr-defined]
-        trackers_empty = all(w.tracker.is_empty() for w in engine.runner.worker_hooks)  # type: ignore[attr-defined]
+        trackers_empty = all(w.is_idle(5.0) for w in engine.runner.worker_hooks)  # type: ignore[attr-defined]
     finally:
         engine.shutdown()
     print("@@" + json.dumps({"put_keys": faulty.keys_sent(PUT_START), "stats": stats, "trackers_empty": trackers_empty}),

@@ -93,7 +93,7 @@ def test_fault_outputs_stay_correct_and_nothing_tainted_is_committed(make_oracle
     if case.side == "producer":
         assert producer.rank_faults(0).fired(rule) == 1  # type: ignore[arg-type]
         stats = producer.workers[0].stats()
-        assert stats.revoked_keys + stats.save_failed_keys > 0, stats
+        assert stats.save_failed_keys + stats.commit_failed > 0, stats
         revoked = set(producer.rank_faults(0).keys_sent(PUT_REVOKE))
         revoked_readable = [k for k, e in zip(sorted(revoked), backend.exists(sorted(revoked))) if e == 1]
         assert not revoked_readable or name == "put_start_malformed", f"revoked yet readable: {revoked_readable}"
@@ -111,7 +111,7 @@ def test_fault_outputs_stay_correct_and_nothing_tainted_is_committed(make_oracle
         # the failed step was dropped and its saves (computed from bad KV) revoked as tainted
         assert any(got.req_id in s.discarded_req_ids for s in consumer.engine.steps)
         stats = consumer.workers[0].stats()
-        assert stats.load_failed_blocks > 0 and stats.tainted_keys > 0, stats
+        assert stats.load_failed_blocks > 0 and stats.revoked_tainted > 0, stats
 
     # tokens as the plain local run, logits close to it
     plain = local_oracle(oracle.local(), [PRODUCER_PROMPT], [CONSUMER_PROMPT], MAX_TOKENS)[0]

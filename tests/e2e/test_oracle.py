@@ -5,71 +5,26 @@ schedule and then the consumer prompts: same tokens, bit-identical logits."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from layerkv.engine import ModelConfig, RequestOutput
-from layerkv.store.faults import GET_RANGES, GET_START, PUT_START
+from layerkv.store.faults import GET_RANGES, GET_START
 from tests.e2e.conftest import BOTH_BACKENDS
 from tests.e2e.harness import (
-    small_engine,
     BLOCK_SIZE,
+    HIT_TOKENS,
+    MAX_TOKENS,
+    MLA_MODEL,
     MODEL,
-    Oracle,
-    PooledRun,
+    PREFIX,
     assert_identical,
+    assert_loaded,
     computed_chunks,
     local_oracle,
+    produce_and_consume,
     prompts_with_prefix,
     random_tokens,
     serve,
+    small_engine,
+    two_docs,
 )
-
-PREFIX = random_tokens(22, seed=1)  # 5 full blocks + 2 tokens
-HIT_TOKENS = 20  # the full blocks the producer and consumer prompts share
-MAX_TOKENS = 3
-
-
-def two_docs(seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Two documents with their own 22-token prefix: (producer prompts, consumer prompts)."""
-    prefixes = [random_tokens(22, seed=seed), random_tokens(22, seed=seed + 1)]
-    producer = [prompts_with_prefix(p, 1, 6, seed=seed + 2 + i)[0] for i, p in enumerate(prefixes)]
-    consumer = [prompts_with_prefix(p, 1, 9, seed=seed + 4 + i)[0] for i, p in enumerate(prefixes)]
-    return producer, consumer
-
-
-def produce_and_consume(
-    oracle: Oracle,
-    producer_prompts: Sequence[Sequence[int]],
-    consumer_prompts: Sequence[Sequence[int]],
-    *,
-    producer_batched: bool = False,
-    consumer_batched: bool = False,
-) -> tuple[PooledRun, PooledRun, list[RequestOutput]]:
-    """Producer run, consumer run, local run; asserts the consumer equals the local run."""
-    producer = oracle.pooled()
-    serve(producer.engine, producer_prompts, MAX_TOKENS, batched=producer_batched)
-    consumer = oracle.pooled()
-    got = serve(consumer.engine, consumer_prompts, MAX_TOKENS, batched=consumer_batched)
-    local = oracle.local()
-    want = local_oracle(local, producer_prompts, consumer_prompts, MAX_TOKENS,
-                        producer_batched=producer_batched, consumer_batched=consumer_batched)
-    assert_identical(got, want)
-    # the local run hit its prefix cache exactly where the consumer hit the pool (or its own cache)
-    assert [w.num_local_cached_tokens for w in want] == [g.num_local_cached_tokens + g.num_external_tokens for g in got]
-    return producer, consumer, got
-
-
-def assert_loaded(consumer: PooledRun, got: Sequence[RequestOutput], hit_tokens: int) -> None:
-    """The consumer really loaded `hit_tokens` per request, on every rank, through range reads."""
-    assert [o.num_external_tokens for o in got] == [hit_tokens] * len(got)
-    assert all(o.num_local_cached_tokens == 0 for o in got)
-    for rank, worker in enumerate(consumer.workers):
-        stats = worker.stats()
-        assert stats.load_range_calls > 0 and stats.loaded_bytes > 0, f"rank {rank}: {stats}"
-        assert stats.load_failed_blocks == 0 and stats.transfer_errors == 0, f"rank {rank}: {stats}"
-        assert consumer.rank_checked(rank).stats()[GET_RANGES].calls >= stats.load_range_calls
-    assert consumer.range_reads() > 0
-
 
 @BOTH_BACKENDS
 def test_tp1_consumer_equals_local(make_oracle) -> None:
@@ -78,7 +33,7 @@ def test_tp1_consumer_equals_local(make_oracle) -> None:
     producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
     assert_loaded(consumer, got, HIT_TOKENS)
     stats = producer.workers[0].stats()
-    assert stats.committed_keys > 0 and stats.revoked_keys == 0
+    assert stats.committed_keys > 0 and stats.save_failed_keys == 0 and stats.revoked_tainted == 0
     # one range read per layer per loading step (the consumer served its prompts one at a time)
     assert consumer.workers[0].stats().load_range_calls == MODEL.num_layers * len(consumer_prompts)
 
@@ -109,10 +64,6 @@ def test_tp4_with_two_kv_heads_writes_from_ranks_0_and_2_only(make_oracle) -> No
     # every rank loads, from the storage rank of its head group
     for rank in range(4):
         assert {k.rsplit("@", 1)[1] for k in consumer.rank_faults(rank).keys_sent(GET_START)} == {str(rank // 2)}
-
-
-MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=8,
-                        mla_latent_dim=24, index_dim=8, num_mtp_layers=1)
 
 
 def test_mla_indexer_and_mtp_layer_tp2(make_oracle) -> None:

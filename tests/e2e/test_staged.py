@@ -7,7 +7,7 @@ import dataclasses
 
 from tests.e2e.conftest import BOTH_BACKENDS
 from tests.e2e.harness import MODEL
-from tests.e2e.test_oracle import HIT_TOKENS, assert_loaded, produce_and_consume, two_docs
+from tests.e2e.harness import HIT_TOKENS, assert_loaded, produce_and_consume, two_docs
 
 
 @BOTH_BACKENDS

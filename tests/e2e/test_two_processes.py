@@ -49,7 +49,7 @@ def test_producer_and_consumer_in_two_processes(make_oracle, backend, mooncake_m
         report = _wait_report(proc, lines, timeout_s=90.0)
         put_keys = report["put_keys"]
         assert report["trackers_empty"]
-        assert all(s["committed_keys"] > 0 and s["revoked_keys"] == 0 for s in report["stats"]), report["stats"]
+        assert all(s["committed_keys"] > 0 and s["save_failed_keys"] == 0 for s in report["stats"]), report["stats"]
         assert not backend.processing_keys(put_keys)
 
         consumer = oracle.pooled()

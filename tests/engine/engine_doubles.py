@@ -34,6 +34,9 @@ class RecordingScheduler(NullScheduler):
         self.calls.append(("sched", "request_finished", request.req_id))
         return False, None
 
+    def has_pending_work(self) -> bool:
+        return False
+
 
 class RecordingWorker(NullWorker):
     def __init__(self, rank: int, calls: list[tuple[str, str, Any]]) -> None:

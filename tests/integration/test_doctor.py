@@ -18,12 +18,12 @@ import pytest
 
 import layerkv
 from layerkv.store.mooncake_master import MasterProcess, tcp_reachable
-from tests.mooncake_master import require_mooncake, start_master
+from tests.mooncake_master import MOONCAKE_PROBLEM_LINE, require_mooncake, start_master
 
 pytestmark = pytest.mark.mooncake
 
 SRC = str(Path(layerkv.__file__).parents[1])
-CHECKS = ("version", "methods", "connect", "put session", "get session", "codes", "throughput", "cleanup")
+CHECKS = ("version", "methods", "connect", "master", "put session", "get session", "codes", "throughput", "cleanup")
 
 
 def cli(*argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -45,7 +45,10 @@ def test_doctor_passes_against_a_real_master(mooncake_master: MasterProcess, tmp
     for name in CHECKS:
         assert any(re.match(rf"PASS  {name}\s", line) for line in lines), (name, result.stdout)
     assert re.search(r"ranged get \d+ MB/s", result.stdout)
-    assert "8 passed, 0 failed" in result.stdout
+    assert re.search(rf"PASS  master\s+{mooncake_master.address} served by pid {mooncake_master.pid} \(mooncake_master\); "
+                     rf"metadata {mooncake_master.metadata_url} by the same process", result.stdout), result.stdout
+    assert "9 passed, 0 failed" in result.stdout
+    assert not MOONCAKE_PROBLEM_LINE.search(result.stderr), result.stderr  # Mooncake's start-up log is quiet
 
 
 def test_doctor_fails_fast_against_a_stopped_master(tmp_path: Path) -> None:
@@ -94,3 +97,19 @@ def test_master_command_config_is_accepted_by_doctor_and_stops_on_sigint(tmp_pat
             launcher.kill()
             launcher.wait(timeout=10)
         reader.join(timeout=10)
+
+
+def test_doctor_fails_a_config_that_mixes_two_masters(mooncake_master: MasterProcess, tmp_path: Path) -> None:
+    """The issue's shape: RPC of one master, metadata server of another (a second `layerkv master`
+    whose own master died would have printed such a config). Doctor names both pids and fails."""
+    other = start_master()
+    try:
+        config = dict(mooncake_master.config(global_segment_size="16MB"), metadata_server=other.metadata_url)
+        (tmp_path / "mixed.json").write_text(json.dumps(config))
+        result = cli("doctor", "--config", str(tmp_path / "mixed.json"))
+    finally:
+        other.stop()
+    assert result.returncode == 1, result.stdout
+    assert re.search(rf"FAIL  master\s+{mooncake_master.address} served by pid {mooncake_master.pid} \(mooncake_master\), "
+                     rf"but metadata {other.metadata_url} by pid {other.pid} \(mooncake_master\): two processes",
+                     result.stdout), result.stdout

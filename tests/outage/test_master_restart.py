@@ -59,7 +59,8 @@ def test_engine_serves_through_a_master_outage_and_uses_the_pool_after_restart()
         assert [o.num_external_tokens for o in down] == [0, 0]
         assert _same(down, cold)  # served by recomputing, outputs exact
         # the scheduler's store asked the dead master once, then answered misses itself
-        assert stores[-2].is_down()
+        # (an outage was seen: the epoch moved; is_down() itself ends after the retry interval)
+        assert stores[-2].outage_epoch > 0
         assert len(faulty.calls(IS_EXIST)) <= 2
 
         master.restart()

@@ -20,6 +20,7 @@ from layerkv.store.embedded import EmbeddedStore
 MiB = 1 << 20
 MALFORMED = int(Code.MALFORMED)
 RPC_FAIL = int(Code.RPC_FAIL)
+NOT_SENT = int(Code.NOT_SENT)
 
 
 class Faulty:
@@ -191,8 +192,8 @@ def test_outage_short_circuits_metadata_calls_until_the_retry_interval() -> None
     assert store.is_down()
     seen = len(faulty.calls())
     # while down: answered at once, the backend is not called
-    assert store.batch_is_exist(["a"]) == [-900]
-    assert store.batch_put_session_start(["a"], [4096]) == [-900]
+    assert store.batch_is_exist(["a"]) == [NOT_SENT]
+    assert store.batch_put_session_start(["a"], [4096]) == [NOT_SENT]
     assert len(faulty.calls()) == seen
     # session releases still reach the backend (they need no master)
     assert store.batch_get_session_end(["a"]) == 0
@@ -214,3 +215,50 @@ def test_a_single_failing_key_is_not_an_outage() -> None:
     faulty.fail(IS_EXIST, keys="a", code=-900)
     assert store.batch_is_exist(["a", "b"]) == [-900, 0]
     assert not store.is_down()
+
+
+def test_rpc_timeout_is_an_outage_and_bumps_the_epoch() -> None:
+    from layerkv.store.faults import GET_START, FaultyStore
+
+    faulty = FaultyStore(EmbeddedStore(32 << 20))
+    store = CheckedStore(faulty, max_batch_keys=4, retry_interval_s=60.0)
+    assert store.outage_epoch == 0
+    faulty.fail(GET_START, code=int(Code.RPC_TIMEOUT), times=1)  # a hung master: Mooncake's -901
+    assert store.batch_get_session_start(["a", "b"]) == [-901, -901]
+    assert store.is_down() and store.outage_epoch == 1
+    assert store.batch_is_exist(["a"]) == [NOT_SENT]  # short-circuited: no 30 s per call
+
+
+def test_a_metadata_call_past_its_bound_answers_rpc_timeout_and_a_late_start_is_undone() -> None:
+    import time
+
+    from layerkv.store.faults import PUT_START, FaultyStore
+    from tests.store_probes import processing_keys
+
+    root = EmbeddedStore(32 << 20)
+    faulty = FaultyStore(root)
+    store = CheckedStore(faulty, max_batch_keys=4, retry_interval_s=60.0, call_timeout_s=0.3)
+    stall = faulty.delay(PUT_START, 30.0, times=1)
+    start = time.monotonic()
+    assert store.batch_put_session_start(["a", "b"], [4096, 4096]) == [-901, -901]
+    assert time.monotonic() - start < 2.0  # the bound, not the 30 s stall
+    assert store.is_down() and store.outage_epoch == 1
+    faulty.release()  # the master answers after all: the put start ran, its sessions are revoked
+    deadline = time.monotonic() + 5.0
+    while faulty.fired(stall) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    probe = root.client()
+    assert faulty.fired(stall) == 1
+    assert _eventually(lambda: processing_keys(probe, ["a", "b"]) == [] and faulty.keys_sent("batch_put_session_revoke") == ["a", "b"])
+
+
+def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """`check()` becomes true within `timeout_s` (a pool thread finishes a cleanup)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

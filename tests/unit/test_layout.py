@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from layerkv.errors import LayoutError
 from layerkv.header import Header
 from layerkv.layout import CacheLayout
+from layerkv.transfer.rows import KeyRows
 from layerkv.ranges import RangeLists, join_ranges
 
 MiB = 1 << 20
@@ -39,12 +41,12 @@ def test_llama_style_layout_offsets_and_names() -> None:
     assert layout.layer_index("model.layers.0.self_attn.attn") == 0
     assert layout.layer_index("model.layers.1.self_attn.attn") == 1
     assert [layout.layer_offset(i) for i in range(2)] == [192, 192 + 2 * block]
-    assert layout.entry_offset(1, 1) == 192 + 3 * block
+    assert layout.layers[1][1].object_offset == 192 + 3 * block
     k0 = layout.layers[0][0]
     t = caches["model.layers.0.self_attn.attn"]
     assert (k0.base_ptr, k0.block_stride_nbytes, k0.block_nbytes) == (t.data_ptr(), block, block)
     assert layout.layers[0][1].base_ptr == t[1].data_ptr()
-    assert layout.segments_per_layer() == (2, 2)  # K and V blocks are not adjacent in memory
+    assert [layout.template(l).num_segments for l in range(2)] == [2, 2]  # K and V blocks are not adjacent in memory
     assert layout.device_type == "cpu" and k0.dtype == "float16"
     with pytest.raises(LayoutError, match="layer name 'model.layers.9.attn' was not registered"):
         layout.layer_index("model.layers.9.attn")
@@ -57,20 +59,31 @@ def test_indexer_cache_joins_its_layer_and_mtp_goes_last() -> None:
         "model.layers.1.self_attn.attn": np.zeros((nb, 2, 4, 4), np.float16),
         "model.layers.0.self_attn.attn": np.zeros((nb, 2, 4, 4), np.float16),
         "model.layers.0.self_attn.indexer.k_cache": np.zeros((nb, 4, 2), np.uint8),
-        "draft.layers.0.attn": np.zeros((nb, 4, 4), np.float32),
     }
     layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
     assert layout.num_layers == 3
     names = [[e.layer_name for e in layer] for layer in layout.layers]
     assert names == [
-        ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache"],
+        ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache"],  # one module: one layer
         ["model.layers.1.self_attn.attn"],
-        ["model.layers.0.mtp_block.attn", "draft.layers.0.attn"],  # same draft index: registration order
+        ["model.layers.0.mtp_block.attn"],
     ]
     assert layout.layer_index("model.layers.0.self_attn.indexer.k_cache") == 0
-    assert layout.layer_index("draft.layers.0.attn") == 2
+    assert layout.layer_index("model.layers.0.mtp_block.attn") == 2
     assert layout.layer_names[:2] == ("model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache")
     assert layout.layer_nbytes(0) == 2 * 4 * 4 * 2 + 4 * 2
+
+
+def test_caches_of_different_modules_with_one_layer_index_are_rejected() -> None:
+    nb = 3
+    caches = {"model.layers.0.mtp_block.attn": np.zeros((nb, 4, 4), np.float32),
+              "draft.layers.0.attn": np.zeros((nb, 4, 4), np.float32)}  # both draft layer 0: which is it?
+    with pytest.raises(LayoutError, match=r"cache names 'model.layers.0.mtp_block.attn' and 'draft.layers.0.attn' both "
+                                          r"parse to layer index 0 but belong to different modules"):
+        CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
+    with pytest.raises(LayoutError, match="both parse to layer index 1"):
+        CacheLayout.from_caches({"encoder.layers.1.attn": np.zeros((nb, 8)), "decoder.layers.1.attn": np.zeros((nb, 8))},
+                                nb, max_transfer_bytes=MiB)
 
 
 def test_draft_layers_with_same_index_share_a_layer() -> None:
@@ -115,16 +128,16 @@ def test_whole_object_template_merges_layers_of_one_buffer() -> None:
     big = torch.zeros(nb, 4, 2, 8, dtype=torch.float16)  # [num_blocks, layers, K/V, dim]
     caches = {f"layers.{i}": big[:, i] for i in range(4)}
     layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
-    assert layout.segments_per_layer() == (1, 1, 1, 1)
-    assert layout.object_template().num_segments == 1
-    assert layout.object_template().nbytes.tolist() == [4 * 2 * 8 * 2]
+    assert [layout.template(l).num_segments for l in range(4)] == [1, 1, 1, 1]
+    whole = layout.layer_group_template(0, 4)
+    assert whole.num_segments == 1 and whole.nbytes.tolist() == [4 * 2 * 8 * 2]
 
 
 def test_header_template_and_join() -> None:
     layout = CacheLayout.from_caches({"layers.0": np.zeros((4, 64), np.float32)}, 4, max_transfer_bytes=4096)
     staging = np.zeros((8, 256), np.uint8)
     hdr = layout.header_template(staging.ctypes.data, num_slots=8, slot_stride_nbytes=256)
-    out = layout.ranges_with_header(0, np.array([3, 1]), hdr, np.array([5, 6]))
+    out = join_ranges((hdr, np.array([5, 6])), (layout.template(0), np.array([3, 1])))
     assert out.num_segments == 2
     assert out.ptrs[0] == [staging.ctypes.data + 5 * 256, layout.layers[0][0].base_ptr + 3 * 256]
     assert out.sizes[1] == [192, 256] and out.offsets[1] == [0, 192]
@@ -137,10 +150,10 @@ def test_header_template_and_join() -> None:
 def test_ranges_check_block_ids() -> None:
     layout = CacheLayout.from_caches({"layers.0": np.zeros((4, 64), np.float32)}, 4, max_transfer_bytes=4096)
     with pytest.raises(LayoutError, match=r"block ids must be in \[0, 4\), got min=0 max=4"):
-        layout.ranges(0, np.array([0, 4]))
+        layout.template(0).ranges(np.array([0, 4]))
     with pytest.raises(LayoutError, match=r"block ids must be a 1-D integer array, got float64"):
-        layout.ranges(0, np.array([0.0]))
-    assert layout.ranges(0, np.array([], dtype=np.int64)) == RangeLists([], [], [], 1)
+        layout.template(0).ranges(np.array([0.0]))
+    assert layout.template(0).ranges(np.array([], dtype=np.int64)) == RangeLists([], [], [], 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +240,7 @@ def test_bad_max_transfer_bytes_and_mixed_devices() -> None:
         CacheLayout.from_caches(caches, 4, max_transfer_bytes=MiB)
     device_only = CacheLayout.from_caches({"layers.1": FakeDeviceTensor()}, 4, max_transfer_bytes=MiB)
     assert device_only.device_type == "cuda" and device_only.layers[0][0].dtype == "float16"
-    assert device_only.ranges(0, np.array([3])).ptrs == [[(1 << 20) + 3 * 16]]
+    assert device_only.template(0).ranges(np.array([3])).ptrs == [[(1 << 20) + 3 * 16]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,15 +377,16 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
     block_ids = np.array(data.draw(st.lists(st.integers(0, spec.num_blocks - 1), min_size=1, max_size=4, unique=True)))
     num_keys = len(block_ids)
     staging = np.zeros((num_keys, layout.header_nbytes), np.uint8)
-    header = Header(bytes(range(16)), layout)
+    header = Header(bytes(range(16)), layout.digest, layout.num_layers, layout.object_nbytes)
     header.encode_into(staging, np.arange(num_keys), [bytes([b]) for b in block_ids.tolist()])
     hdr = layout.header_template(staging.ctypes.data, num_keys)
     slots = np.arange(num_keys)
 
-    per_layer = [layout.ranges_with_header(0, block_ids, hdr, slots)]
-    per_layer += [layout.ranges(i, block_ids) for i in range(1, layout.num_layers)]
-    assert [r.num_segments for r in per_layer[1:]] == list(layout.segments_per_layer()[1:])
-    assert per_layer[0].num_segments == 1 + layout.segments_per_layer()[0]
+    rows = KeyRows(block_ids, layout, staging)  # the per-job planner the transfer jobs use
+    per_layer = [rows.step(i, slots) for i in range(layout.num_layers)]
+    segments = [layout.template(i).num_segments for i in range(layout.num_layers)]
+    assert [r.num_segments for r in per_layer[1:]] == segments[1:]
+    assert per_layer[0].num_segments == 1 + segments[0]
     for r in per_layer[1:]:
         assert max(max(s) for s in r.sizes) <= spec.max_transfer_bytes
     joined = RangeLists(
@@ -382,10 +396,10 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
         sum(r.num_segments for r in per_layer),
     )
     check_tiling(joined, layout.object_nbytes)
-    whole = join_ranges((hdr, slots), (layout.object_template(), block_ids))
+    whole = join_ranges((hdr, slots), (layout.layer_group_template(0, layout.num_layers), block_ids))
     check_tiling(whole, layout.object_nbytes)
     if spec.shared_buffer and not any(spec.extras) and not spec.mtp and spec.max_transfer_bytes == MiB:
-        assert layout.object_template().num_segments == 1
+        assert layout.layer_group_template(0, layout.num_layers).num_segments == 1
 
     # save: layer by layer into one object per key; the whole-object template gives the same bytes
     objects = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
@@ -404,10 +418,9 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
     dst = CacheLayout.from_caches(dst_caches, spec.num_blocks, max_transfer_bytes=spec.max_transfer_bytes)
     assert dst.digest == layout.digest
     dst_staging = np.zeros_like(staging)
-    dst_hdr = dst.header_template(dst_staging.ctypes.data, num_keys)
-    move(dst.ranges_with_header(0, block_ids, dst_hdr, slots), objects, to_object=False)
-    for i in range(1, dst.num_layers):
-        move(dst.ranges(i, block_ids), objects, to_object=False)
+    dst_rows = KeyRows(block_ids, dst, dst_staging)
+    for i in range(dst.num_layers):
+        move(dst_rows.step(i, slots), objects, to_object=False)
     assert (dst_staging == staging).all()
     for layer_src, layer_dst in zip(expected, dst_expected):
         for src, out in zip(layer_src, layer_dst):
@@ -425,3 +438,70 @@ def test_merge_needs_adjacency_in_memory_and_in_the_object() -> None:
     assert len(merge_segments([a, Segment(1020, 64, 16, 216)])) == 2  # gap in memory
     assert len(merge_segments([a, Segment(1016, 128, 16, 216)])) == 2  # other block stride
     assert split_segment(Segment(0, 64, 10, 5), 4) == [Segment(0, 64, 4, 5), Segment(4, 64, 4, 9), Segment(8, 64, 2, 13)]
+
+
+# --------------------------------------------------------------------------------------------
+# Physical byte order inside a block (vLLM's KV cache layouts: permutations of [L, B, H, N, C])
+
+_LAYOUT_ORDERS = {  # physical order of the logical dims (L, B, H, N, C), outermost first
+    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def permuted_caches(layout: str, num_layers: int = 3, nb: int = 4, heads: int = 2, tokens: int = 4, width: int = 8):
+    """Per-layer logical [B, H, N, C] views of one buffer stored in `layout`'s physical order
+    (what vLLM's allocator builds), filled with distinct values."""
+    logical = (num_layers, nb, heads, tokens, width)
+    order = _LAYOUT_ORDERS[layout]
+    physical = torch.arange(math.prod(logical), dtype=torch.float32).view(*(logical[d] for d in order))
+    view = physical.permute(*(order.index(d) for d in range(5)))  # back to logical [L, B, H, N, C]
+    return {f"model.layers.{i}.self_attn.attn": view[i] for i in range(num_layers)}
+
+
+@pytest.mark.parametrize("name", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_every_layout_with_one_run_per_block_registers_and_ranges_move_its_bytes(name: str) -> None:
+    caches = permuted_caches(name)
+    layout = CacheLayout.from_caches(caches, 4, max_transfer_bytes=MiB)
+    assert [layout.template(l).num_segments for l in range(3)] == [1, 1, 1]
+    for layer_idx, cache in enumerate(caches.values()):
+        (entry,) = layout.layers[layer_idx]
+        assert entry.block_nbytes == 2 * 4 * 8 * 4
+        for block_id in range(4):
+            ((ptr,),), ((size,),) = layout.template(layer_idx).ranges(np.array([block_id])).ptrs, layout.template(layer_idx).ranges(np.array([block_id])).sizes
+            raw = (ctypes.c_char * size).from_address(ptr).raw
+            physical = cache[block_id].permute(*((0, 1, 2) if "HN" in name else (1, 0, 2))).contiguous()
+            assert raw == physical.numpy().tobytes()  # the run holds exactly this block's bytes
+
+
+def test_byte_order_inside_a_block_is_part_of_the_signature() -> None:
+    sigs = {name: CacheLayout.from_caches(permuted_caches(name), 4, max_transfer_bytes=MiB) for name in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")}
+    assert sigs["LBHNC"].signature == sigs["BLHNC"].signature  # same bytes per block: same objects
+    assert sigs["LBNHC"].signature == sigs["BLNHC"].signature
+    assert sigs["LBHNC"].digest != sigs["LBNHC"].digest  # [H, N, C] vs [N, H, C] bytes: never shared
+    assert "@order=1,0,2" in sigs["LBNHC"].signature and "@order" not in sigs["LBHNC"].signature
+    # one head: both orders are the same bytes, and the signature says so
+    one_head = {n: CacheLayout.from_caches(permuted_caches(n, heads=1), 4, max_transfer_bytes=MiB) for n in ("LBHNC", "LBNHC")}
+    assert one_head["LBHNC"].signature == one_head["LBNHC"].signature
+
+
+@pytest.mark.parametrize("name", ["LHBNC", "BHLNC"])
+def test_layouts_that_scatter_a_block_are_refused_with_the_fix(name: str) -> None:
+    with pytest.raises(LayoutError, match=r"one block is not contiguous in memory.*LBHNC, LBNHC, BLHNC or BLNHC"):
+        CacheLayout.from_caches(permuted_caches(name), 4, max_transfer_bytes=MiB)
+    # with a single head nothing is scattered: every layout is one run per block
+    CacheLayout.from_caches(permuted_caches(name, heads=1), 4, max_transfer_bytes=MiB)
+
+
+def test_cross_layer_layouts_make_a_group_of_layers_one_range_per_block() -> None:
+    cross = CacheLayout.from_caches(permuted_caches("BLHNC"), 4, max_transfer_bytes=MiB)
+    outer = CacheLayout.from_caches(permuted_caches("LBHNC"), 4, max_transfer_bytes=MiB)
+    assert cross.layers_adjacent(0, 3) and cross.layers_adjacent(1, 2)
+    assert not outer.layers_adjacent(0, 2) and outer.layers_adjacent(1, 1)
+    group = cross.layer_group_template(1, 2)
+    assert group.num_segments == 1 and group.nbytes.tolist() == [2 * cross.layer_nbytes(1)]
+    assert group.object_offsets.tolist() == [cross.layer_offset(1)]
+    assert outer.layer_group_template(1, 2).num_segments == 2
+    assert cross.layer_group_template(0, cross.num_layers).num_segments == 1
+    with pytest.raises(LayoutError, match=r"layer group \[2, 4\) is not within the 3 layers"):
+        cross.layer_group_template(2, 2)

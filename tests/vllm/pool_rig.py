@@ -126,8 +126,8 @@ class Node:
     def run_to_completion(self, max_steps: int = 200) -> int:
         for num_steps in range(1, max_steps + 1):
             self.step()
-            if not self.scheduler.requests:
-                self.step()  # one more step carries finished_req_ids to the worker
+            if not self.scheduler.has_requests():  # what vLLM's EngineCore busy loop checks
+                assert self.core_worker.flush(5.0), "background writes / commits did not finish"
                 return num_steps
         raise AssertionError(f"requests still running after {max_steps} steps: {list(self.scheduler.requests)}")
 
@@ -170,7 +170,7 @@ class PoolNodes:
 
         for node in self.nodes:
             node.shutdown()
-        alive = [t.name for node in self.nodes for t in (node.core_worker._recv._thread, node.core_worker._send._thread) if t.is_alive()]
+        alive = [name for node in self.nodes for name in node.core_worker.threads_alive()]
         assert not alive, f"transfer threads still alive after shutdown: {alive}"
         if self.backend == "embedded":
             close_shared_stores()

@@ -46,10 +46,10 @@ def produce(pool, req_id: str, tokens: list[int], **node_kwargs):
 
     producer.step()
     keep_blocks("")
-    while producer.scheduler.requests:
+    while producer.scheduler.has_requests():  # what vLLM's EngineCore busy loop checks
         producer.step()
         keep_blocks("")
-    producer.step()
+    assert producer.core_worker.flush(5.0)  # background writes and commits done: the pool serves them
     return producer, request, saved
 
 
@@ -67,7 +67,10 @@ def assert_blocks(node, req_id: str, tokens: list[int], num_blocks: int, saved=N
 def test_producer_saves_consumer_loads_layer_by_layer(pool):
     tokens = prompt(1, 40)  # 2 full blocks + 8 tokens
     producer, produced, saved = produce(pool, "p", tokens)
-    assert producer.outputs[0].kv_connector_stats.data["committed_keys"] == 2
+    # committed after the step that wrote them (the verdict waits for every worker), in the background
+    committed = [o.kv_connector_stats.data.get("committed_keys", 0) if o.kv_connector_stats else 0 for o in producer.outputs]
+    assert committed[0] == 0
+    assert producer.core_worker.flush(5.0) and producer.core_worker.stats().committed_keys == 2
 
     consumer = pool.node()
     assert isinstance(consumer.worker.connector, LayerKVConnector)
@@ -95,7 +98,7 @@ def test_producer_saves_consumer_loads_layer_by_layer(pool):
     assert_blocks(consumer, "c", tokens, 2, saved, request)
     stats = connector_output.kv_connector_stats
     assert isinstance(stats, LayerKVStats)
-    assert stats.data["load_blocks"] == 2 and stats.data["loaded_bytes"] > 0 and stats.data["load_range_calls"] >= 2
+    assert stats.data["load_blocks"] == 2 and stats.data["loaded_bytes"] > 0 and stats.data["load_range_calls"] >= 1
     scheduler_stats = engine_outputs[0].scheduler_stats.kv_connector_stats
     assert scheduler_stats["scheduler_hit_blocks"] == 2 and scheduler_stats["load_blocks"] == 2
 
@@ -103,7 +106,7 @@ def test_producer_saves_consumer_loads_layer_by_layer(pool):
     later = consumer.outputs[-1].kv_connector_stats
     assert later is None or "load_blocks" not in later.data
     consumer.run_to_completion()
-    assert consumer.core_worker.tracker.is_empty()
+    assert consumer.core_worker.is_idle(5.0)
 
 
 def test_chunked_prefill_saves_every_chunk_and_consumer_loads_them(pool):
@@ -111,8 +114,8 @@ def test_chunked_prefill_saves_every_chunk_and_consumer_loads_them(pool):
     producer, produced, saved = produce(pool, "p", tokens, max_num_batched_tokens=32)
     stats = [o.kv_connector_stats.data if o.kv_connector_stats else {} for o in producer.outputs]
     chunks = [s.get("committed_keys", 0) for s in stats[:4]]
-    assert chunks == [2, 2, 2, 0]  # blocks 0-1, 2-3, 4-5 committed by the chunk that completed them
-    assert sum(s.get("committed_keys", 0) for s in stats) == 6
+    assert chunks[0] == 0  # nothing is committed by the step that wrote it
+    assert producer.core_worker.flush(5.0) and producer.core_worker.stats().committed_keys == 6
 
     consumer = pool.node(max_num_batched_tokens=32)
     consumer.add("c", tokens)
@@ -132,11 +135,10 @@ def test_preempted_requests_resume_and_their_blocks_reach_the_pool(pool):
     for _ in range(120):
         out, _, _ = producer.step()
         preempted |= set(out.preempted_req_ids or ())
-        if not producer.scheduler.requests:
+        if not producer.scheduler.has_requests():
             break
-    producer.step()
     assert preempted, "the scenario must preempt a request"
-    assert producer.core_worker.tracker.is_empty()
+    assert producer.core_worker.is_idle(5.0)
 
     consumer = pool.node()
     consumer.add("a", a + [7] * 16)  # prompt + 16 decoded tokens: 5 full blocks, all saved
@@ -169,7 +171,7 @@ def test_request_aborted_mid_step_leaves_no_sessions(pool):
     assert connector_output.invalid_block_ids == set()
     consumer.step()  # carries finished_req_ids ("c") to the worker
     assert "c" not in consumer.scheduler.requests
-    assert consumer.core_worker.tracker.is_empty()
+    assert consumer.core_worker.is_idle(5.0)
     assert consumer.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() >= total_free
     # The open save still committed whole objects (the request's blocks were computed).
     again = pool.node()
@@ -195,7 +197,7 @@ def test_load_failure_is_recomputed_by_vllm_from_first_invalid_block(pool, monke
         return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
 
     monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
-    consumer = pool.node()
+    consumer = pool.node(extra={"transfer_plan": "layers"})  # the fault is on layer 1's read
     _, worker_faults = faulty  # built in this order: scheduler, worker
     request = consumer.add("c", tokens)
     block1 = request.block_hashes[1].hex()
@@ -216,4 +218,4 @@ def test_load_failure_is_recomputed_by_vllm_from_first_invalid_block(pool, monke
     assert not out.has_sync_kv_loads and connector_output.invalid_block_ids == set()
     assert_blocks(consumer, "c", tokens, 3)
     consumer.run_to_completion()
-    assert consumer.core_worker.tracker.is_empty()
+    assert consumer.core_worker.is_idle(5.0)

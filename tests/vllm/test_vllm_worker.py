@@ -9,7 +9,7 @@ from vllm_harness import LAYERS, make_engine, make_request, make_worker, require
 
 require_vllm()
 
-from layerkv.integrations.vllm import LayerKVConnector, LayerKVStats  # noqa: E402
+from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -45,7 +45,8 @@ def test_sync_load_step_calls_hooks_in_vllm_order(doubles, clean_agent):
 
     assert doubles.workers[0].calls[1:] == [
         ("bind_connector_metadata", 0), ("start_load_kv",), *LAYER_HOOKS, ("wait_for_save",),
-        ("get_finished", frozenset()), ("get_block_ids_with_load_errors",), ("clear_connector_metadata",),
+        ("get_finished", frozenset()), ("get_block_ids_with_load_errors",), ("report_steps",),
+        ("clear_connector_metadata",),
     ]
     assert output.invalid_block_ids == set() and output.kv_connector_stats is None
 

@@ -16,6 +16,9 @@ import pytest
 # vLLM reads these when it picks its platform and when transformers looks for a model.
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Scheduler and workers share this process (the "uni" executor); on CPU vLLM keeps "uni" only
+# without engine-core multiprocessing (it turns it into "mp" otherwise).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 TINY_LLAMA = Path(__file__).parent / "tiny_llama"  # config.json only: 2 layers, 2 KV heads
 BLOCK_SIZE = 16
@@ -72,6 +75,9 @@ class RecordingScheduler:
         self.calls.append(("request_finished", (request, block_ids)))
         return False, None
 
+    def has_pending_work(self) -> bool:
+        return False
+
 
 class RecordingWorker:
     """Double of layerkv.connector.WorkerConnector: records the hook sequence."""
@@ -111,6 +117,10 @@ class RecordingWorker:
         self.calls.append(("get_block_ids_with_load_errors",))
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+    def report_steps(self):
+        self.calls.append(("report_steps",))
+        return ()
 
     def clear_connector_metadata(self):
         self.calls.append(("clear_connector_metadata",))
@@ -152,10 +162,23 @@ class Engine:
 
 
 def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None,
-                     failure_policy: str = "recompute", max_model_len: int = 1024):
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+                     failure_policy: str = "recompute", max_model_len: int = 1024, executor: str = "uni",
+                     multi_connector: bool = False, model_kwargs: dict | None = None):
+    """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: as the only
+    child of vLLM's MultiConnector). `executor` "uni": the scheduler and the worker share this
+    process, as in these tests (the embedded store needs it). `model_kwargs`: more ModelConfig
+    arguments (revision, hf_overrides, quantization, ...)."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
-    model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len)
+    model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len,
+                               **(model_kwargs or {}))
+    layerkv = dict(kv_connector="LayerKVConnector", kv_connector_module_path="layerkv.integrations.vllm",
+                   kv_role=kv_role, kv_connector_extra_config=extra or {})
+    if multi_connector:
+        transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role=kv_role, kv_load_failure_policy=failure_policy,
+                                    kv_connector_extra_config={"connectors": [layerkv]})
+    else:
+        transfer = KVTransferConfig(**layerkv, kv_load_failure_policy=failure_policy)
     return VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -163,10 +186,8 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
             enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="LayerKVConnector", kv_connector_module_path="layerkv.integrations.vllm",
-            kv_role=kv_role, kv_connector_extra_config=extra or {}, kv_load_failure_policy=failure_policy,
-        ),
+        kv_transfer_config=transfer,
+        parallel_config=ParallelConfig(distributed_executor_backend=executor),
         device_config=DeviceConfig("cpu"),
     )
 
@@ -174,10 +195,11 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
 FULL_SPEC_ARGS = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16)
 
 
-def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config: Any = None):
-    """One full-attention group over LAYERS planned by vLLM's own `get_kv_cache_configs` (CPU
-    layout LBHNC: one backing buffer, layer-outermost); with `specs`, one hand-made group per
-    spec (for the setups the facade rejects)."""
+def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config: Any = None, layout: str = "LBHNC"):
+    """One full-attention group over LAYERS planned by vLLM's own `get_kv_cache_configs` for the
+    physical `layout` (default LBHNC, what the CPU attention backend asks for: one backing buffer,
+    layer-outermost), recorded as the engine core records it; with `specs`, one hand-made group
+    per spec (for the setups the facade rejects)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
@@ -185,11 +207,12 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
         vllm_config = vllm_config or make_vllm_config(max_model_len=min(1024, (num_blocks - 1) * BLOCK_SIZE))
-        vllm_config.cache_config.kv_cache_layout = "LBHNC"  # what the CPU attention backend supports
+        vllm_config.cache_config.kv_cache_layout = layout  # resolve_kv_cache_layout's result
         vllm_config.cache_config.num_gpu_blocks_override = num_blocks
         layer_specs = {name: FullAttentionSpec(**FULL_SPEC_ARGS, dtype=torch.float16) for name in LAYERS}
         groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
         (config,) = get_kv_cache_configs(vllm_config, [layer_specs], [1 << 30], groups)
+        config.kv_cache_layout = layout  # what the engine core hands the scheduler and the workers
         return config
     groups = [KVCacheGroupSpec(list(LAYERS) if len(specs) == 1 else [LAYERS[i]], s) for i, s in enumerate(specs)]
     page = specs[0].page_size_bytes
@@ -197,14 +220,15 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def make_engine(num_blocks: int = 64, **config_kwargs) -> Engine:
-    """vLLM's real Scheduler (its scheduler-role connector built by vLLM's factory)."""
+def make_engine(num_blocks: int = 64, layout: str = "LBHNC", **config_kwargs) -> Engine:
+    """vLLM's real Scheduler (its scheduler-role connector built by vLLM's factory) for a KV
+    cache in the physical `layout`."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config_kwargs.setdefault("max_model_len", min(1024, (num_blocks - 1) * BLOCK_SIZE))
     vllm_config = make_vllm_config(**config_kwargs)
-    kv_cache_config = make_kv_cache_config(num_blocks, vllm_config=vllm_config)
+    kv_cache_config = make_kv_cache_config(num_blocks, vllm_config=vllm_config, layout=layout)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     scheduler = Scheduler(
         vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
@@ -248,7 +272,8 @@ def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_i
 @dataclass
 class WorkerRig:
     """A worker-role facade created by vLLM's factory, installed as the process's KV transfer
-    agent, with LAYERS bound to CPU caches in vLLM's own layout ([B, H, N, 2*head] per layer)."""
+    agent, with LAYERS bound to CPU caches vLLM's `allocate_kv_cache` made for the engine's
+    layout (logical [B, H, N, 2*head] views per layer)."""
 
     connector: Any
     kv_caches: dict = field(default_factory=dict)
@@ -288,7 +313,8 @@ def make_worker(engine: Engine) -> WorkerRig:
 
     connector = KVConnectorFactory.create_connector(engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config)
     kv_transfer_state._KV_CONNECTOR_AGENT = connector  # what ensure_kv_transfer_initialized sets
-    kv_caches = allocate_kv_cache(engine.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    layout = KVCacheLayout[engine.kv_cache_config.kv_cache_layout]
+    kv_caches = allocate_kv_cache(engine.kv_cache_config, torch.device("cpu"), layout)  # vLLM's own views
     connector.register_kv_caches(kv_caches)
     forward_context = engine.vllm_config.compilation_config.static_forward_context
     for name in LAYERS:  # stand-in Attention layers: what get_attention_context reads

@@ -5,4 +5,4 @@ they exercise are started and joined inside each measurement. Benchmarks report,
 
 from __future__ import annotations
 
-SUITES: tuple[str, ...] = ("datapath", "descriptors", "lookup", "objects", "overlap", "scale")
+SUITES: tuple[str, ...] = ("datapath", "plans", "descriptors", "lookup", "objects", "overlap", "scale")

@@ -47,7 +47,6 @@ def open_backends(with_mooncake: bool, segment_bytes: int = SEGMENT_BYTES, *, re
     """Yield the embedded store plus (if asked and installed) both Mooncake setups; closes
     clients and stops masters / the holder process on exit."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # loopback only
-    os.environ.setdefault("GLOG_minloglevel", "2")
     with contextlib.ExitStack() as stack:
         embedded = EmbeddedStore(capacity_bytes=2 * segment_bytes)
         stack.callback(embedded.close)
@@ -79,7 +78,7 @@ def _mooncake_local(segment_bytes: int) -> Iterator[Backend]:
 def _mooncake_remote(segment_bytes: int) -> Iterator[Backend]:
     """`layerkv master` in a child process (master + segment holder); our client mounts 0 bytes."""
     from layerkv.store.mooncake import MooncakeStore
-    from layerkv.store.mooncake_master import LocalDeployment
+    from layerkv.store.local_deployment import LocalDeployment
 
     with LocalDeployment(str(segment_bytes), startup_timeout_s=_HOLDER_START_TIMEOUT_S) as deployment:
         store = MooncakeStore.from_mooncake_config(deployment.client_config)
@@ -87,3 +86,4 @@ def _mooncake_remote(segment_bytes: int) -> Iterator[Backend]:
             yield Backend("mooncake-remote", store, "Mooncake over TCP loopback; segment held by a `layerkv master` process")
         finally:
             store.close()
+        deployment.check_alive()  # numbers measured against a dead holder are not results

@@ -17,6 +17,7 @@ from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps,
 from layerkv.bench.plots import line_plot
 from layerkv.layout import CacheLayout
 from layerkv.store.checked import CheckedStore
+from layerkv.transfer.rows import KeyRows
 
 NAME = "datapath"
 KiB, MiB = 1 << 10, 1 << 20
@@ -83,9 +84,8 @@ def _check(results: list[int], expected: int, what: str) -> None:
 
 
 def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray):  # type: ignore[no-untyped-def]
-    if layer == 0:
-        return layout.ranges_with_header(0, ids, layout.header_template(headers.ctypes.data, headers.shape[0]), ids)
-    return layout.ranges(layer, ids)
+    """Block i's layer (and for layer 0 header row i first), as layerkv's jobs build them."""
+    return KeyRows(ids, layout, headers).step(layer, np.arange(len(ids)))
 
 
 def _layerwise_put(store: CheckedStore, buf: _Buffers, keys: list[str]) -> None:

@@ -100,10 +100,10 @@ def measure(shape_name: str, num_blocks: int, min_total_s: float) -> dict:  # ty
     rng = np.random.default_rng(num_blocks)
     ids = rng.permutation(num_blocks).astype(np.int64)  # a step's blocks, scattered
     ids_list = ids.tolist()
-    got = layout.ranges(1, ids)
+    got = layout.template(1).ranges(ids)
     want = loop_ranges(layout, 1, ids_list)
     identical = (got.ptrs, got.sizes, got.offsets) == want
-    t_template = _per_call_s(lambda: layout.ranges(1, ids), min_total_s)
+    t_template = _per_call_s(lambda: layout.template(1).ranges(ids), min_total_s)
     t_loop = _per_call_s(lambda: loop_ranges(layout, 1, ids_list), min_total_s)
     t_arrays = _per_call_s(lambda: layout.template(1).columns(ids), min_total_s)
     return {

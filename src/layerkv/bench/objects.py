@@ -68,7 +68,8 @@ def layerkv_counts(shape: Shape) -> tuple[Row, Row]:
     tokens = shape.num_blocks * BLOCK_SIZE + 1
     engine_config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=shape.num_blocks + 8, max_num_batched_tokens=tokens,
                                  tp_size=shape.tp_size, model_id="bench/objects")
-    config = LayerKVConfig.from_dict({"max_transfer_blocks": MAX_BATCH_KEYS}, env={})
+    # the layerwise data path (one range call per layer), not the adaptive plan: this suite counts calls
+    config = LayerKVConfig.from_dict({"max_transfer_blocks": MAX_BATCH_KEYS, "transfer_plan": "layers"}, env={})
     backend = EmbeddedStore(capacity_bytes=1 << 30)
     faulty = FaultyStore(backend)
     prompt = _prompt(shape, model.vocab_size)

@@ -12,7 +12,6 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from layerkv.bench import SUITES

@@ -18,13 +18,14 @@ from layerkv.bench.plots import line_plot
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
 from layerkv.messages import Deployment, RequestView
-from layerkv.plan import BlockSpec, StepPlan
+from layerkv.plan import BlockSpec, StepPlan, StepVerdict
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 
 NAME = "scale"
 BLOCK_SIZE = 16
 _runs = itertools.count()
+_seqs = itertools.count()
 
 
 class _Setup:
@@ -63,8 +64,11 @@ class _Setup:
         hashes = tuple(hashlib.sha256(f"scale:{run}:{i}".encode()).digest()[:16] for i in range(num))
         ids = tuple(range(num))
         times = {}
-        start = time.perf_counter()
-        self.step(StepPlan(saves=(BlockSpec("r", hashes, ids),)), load=False)
+        start = time.perf_counter()  # the save step, then the next step carrying its commit verdict
+        save_seq, commit_seq = next(_seqs), next(_seqs)
+        self.step(StepPlan(step_seq=save_seq, saves=(BlockSpec("r", hashes, ids),)), load=False)
+        self.step(StepPlan(step_seq=commit_seq, verdicts=(StepVerdict(save_seq),)), load=False)
+        self.worker.flush()
         times["save_ms"] = time.perf_counter() - start
         start = time.perf_counter()
         hit, _ = self.scheduler.get_num_new_matched_tokens(RequestView(f"r{run}", prompt_tokens + 1, prompt_tokens + 1, hashes), 0)
@@ -72,7 +76,7 @@ class _Setup:
         if hit != num * BLOCK_SIZE:
             raise RuntimeError(f"scale: lookup found {hit} tokens of {num * BLOCK_SIZE} just saved")
         start = time.perf_counter()
-        self.step(StepPlan(loads=(BlockSpec(f"r{run}", hashes, ids),), ended_req_ids=frozenset({"r"})), load=True)
+        self.step(StepPlan(step_seq=next(_seqs), loads=(BlockSpec(f"r{run}", hashes, ids),), ended_req_ids=frozenset({"r"})), load=True)
         times["load_ms"] = time.perf_counter() - start
         stats = self.worker.stats()
         if stats.load_failed_blocks or stats.save_failed_keys:

@@ -9,7 +9,9 @@ import shlex
 import sys
 from pathlib import Path
 
-SUITE_NAMES = ("datapath", "descriptors", "lookup", "objects", "overlap", "scale")  # = layerkv.bench.SUITES
+from layerkv.commands import add_mooncake_log_flag
+
+from layerkv.bench import SUITES as SUITE_NAMES  # cheap: the package imports nothing heavy
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,14 +23,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_mooncake_log_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
+    from layerkv.store import native_log
 
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # keep Mooncake's info log out of the report
+    native_log.configure(args.mooncake_log)  # before the first Mooncake client (and for child processes)
     from layerkv.bench.common import BenchOptions
     from layerkv.bench.runner import run_bench
 

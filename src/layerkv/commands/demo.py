@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+from layerkv.commands import add_mooncake_log_flag
+
+if TYPE_CHECKING:
+    from layerkv.config import LayerKVConfig
+    from layerkv.demo import DemoResult
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -10,10 +17,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", choices=("embedded", "mooncake"), default="embedded",
                    help="embedded (in-process, default) or mooncake (starts a local master unless MOONCAKE_CONFIG_PATH is set)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the reference engine (default 1)")
+    p.add_argument("--transfer-plan", choices=("auto", "layers", "groups", "whole"), default=None,
+                   help="how loads read (config transfer_plan; default auto: chosen per step from measured costs)")
     p.add_argument("--read-layers-per-range", type=int, default=None, metavar="K",
-                   help="read K layers per range into staging and scatter locally (config read_layers_per_range)")
+                   help="with --transfer-plan groups: K layers per range into staging (config read_layers_per_range)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+    add_mooncake_log_flag(p)
     p.add_argument("--synthetic", action="store_true", help="datapath only: synthetic KV caches, no engine")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: a 3-layer model, 2 short prompts
     p.set_defaults(func=run)
 
 
@@ -26,23 +37,40 @@ def run(args: argparse.Namespace) -> int:
         return 0 if report.identical else 1
 
     from layerkv.config import LayerKVConfig
-    from layerkv.demo import format_result, result_json, run_demo
+    from layerkv.demo import format_result, result_json
 
     extra: dict[str, object] = {"backend": args.store}
     if args.read_layers_per_range is not None:
         extra["read_layers_per_range"] = args.read_layers_per_range
+        extra["transfer_plan"] = "groups"
+    if args.transfer_plan is not None:
+        extra["transfer_plan"] = args.transfer_plan
     config = LayerKVConfig.from_dict(extra)
     if args.store == "mooncake":
-        import os
+        from layerkv.store import native_log
 
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's own log: errors only on the demo's terminal
+        native_log.configure(args.mooncake_log)  # before the first Mooncake client (and for the child)
     if args.store == "mooncake" and not config.mooncake_config_path:
-        from layerkv.store.mooncake_master import LocalDeployment
+        from layerkv.store.local_deployment import LocalDeployment
 
         with LocalDeployment() as deployment:  # a local master + segment holder on 127.0.0.1
             config = config.replace(mooncake_config_path=str(deployment.config_path))
-            result = run_demo(config, tp_size=args.tp, progress=not args.json)
+            result = _run_demo(config, args)
+            deployment.check_alive()  # a pool that died mid-run is an error, not a quiet recompute
     else:
-        result = run_demo(config, tp_size=args.tp, progress=not args.json)
+        result = _run_demo(config, args)
     print(result_json(result) if args.json else format_result(result))
     return 0 if result.identical else 1
+
+
+def _run_demo(config: LayerKVConfig, args: argparse.Namespace) -> DemoResult:
+    """run_demo at its default sizes, or (--tiny, for tests) a 3-layer model and 2 short prompts."""
+    from layerkv.demo import run_demo
+
+    if not args.tiny:
+        return run_demo(config, tp_size=args.tp, progress=not args.json)
+    from layerkv.engine import ModelConfig
+
+    model = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+    return run_demo(config, tp_size=args.tp, progress=not args.json, model=model, num_docs=2, prefix_tokens=48,
+                    question_tokens=8, max_tokens=3)

@@ -1,6 +1,7 @@
 """`layerkv doctor`: probe a Mooncake deployment for everything layerkv relies on.
 
-Checks version and methods, connects, runs put/get session round trips with per-layer ranges on
+Checks version and methods, connects, names the master it reached (for a local master the pid
+serving its RPC and metadata ports; two different pids fail), runs put/get session round trips with per-layer ranges on
 probe keys (bytes compared), the result-code conventions, whole-object vs ranged throughput, and
 removes its probe keys. One line per check; exit status 1 on any failure. Main thread only.
 """
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
+from layerkv.commands import add_mooncake_log_flag
 from layerkv.config import LayerKVConfig
 from layerkv.errors import LayerKVError
+from layerkv.store import port_owner
 from layerkv.store.base import Code, code_name
 
 HEADER_NBYTES = 4096
@@ -44,6 +49,7 @@ def add_parser(subparsers: Any) -> None:
         description="Probe the Mooncake deployment in a Mooncake JSON config and report PASS/FAIL per check.",
     )
     parser.add_argument("--config", default=None, help="Mooncake JSON config (default: $MOONCAKE_CONFIG_PATH)")
+    add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -52,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if not path:
         print("FAIL  config                 no --config given and MOONCAKE_CONFIG_PATH is unset", flush=True)
         return 2
+    from layerkv.store import native_log
+
+    native_log.configure(args.mooncake_log)
     results = list(_run_checks(path))
     failed = [r for r in results if not r.ok]
     print(f"layerkv doctor: {len(results) - len(failed)} passed, {len(failed)} failed ({path})", flush=True)
@@ -74,6 +83,7 @@ def _run_checks(path: str) -> Any:
         yield result
         return
     yield _report(CheckResult("connect", True, f"master {store.master_address} in {time.monotonic() - began:.2f} s"))
+    yield _report(check_master(store.master_address, _metadata_url(mooncake, path)))
     probe = Probe(store)
     try:
         for check in (probe.put_session, probe.get_session, probe.codes, probe.throughput):
@@ -81,6 +91,55 @@ def _run_checks(path: str) -> Any:
     finally:
         yield _report(_guarded(probe.cleanup))
         probe.close()
+
+
+def check_master(master_address: str, metadata_url: str | None) -> CheckResult:
+    """Which master this config reaches: for a master on this host, the pid listening on its RPC
+    port and on the HTTP metadata port; FAIL if those are two processes (a config that mixes two
+    deployments, e.g. a second `layerkv master` whose own master died)."""
+    host, _, port = master_address.rpartition(":")
+    if not _is_local(host):
+        return CheckResult("master", True, f"{master_address} (remote: its pid is not visible from this host)")
+    if not port_owner.supported():
+        return CheckResult("master", True, f"{master_address} (local; no /proc to name its pid)")
+    rpc = _serving_pids(int(port))
+    detail = f"{master_address} served by {_holders(int(port))}"
+    url = urlsplit(metadata_url or "")
+    if url.scheme != "http" or not url.hostname or not _is_local(url.hostname):
+        return CheckResult("master", bool(rpc), detail + (f"; metadata {metadata_url}" if metadata_url else ""))
+    http = _serving_pids(url.port or 80)
+    if rpc and http and rpc != http:
+        return CheckResult("master", False, f"{detail}, but metadata {metadata_url} by {_holders(url.port or 80)}: "
+                           "two processes, so this config mixes two deployments; use the config printed by the "
+                           "`layerkv master` that owns both ports")
+    same = "the same process" if rpc and rpc == http else _holders(url.port or 80)
+    return CheckResult("master", bool(rpc), f"{detail}; metadata {metadata_url} by {same}")
+
+
+def _is_local(host: str) -> bool:
+    """True if `host` is an address of this machine (a socket can bind to it)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host.strip("[]"), 0))
+    except OSError:
+        return False
+    return True
+
+
+def _serving_pids(port: int) -> set[int]:
+    return {listener.pid for listener in port_owner.listeners(port) if listener.pid is not None}
+
+
+def _holders(port: int) -> str:
+    found = port_owner.listeners(port)
+    if not found:
+        return "no process (nothing listens there now)"
+    return ", ".join(sorted({listener.holder() for listener in found}))
+
+
+def _metadata_url(mooncake: Any, path: str) -> str | None:
+    value = mooncake.load_mooncake_config(path).get("metadata_server")
+    return str(value) if value else None
 
 
 def _report(result: CheckResult) -> CheckResult:

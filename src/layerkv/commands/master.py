@@ -2,7 +2,10 @@
 
 Starts `mooncake_master` (HTTP metadata server built in) and, in this process, one Mooncake
 client that mounts the global segment where objects live; prints the client config as one JSON
-line; runs until SIGINT / SIGTERM, then closes the client and stops the master. Main thread only.
+line only once its own child is alive and serving the ports (checked by pid); runs until SIGINT /
+SIGTERM, then closes the client and stops the master. A taken port fails with the port's holder
+and the fix; the child's death at any time ends the command with exit 1 and the log tail.
+Main thread only.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from layerkv.errors import ConfigError, StoreError
+from layerkv.commands import add_mooncake_log_flag
+from layerkv.errors import ConfigError, PortInUseError, StoreError
 from layerkv.store.mooncake_master import DEFAULT_LOCAL_BUFFER_BYTES, MasterProcess, start_master
 
 DEFAULT_RPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8080
+WATCH_INTERVAL_S = 0.5  # how fast the death of mooncake_master is noticed
 
 
 def add_parser(subparsers: Any) -> None:
@@ -28,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
         "master",
         help="run a local mooncake_master (+ a segment holder) on 127.0.0.1",
         description="Run mooncake_master on 127.0.0.1 with an HTTP metadata server and a client that "
-        "mounts the global segment; print the Mooncake client config (one JSON line); stop on Ctrl-C.",
+        "mounts the global segment; print the Mooncake client config (one JSON line); stop on Ctrl-C. "
+        "Fails (exit 1) if a port is taken or the master dies.",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_RPC_PORT, help="master RPC port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP metadata port (0: any free port)")
@@ -37,13 +43,16 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--lease-ttl-ms", type=int, default=None, help="master --default_kv_lease_ttl")
     parser.add_argument("--config-out", type=Path, default=None, help="also write the client config JSON here")
     parser.add_argument("--log-file", type=Path, default=None, help="mooncake_master log (default: a temp file)")
+    add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from layerkv.store import native_log
     from layerkv.store.mooncake import MooncakeStore, parse_size  # imports mooncake lazily
 
     try:
+        native_log.configure(args.mooncake_log)
         segment_bytes = parse_size(args.segment_size, "--segment-size")
         client_segment_bytes = parse_size(args.client_segment_size, "--client-segment-size")
     except ConfigError as exc:
@@ -58,18 +67,25 @@ def run(args: argparse.Namespace) -> int:
         master = start_master(args.lease_ttl_ms, rpc_port=args.port or None, http_port=args.http_port or None,
                               log_path=args.log_file)
         holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes))
+        master.check_serving()  # still ours after the holder mounted: only then announce it
         client_config = master.config(global_segment_size=client_segment_bytes,
                                       local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES)
         _announce(master, client_config, segment_bytes, args.config_out)
-        while not stop.wait(timeout=1.0):
+        while not stop.wait(timeout=WATCH_INTERVAL_S):
             if not master.running():
-                print(f"layerkv master: mooncake_master exited; log {master.log_path}:\n{master.log_tail()}",
-                      file=sys.stderr)
+                print(f"layerkv master: {master.describe_exit()} after start; clients of {master.address} "
+                      f"have no pool now.\nlog {master.log_path} (last lines):\n{master.log_tail()}",
+                      file=sys.stderr, flush=True)
                 return 1
         print("layerkv master: stopping", file=sys.stderr, flush=True)
         return 0
+    except PortInUseError as exc:
+        print(f"layerkv master: {exc}\n{_port_fix(exc.port, args)}", file=sys.stderr)
+        return 1
     except (StoreError, ConfigError) as exc:
-        print(f"layerkv master: {exc}", file=sys.stderr)
+        died = f"\n{master.describe_exit()}; log {master.log_path}:\n{master.log_tail()}" \
+            if master is not None and not master.running() else ""
+        print(f"layerkv master: {exc}{died}", file=sys.stderr)
         return 1
     finally:
         if holder is not None:
@@ -78,12 +94,21 @@ def run(args: argparse.Namespace) -> int:
             master.stop()
 
 
+def _port_fix(port: int, args: argparse.Namespace) -> str:
+    """The fix for a taken port, naming the flag that chose it."""
+    flag = {args.port: "--port", args.http_port: "--http-port"}.get(port)
+    if flag is None:  # an auto-picked port lost three times in a row
+        return "Fix: run `layerkv master` again (it picks other free ports)."
+    return (f"Fix: if that is another `layerkv master`, use the config it printed; or start this one on "
+            f"other ports with {flag} <port> (0 picks a free one), e.g. `layerkv master --port 0 --http-port 0`.")
+
+
 def _announce(master: MasterProcess, client_config: dict[str, Any], segment_bytes: int, config_out: Path | None) -> None:
     line = json.dumps(client_config)
     if config_out is not None:
         config_out.write_text(json.dumps(client_config, indent=2) + "\n")
     print(
-        f"layerkv master: mooncake_master pid {master.pid} at {master.address}, metadata {master.metadata_url}, "
+        f"layerkv master: mooncake_master pid {master.pid} serving {master.address} and metadata {master.metadata_url}, "
         f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}; log {master.log_path}.\n"
         f"Clients: save the JSON below and export MOONCAKE_CONFIG_PATH=<file>"
         + (f" (written to {config_out})" if config_out else "")
@@ -92,4 +117,3 @@ def _announce(master: MasterProcess, client_config: dict[str, Any], segment_byte
         flush=True,
     )
     print(line, flush=True)
-

@@ -5,6 +5,7 @@ done. Single-threaded: the caller's thread is both the scheduler and the compute
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from layerkv.fingerprint import settings_digest
 from layerkv.engine.model import ModelConfig, Weights, check_tp, init_weights
 from layerkv.engine.request import Request, RequestOutput, StepRecord, StepRequestRecord
 from layerkv.engine.runner import ModelRunner
@@ -28,19 +30,20 @@ class EngineConfig:
     max_num_batched_tokens: int = 64  # token budget per step
     max_num_seqs: int = 8  # running requests at most
     tp_size: int = 1
+    pp_size: int = 1  # pipeline stages (each holds an even share of the layers)
     model_id: str = "layerkv/reference-llama"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "tp_size"):
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "tp_size", "pp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be a positive int")
 
 
 def make_deployment(
-    model_config: ModelConfig, engine_config: EngineConfig, tp_rank: int, role: KVRole = KVRole.BOTH
+    model_config: ModelConfig, engine_config: EngineConfig, tp_rank: int, role: KVRole = KVRole.BOTH, pp_rank: int = 0
 ) -> Deployment:
-    """The Deployment a connector worker for `tp_rank` of this engine should be built with."""
+    """The Deployment a connector worker for (`tp_rank`, `pp_rank`) of this engine should be built with."""
     return Deployment(
         model_id=engine_config.model_id,
         kv_dtype=model_config.dtype,
@@ -48,7 +51,10 @@ def make_deployment(
         num_kv_heads=1 if model_config.is_mla else model_config.num_kv_heads,
         tp_size=engine_config.tp_size,
         tp_rank=tp_rank,
-        model_revision=f"seed={model_config.seed}",
+        pp_size=engine_config.pp_size,
+        pp_rank=pp_rank,
+        model_fingerprint=f"seed={model_config.seed}",  # the weights are a function of the seed
+        model_settings=settings_digest(dataclasses.asdict(model_config)),
         is_mla=model_config.is_mla,
         role=role,
         kv_signature=kv_signature(model_config, engine_config),
@@ -79,8 +85,10 @@ class Engine:
         self.model_config = model_config
         self.config = engine_config = engine_config or EngineConfig()
         check_tp(model_config, engine_config.tp_size)
-        if worker_hooks is not None and len(worker_hooks) != engine_config.tp_size:
-            raise ConfigError(f"worker_hooks has {len(worker_hooks)} entries; tp_size={engine_config.tp_size} needs one per rank")
+        num_workers = engine_config.tp_size * engine_config.pp_size
+        if worker_hooks is not None and len(worker_hooks) != num_workers:
+            raise ConfigError(f"worker_hooks has {len(worker_hooks)} entries; tp_size={engine_config.tp_size} x "
+                              f"pp_size={engine_config.pp_size} needs one per (stage, rank)")
         self.scheduler = Scheduler(
             scheduler_hooks or NullScheduler(),
             engine_config.num_blocks,
@@ -94,7 +102,8 @@ class Engine:
             engine_config.tp_size,
             engine_config.num_blocks,
             engine_config.block_size,
-            worker_hooks or [NullWorker() for _ in range(engine_config.tp_size)],
+            worker_hooks or [NullWorker() for _ in range(num_workers)],
+            engine_config.pp_size,
         )
         self.steps: list[StepRecord] = []  # every step since construction
         self._req_counter = itertools.count()
@@ -104,11 +113,11 @@ class Engine:
     def layer_names(self) -> tuple[str, ...]:
         return self.runner.layer_names
 
-    def caches_for_rank(self, tp_rank: int) -> dict[str, torch.Tensor]:
+    def caches_for_rank(self, tp_rank: int, pp_rank: int = 0) -> dict[str, torch.Tensor]:
         """Cache name -> tensor (the live cache, not a copy), as given to register_kv_caches:
         attention layers [2, num_blocks, block_size, kv_heads_on_rank, head_dim] (MLA:
         [num_blocks, block_size, latent]), indexer caches [num_blocks, block_size, index_dim]."""
-        return dict(self.runner.caches[tp_rank].tensors)
+        return dict(self.runner.caches[pp_rank * self.config.tp_size + tp_rank].tensors)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], salts: Sequence[bytes] | None = None
@@ -125,6 +134,8 @@ class Engine:
             self.scheduler.add_request(request)
         while self.scheduler.has_work():
             self.step()
+        for hooks in self.runner.worker_hooks:  # saves and commits done: the pool serves them now
+            hooks.flush()
         return [r.to_output() for r in requests]
 
     def add_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes = b"") -> str:
@@ -157,7 +168,7 @@ class Engine:
         if not plan.chunks and not plan.connector_step.finished_req_ids and self.scheduler.waiting:
             raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} requests wait for blocks")
         out = self.runner.execute(plan.chunks, plan.connector_meta, plan.connector_step.finished_req_ids)
-        report = WorkerReport(out.finished_sending, out.finished_recving, out.invalid_block_ids)
+        report = WorkerReport(out.finished_sending, out.finished_recving, out.invalid_block_ids, out.reported_steps)
         result = self.scheduler.update_from_output(plan, out.last_logits, report, out.draft_logits)
         record = StepRecord(
             step_idx=len(self.steps),

@@ -11,7 +11,8 @@ from layerkv.connector import SchedulerConnector, WorkerConnector
 from layerkv.engine.engine import Engine, EngineConfig, make_deployment
 from layerkv.engine.model import ModelConfig, Weights
 from layerkv.messages import KVRole
-from layerkv.store.base import KVStore
+from layerkv.store.checked import CheckedStore
+from layerkv.store.factory import open_checked_store
 
 
 def pooled_engine(
@@ -20,15 +21,16 @@ def pooled_engine(
     config: LayerKVConfig,
     *,
     role: KVRole = KVRole.BOTH,
-    store_factory: Callable[[], KVStore] | None = None,
+    store_factory: Callable[[], CheckedStore] | None = None,
     weights: Weights | None = None,
 ) -> Engine:
     """An Engine whose hooks are layerkv connectors. `store_factory` makes one store client per
     connector (default: `open_checked_store(config)`)."""
-    scheduler = SchedulerConnector(config, make_deployment(model_config, engine_config, 0, role),
-                                   store_factory() if store_factory else None)
-    workers = [
-        WorkerConnector(config, make_deployment(model_config, engine_config, rank, role), store_factory() if store_factory else None)
+    open_store = store_factory or (lambda: open_checked_store(config))
+    scheduler = SchedulerConnector(config, make_deployment(model_config, engine_config, 0, role), open_store())
+    workers = [  # stage-major: worker_hooks[stage * tp_size + rank]
+        WorkerConnector(config, make_deployment(model_config, engine_config, rank, role, stage), open_store())
+        for stage in range(engine_config.pp_size)
         for rank in range(engine_config.tp_size)
     ]
     return Engine(model_config, engine_config, scheduler, workers, weights=weights)

@@ -1,11 +1,14 @@
-"""The reference engine's model runner: TP ranks in one process, each with its own shard, KV
-caches and worker hooks; one forward per step, each request in its own slice (no cross-request
-batching, so a request's logits depend only on its tokens, its KV and its chunk boundaries).
-Worker side; runs on the engine's compute thread (the caller of Engine.step).
+"""The reference engine's model runner: pipeline stages x TP ranks in one process, each worker
+(stage, rank) with its own KV caches (of its stage's layers) and worker hooks, each TP rank with
+its weight shard; one forward per step, each request in its own slice (no cross-request batching,
+so a request's logits depend only on its tokens, its KV and its chunk boundaries). Stage s holds
+an even share of the main layers; the last stage also holds the MTP layers. Worker side; runs
+on the engine's compute thread (the caller of Engine.step).
 
 Per step and rank (vLLM's order):  bind_connector_metadata -> start_load_kv
   per layer: for each rank: wait_for_layer_load(name) -> attention on that rank -> save_kv_layer(name)
-  then:      wait_for_save -> get_finished -> get_block_ids_with_load_errors -> clear_connector_metadata
+  then:      wait_for_save -> get_finished -> get_block_ids_with_load_errors -> report_steps
+             -> clear_connector_metadata; the engine unions invalid blocks and reported steps
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedParams, Weights, cache_shapes, rms_norm
 from layerkv.engine.paged_cache import RankKVCache, slot_mapping
 from layerkv.engine.scheduler import ScheduledChunk
+from layerkv.errors import ConfigError
 from layerkv.hooks import WorkerHooks
 from layerkv.messages import ReqId
 
@@ -29,8 +33,17 @@ class ForwardOutput:
     last_logits: dict[ReqId, torch.Tensor]  # float32 [vocab] per request
     draft_logits: dict[ReqId, torch.Tensor]  # float32 [vocab] of the last MTP layer (MTP models only)
     invalid_block_ids: frozenset[int]  # union over ranks
+    reported_steps: tuple[int, ...]  # every rank's reported step numbers (vLLM's worker-meta aggregate)
     finished_sending: frozenset[ReqId]  # reported by every rank
     finished_recving: frozenset[ReqId]
+
+
+def stage_of_layers(cfg: ModelConfig, pp_size: int) -> tuple[int, ...]:
+    """Pipeline stage of every layer (main layers split evenly, MTP layers on the last stage)."""
+    if not 1 <= pp_size <= cfg.num_layers:
+        raise ConfigError(f"pp_size={pp_size} must be 1 <= pp_size <= num_layers={cfg.num_layers}")
+    main = tuple(l * pp_size // cfg.num_layers for l in range(cfg.num_layers))
+    return main + (pp_size - 1,) * cfg.num_mtp_layers
 
 
 def reduce_ranks(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -50,17 +63,24 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         worker_hooks: Sequence[WorkerHooks],
+        pp_size: int = 1,
     ) -> None:
-        assert len(worker_hooks) == tp_size
+        """`worker_hooks[stage * tp_size + rank]` serves TP rank `rank` of pipeline stage `stage`."""
+        assert len(worker_hooks) == tp_size * pp_size
         self.cfg = cfg
         self.block_size = block_size
+        self.tp_size = tp_size
         self.layer_names = cfg.layer_names
+        self.stage_of_layer = stage_of_layers(cfg, pp_size)
         self.shared = SharedParams(cfg, weights)
         self.shards = [RankShard(cfg, weights, r, tp_size) for r in range(tp_size)]
-        self.caches = [
-            RankKVCache(cache_shapes(cfg, r, tp_size, num_blocks, block_size), block_size, cfg.torch_dtype)
-            for r in range(tp_size)
-        ]
+        self.caches = []  # [stage * tp_size + rank]
+        for stage in range(pp_size):
+            stage_names = {name for name, s in zip(cfg.layer_names, self.stage_of_layer) if s == stage}
+            for r in range(tp_size):
+                shapes = cache_shapes(cfg, r, tp_size, num_blocks, block_size)
+                mine = {n: shape for n, shape in shapes.items() if n in stage_names or n.removesuffix(".indexer.k_cache") + ".attn" in stage_names}
+                self.caches.append(RankKVCache(mine, block_size, cfg.torch_dtype))
         self.worker_hooks = list(worker_hooks)
         self._finished_counts: dict[str, Counter[ReqId]] = {"sending": Counter(), "recving": Counter()}
         for hooks, cache in zip(self.worker_hooks, self.caches):
@@ -73,17 +93,19 @@ class ModelRunner:
         try:
             last_logits, draft_logits = self._forward(chunks) if chunks else ({}, {})
             invalid: set[int] = set()
+            reported: list[int] = []
             per_rank_finished = []
             for hooks in self.worker_hooks:
                 hooks.wait_for_save()
                 per_rank_finished.append(hooks.get_finished(set(finished_req_ids)))
                 invalid |= hooks.get_block_ids_with_load_errors()
+                reported.extend(hooks.report_steps())
         finally:
             for hooks in self.worker_hooks:
                 hooks.clear_connector_metadata()
         sending = self._all_ranks_done("sending", [f[0] for f in per_rank_finished])
         recving = self._all_ranks_done("recving", [f[1] for f in per_rank_finished])
-        return ForwardOutput(last_logits, draft_logits, frozenset(invalid), sending, recving)
+        return ForwardOutput(last_logits, draft_logits, frozenset(invalid), tuple(reported), sending, recving)
 
     def _all_ranks_done(self, kind: str, per_rank: list[set[ReqId] | None]) -> frozenset[ReqId]:
         """A request is finished sending/receiving once every rank reported it (vLLM's aggregator)."""
@@ -131,10 +153,12 @@ class ModelRunner:
         shared, eps, name = self.shared, self.cfg.rms_eps, self.layer_names[layer_idx]
         x = {rid: rms_norm(hr, shared.input_norms[layer_idx], eps) for rid, hr in h.items()}
         partial: dict[ReqId, list[torch.Tensor]] = {rid: [] for rid in h}
-        for rank, (hooks, shard) in enumerate(zip(self.worker_hooks, self.shards)):
+        first = self.stage_of_layer[layer_idx] * self.tp_size  # this stage's workers
+        for rank, shard in enumerate(self.shards):
+            hooks = self.worker_hooks[first + rank]
             hooks.wait_for_layer_load(name)
             for rid in h:
-                partial[rid].append(shard.attention(layer_idx, x[rid], positions[rid], contexts[rid][rank]))
+                partial[rid].append(shard.attention(layer_idx, x[rid], positions[rid], contexts[rid][first + rank]))
             hooks.save_kv_layer(name)
         out = {}
         for rid, hr in h.items():

@@ -69,8 +69,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        """Requests to run, or finished ids the workers have not been told yet (as vLLM)."""
-        return bool(self.waiting or self.running or self._finished_since_last_step)
+        """Requests to run, finished ids the workers have not been told yet, or connector work
+        that needs more steps (as vLLM's Scheduler.has_requests)."""
+        return bool(self.waiting or self.running or self._finished_since_last_step) or self.hooks.has_pending_work()
 
     # ---- schedule -----------------------------------------------------------------------------
 

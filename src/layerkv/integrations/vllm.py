@@ -1,6 +1,7 @@
-"""vLLM v1 facade: `LayerKVConnector(KVConnectorBase_V1)`, the only module that imports vllm.
-Translates vLLM's types into `layerkv.messages` and delegates every hook to the engine-neutral
-scheduler or worker connector (`layerkv.connector`). The scheduler role runs on vLLM's engine
+"""vLLM v1 facade: `LayerKVConnector(KVConnectorBase_V1)`. Only `integrations/vllm*.py` import
+vllm: setup checks in vllm_setup.py, step translation in vllm_steps.py, counters in
+vllm_metrics.py. Translates vLLM's types into `layerkv.messages` and delegates every hook to the
+engine-neutral scheduler or worker connector (`layerkv.connector`). The scheduler role runs on vLLM's engine
 core thread; the worker role on each worker's model-runner thread (one instance per rank).
 
 Load with: --kv-transfer-config '{"kv_connector": "LayerKVConnector",
@@ -10,25 +11,36 @@ Load with: --kv-transfer-config '{"kv_connector": "LayerKVConnector",
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from layerkv.config import LayerKVConfig
-from layerkv.errors import UnsupportedSetupError
 from layerkv.hooks import SchedulerHooks, WorkerHooks
-from layerkv.messages import Deployment, KVRole, ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
+from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of
+from layerkv.integrations.vllm_plugin import register as _register_connector_name
+from layerkv.integrations.vllm_setup import (
+    check_pool_shared,
+    check_supported,
+    deployment_from,
+    kv_signature_of,
+    required_kv_cache_layout,
+)
+from layerkv.integrations.vllm_steps import LayerKVMetadata, LayerKVWorkerMeta, StepTranslator, request_view
+from layerkv.messages import Deployment, WorkerReport
+
+__all__ = ["LayerKVConnector", "LayerKVMetadata", "LayerKVWorkerMeta", "LayerKVStats", "CounterDeltas", "counters_of", "check_supported",
+           "deployment_from", "kv_signature_of", "request_view", "StepTranslator", "LayerKVPromMetrics"]
 
 if TYPE_CHECKING:
-    from layerkv.store.base import KVStore
+    from layerkv.store.checked import CheckedStore
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -39,7 +51,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def open_connector_store(config: LayerKVConfig) -> KVStore:
+def open_connector_store(config: LayerKVConfig) -> CheckedStore:
     """The store client one connector instance uses (and closes on `shutdown`): a CheckedStore
     over `config.backend`. The embedded backend is process-wide, so a scheduler and a worker in
     one process see the same objects; Mooncake opens one client per connector."""
@@ -48,13 +60,13 @@ def open_connector_store(config: LayerKVConfig) -> KVStore:
     return open_checked_store(config)
 
 
-def _default_scheduler_side(config: LayerKVConfig, deployment: Deployment, store: KVStore) -> SchedulerHooks:
+def _default_scheduler_side(config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> SchedulerHooks:
     from layerkv.connector import SchedulerConnector
 
     return SchedulerConnector(config, deployment, store)
 
 
-def _default_worker_side(config: LayerKVConfig, deployment: Deployment, store: KVStore) -> WorkerHooks:
+def _default_worker_side(config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> WorkerHooks:
     from layerkv.connector import WorkerConnector
 
     return WorkerConnector(config, deployment, store)
@@ -62,264 +74,13 @@ def _default_worker_side(config: LayerKVConfig, deployment: Deployment, store: K
 
 # How the facade opens its store and builds the engine-neutral sides. Tests wrap OPEN_STORE to
 # inject faults (CheckedStore(FaultyStore(...))) and replace the sides with recording doubles.
-OPEN_STORE: Callable[[LayerKVConfig], KVStore] = open_connector_store
-SCHEDULER_SIDE: Callable[[LayerKVConfig, Deployment, KVStore], SchedulerHooks] = _default_scheduler_side
-WORKER_SIDE: Callable[[LayerKVConfig, Deployment, KVStore], WorkerHooks] = _default_worker_side
+OPEN_STORE: Callable[[LayerKVConfig], CheckedStore] = open_connector_store
+SCHEDULER_SIDE: Callable[[LayerKVConfig, Deployment, CheckedStore], SchedulerHooks] = _default_scheduler_side
+WORKER_SIDE: Callable[[LayerKVConfig, Deployment, CheckedStore], WorkerHooks] = _default_worker_side
 
-# Exact spec types whose blocks are plain per-layer pages addressed by the prefix hash chain.
-_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
-
-
-# --------------------------------------------------------------------------- setup checks
-
-
-def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Raise `UnsupportedSetupError` naming every setup the neutral connector cannot express."""
-    problems: list[str] = []
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        problems.append(
-            f"hybrid KV cache groups: {len(groups)} kv_cache_groups ({kinds}); layerkv needs exactly one "
-            "full-attention group (a model with one attention type, --disable-hybrid-kv-cache-manager)"
-        )
-    for group in groups:
-        specs = _layer_specs(group)
-        unsupported = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
-        if unsupported:
-            problems.append(f"KV cache spec {', '.join(unsupported)}: only full attention (MHA/GQA/MQA) and MLA are supported")
-        elif len({_spec_text(s) for s in specs}) > 1:
-            problems.append(
-                f"per-layer KV specs differ within one group ({len({_spec_text(s) for s in specs})} shapes): "
-                "vLLM's scheduler sees only one of them, so layerkv cannot name the objects"
-            )
-    parallel = vllm_config.parallel_config
-    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
-        size = getattr(parallel, name, 1)
-        if size > 1:
-            problems.append(f"context parallel: {name}={size}; layerkv supports only 1")
-    if vllm_config.model_config.is_encoder_decoder:
-        problems.append("encoder-decoder models (cross-attention KV is not prefix-addressed)")
-    if len(groups) == 1:
-        block_size = groups[0].kv_cache_spec.block_size
-        hash_block_size = kv_cache_config.hash_block_size
-        if hash_block_size not in (None, block_size):
-            problems.append(
-                f"hash_block_size={hash_block_size} differs from the KV block size {block_size}; "
-                "layerkv keys one object per KV block"
-            )
-    if problems:
-        raise UnsupportedSetupError("layerkv cannot run this vLLM setup: " + "; ".join(problems))
-
-
-def _layer_specs(group: Any) -> list[Any]:
-    """Per-layer specs of one KV cache group (a UniformTypeKVCacheSpecs holds one per layer)."""
-    specs = getattr(group.kv_cache_spec, "kv_cache_specs", None)
-    return list(specs.values()) if specs else [group.kv_cache_spec]
-
-
-def _spec_text(spec: Any) -> str:
-    kind = "mla" if isinstance(spec, MLAAttentionSpec) else "attn"
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)
-    return (
-        f"vllm-{kind}[block_size={spec.block_size},num_kv_heads={spec.num_kv_heads},head_size={spec.head_size},"
-        f"head_size_v={head_size_v}]{str(spec.dtype).removeprefix('torch.')}:page={spec.page_size_bytes}"
-    )
-
-
-def kv_signature_of(kv_cache_config: KVCacheConfig) -> str:
-    """`Deployment.kv_signature`: the per-layer cache spec of the single group, computed the same
-    on the scheduler and on every worker. vLLM hands the scheduler rank 0's config with a
-    UniformTypeKVCacheSpecs reduced to one of its specs and (under PP) other layer names, so
-    this names the spec, not the layers (`check_supported` rejects groups whose specs differ)."""
-    (text,) = sorted({_spec_text(s) for s in _layer_specs(kv_cache_config.kv_cache_groups[0])})
-    return text
-
-
-def _parallel_ranks(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
-    """(tp_rank, pp_rank) of this worker; the scheduler has no rank and reports (0, 0)."""
-    parallel = vllm_config.parallel_config
-    if role is KVConnectorRole.SCHEDULER:
-        return 0, 0
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise UnsupportedSetupError(
-            "the layerkv worker connector was built before vLLM's model-parallel groups "
-            f"(tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}): its rank is unknown"
-        )
-    return 0, 0
-
-
-def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole) -> Deployment:
-    """The neutral `Deployment` of this vLLM instance (call after `check_supported`)."""
-    model = vllm_config.model_config
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    # "auto" means the model dtype; an explicit fp8 name says more than torch.uint8 would.
-    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)  # type: ignore[attr-defined]
-    tp_rank, pp_rank = _parallel_ranks(vllm_config, role)
-    assert vllm_config.kv_transfer_config is not None  # a connector exists only with a transfer config
-    kv_role = vllm_config.kv_transfer_config.kv_role
-    return Deployment(
-        model_id=str(model.model),
-        kv_dtype=kv_dtype,
-        block_size=int(spec.block_size),
-        num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        tp_rank=tp_rank,
-        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
-        pp_rank=pp_rank,
-        model_revision=str(model.revision or ""),
-        is_mla=bool(model.use_mla),
-        role=KVRole(kv_role),
-        kv_signature=kv_signature_of(kv_cache_config),
-    )
-
-
-# --------------------------------------------------------------------------- scheduler translation
-
-
-def request_view(request: Request) -> RequestView:
-    """`request.block_hashes` already chain the cache salt, LoRA id and multimodal hashes."""
-    return RequestView(
-        req_id=request.request_id,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_tokens=request.num_tokens,
-        block_hashes=tuple(request.block_hashes),
-    )
-
-
-class StepTranslator:
-    """SchedulerOutput -> SchedulerStep. vLLM sends only new block ids for running requests, so
-    this keeps each live request's full block-id list and a reference to its `Request` (whose
-    block hashes grow as tokens arrive). Scheduler thread only."""
-
-    def __init__(self) -> None:
-        self._requests: dict[ReqId, Request] = {}
-        self._block_ids: dict[ReqId, list[int]] = {}
-
-    def track(self, request: Request) -> None:
-        self._requests[request.request_id] = request
-
-    def forget(self, req_id: ReqId) -> None:
-        self._requests.pop(req_id, None)
-        self._block_ids.pop(req_id, None)
-
-    def translate(self, out: SchedulerOutput) -> SchedulerStep:
-        scheduled: list[ScheduledRequest] = []
-        for new in out.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
-            scheduled.append(self._scheduled(new.req_id, new.num_computed_tokens, out, resumed=False))
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
-            if resumed:  # preempted earlier: its old blocks were freed, these replace them
-                self._block_ids[req_id] = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                self._block_ids.setdefault(req_id, []).extend(new_ids[0])
-            scheduled.append(self._scheduled(req_id, cached.num_computed_tokens[i], out, resumed=resumed))
-        preempted = frozenset(out.preempted_req_ids or ())
-        for req_id in preempted:
-            self._block_ids.pop(req_id, None)
-        for req_id in out.finished_req_ids:
-            self.forget(req_id)
-        return SchedulerStep(tuple(scheduled), frozenset(out.finished_req_ids), preempted)
-
-    def _scheduled(self, req_id: ReqId, num_computed_tokens: int, out: SchedulerOutput, resumed: bool) -> ScheduledRequest:
-        request = self._requests.get(req_id)
-        assert request is not None, f"request {req_id} scheduled but never seen by the connector"
-        return ScheduledRequest(
-            req_id=req_id,
-            block_ids=tuple(self._block_ids[req_id]),
-            num_computed_tokens=num_computed_tokens,
-            num_scheduled_tokens=out.num_scheduled_tokens[req_id],
-            block_hashes=tuple(request.block_hashes),
-            resumed=resumed,
-        )
-
-
-class LayerKVMetadata(KVConnectorMetadata):
-    """Carries the neutral scheduler side's per-step metadata to the workers (pickled)."""
-
-    def __init__(self, payload: Any) -> None:
-        self.payload = payload
-
-
-# --------------------------------------------------------------------------- stats
-
-
-def counters_of(stats: Any) -> dict[str, int | float]:
-    """Numeric counters of a core stats object (a dataclass, a mapping or None)."""
-    if stats is None:
-        return {}
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        items = dataclasses.asdict(stats)
-    elif isinstance(stats, Mapping):
-        items = dict(stats)
-    else:
-        raise TypeError(f"stats returned {type(stats).__name__}; expected a dataclass or a mapping")
-    return {k: v for k, v in items.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-class CounterDeltas:
-    """The core keeps cumulative counters (`WorkerConnector.stats()`, `SchedulerConnector.stats`);
-    vLLM wants what happened since its last `get_kv_connector_stats` call. Names get `prefix`
-    so scheduler and worker counters stay apart when vLLM aggregates them. One caller thread."""
-
-    def __init__(self, prefix: str = "") -> None:
-        self._prefix = prefix
-        self._last: dict[str, int | float] = {}
-
-    def take(self, stats: Any) -> dict[str, int | float]:
-        """Non-zero counter changes since the previous call."""
-        now = counters_of(stats)
-        deltas = {name: value - self._last.get(name, 0) for name, value in now.items()}
-        self._last = now
-        return {self._prefix + name: value for name, value in deltas.items() if value}
-
-
-@dataclasses.dataclass
-class LayerKVStats(KVConnectorStats):
-    """Per-interval counters (hits, tokens/bytes loaded and saved, range calls, failures,
-    revokes), summed across steps and TP workers."""
-
-    def reset(self) -> None:
-        self.data: dict[str, int | float] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(sorted(self.data.items()))
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class LayerKVPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter, `vllm:layerkv_total{counter=...}`, per engine and stat name."""
-
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._total = self._counter_cls(
-            name="vllm:layerkv_total",
-            documentation="layerkv connector counters (label `counter`: hits, tokens/bytes loaded/saved, ...).",
-            labelnames=[*labelnames, "counter"],
-        )
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self.per_engine_labelvalues[engine_idx]
-        for name, value in (transfer_stats_data or {}).items():
-            if isinstance(value, (int, float)) and value > 0:
-                self._total.labels(*labels, name).inc(value)  # type: ignore[union-attr]
-
+# vLLM's MultiConnector finds its children's stats classes by name; the entry point plugin
+# registers the name in every vLLM process, this covers an install without entry points.
+_register_connector_name()
 
 # --------------------------------------------------------------------------- the connector
 
@@ -331,6 +92,7 @@ class LayerKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         check_supported(vllm_config, kv_cache_config)
         config = LayerKVConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
+        check_pool_shared(config, vllm_config)
         self.deployment = deployment_from(vllm_config, kv_cache_config, role)
         self._num_blocks = kv_cache_config.num_blocks
         self._steps = StepTranslator()
@@ -338,7 +100,7 @@ class LayerKVConnector(KVConnectorBase_V1):
         self._worker: WorkerHooks | None = None
         self._load_started = False  # worker: start_load_kv already delegated for this step
         self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
-        self._store: KVStore | None = OPEN_STORE(config)
+        self._store: CheckedStore | None = OPEN_STORE(config)
         try:
             if role is KVConnectorRole.SCHEDULER:
                 self._scheduler = SCHEDULER_SIDE(config, self.deployment, self._store)
@@ -357,6 +119,10 @@ class LayerKVConnector(KVConnectorBase_V1):
     def worker_side(self) -> WorkerHooks:
         assert self._worker is not None, "worker hook called on a scheduler-role connector"
         return self._worker
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return required_kv_cache_layout(vllm_config)  # any block-compact layout works; see there
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -390,13 +156,20 @@ class LayerKVConnector(KVConnectorBase_V1):
         return LayerKVMetadata(self.scheduler_side.build_connector_meta(step))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
         self.scheduler_side.update_connector_output(
             WorkerReport(
                 finished_sending=frozenset(connector_output.finished_sending or ()),
                 finished_recving=frozenset(connector_output.finished_recving or ()),
                 invalid_block_ids=frozenset(connector_output.invalid_block_ids or ()),
+                reported_steps=meta.steps if isinstance(meta, LayerKVWorkerMeta) else (),
             )
         )
+
+    def has_pending_push_work(self) -> bool:
+        """vLLM keeps stepping while this is True (Scheduler.has_requests): the last step's
+        saves are committed only by a verdict a later step carries to the workers."""
+        return self._scheduler is not None and self.scheduler_side.has_pending_work()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         result = self.scheduler_side.request_finished(request_view(request), tuple(block_ids))
@@ -443,6 +216,11 @@ class LayerKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.worker_side.get_block_ids_with_load_errors())
+
+    def build_connector_worker_meta(self) -> LayerKVWorkerMeta | None:
+        """The step this worker ran (vLLM calls it after get_block_ids_with_load_errors)."""
+        steps = self.worker_side.report_steps()
+        return LayerKVWorkerMeta(tuple(steps)) if steps else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counter changes since the previous call (vLLM calls this once per step on each worker

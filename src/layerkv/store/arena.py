@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from layerkv.errors import ConfigError
+
 ALIGN_BYTES = 64  # every allocation starts on a cache line
 
 
@@ -27,7 +29,7 @@ class Arena:
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0")
+            raise ConfigError(f"capacity_bytes={capacity_bytes} must be > 0")
         self.capacity_bytes = capacity_bytes
         self.buffer = np.zeros(capacity_bytes, dtype=np.uint8)  # [capacity_bytes]
         self.base_ptr = int(self.buffer.ctypes.data)

@@ -7,12 +7,13 @@ may call these helpers; backends document their own thread-safety (all shipped o
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 ObjectKey = str
 
@@ -30,8 +31,19 @@ class Code(IntEnum):
     LEASE_EXPIRED = -707
     TRANSFER_FAIL = -800
     RPC_FAIL = -900  # master unreachable
+    RPC_TIMEOUT = -901  # the master did not answer in time (Mooncake: ~30 s; layerkv: store_call_timeout_s)
     # layerkv's own: the backend's answer could not be trusted (wrong count, non-int, bool, raised)
     MALFORMED = -10_000
+    # layerkv's own: not sent, the store is down (a short-circuited call); nothing to undo
+    NOT_SENT = -10_001
+
+
+# The store did not answer: an outage (metadata calls short-circuit for store_retry_interval_s,
+# sessions opened before it are fenced).
+OUTAGE_CODES = frozenset({int(Code.RPC_FAIL), int(Code.RPC_TIMEOUT)})
+# Answers that do not say whether the store applied the call: clean up as if it had (revoke a
+# put start, end a get start).
+UNCERTAIN_CODES = frozenset({int(Code.MALFORMED), *OUTAGE_CODES})
 
 
 def code_name(value: int) -> str:
@@ -42,19 +54,6 @@ def code_name(value: int) -> str:
         return str(value)
 
 
-# The seven session/range methods layerkv needs, plus the exists query.
-SESSION_METHODS: tuple[str, ...] = (
-    "batch_is_exist",
-    "batch_put_session_start",
-    "batch_put_from_multi_buffer_ranges",
-    "batch_put_session_end",
-    "batch_put_session_revoke",
-    "batch_get_session_start",
-    "batch_get_into_multi_buffer_ranges",
-    "batch_get_session_end",
-)
-
-
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a put session's objects should be allocated (Mooncake's ReplicateConfig)."""
@@ -62,6 +61,34 @@ class Placement:
     replica_num: int = 1
     preferred_segment: str = ""
     prefer_alloc_in_same_node: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCall:
+    """What layerkv needs to know of one batch call of the protocol (marked with @store_call)."""
+
+    name: str
+    session: bool  # one of the Mooncake (>= 0.3.13) session/range methods layerkv requires
+    talks_to_master: bool  # reaches the master: outage-checked
+    needs_master: bool  # short-circuited while the master is down (releases are not)
+    moves_data: bool  # moves payload into / out of local memory: never abandoned on a time bound
+
+    @property
+    def bounded(self) -> bool:
+        """Run with the store_call_timeout_s bound. Never a data call: one abandoned at its
+        bound would go on writing into local memory that the caller already reuses."""
+        return self.talks_to_master and not self.moves_data
+
+
+def store_call(*, session: bool = False, needs_master: bool = False, talks_to_master: bool = False,
+               moves_data: bool = False) -> Callable[[_F], _F]:
+    """Mark a KVStore protocol method; the tables below are derived from the marks."""
+
+    def mark(fn: _F) -> _F:
+        fn.__store_call__ = StoreCall(fn.__name__, session, talks_to_master or needs_master, needs_master, moves_data)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
 
 
 @runtime_checkable
@@ -80,12 +107,15 @@ class KVStore(Protocol):
 
     def unregister_buffer(self, ptr: int) -> None: ...
 
+    @store_call(session=True, needs_master=True)
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]: ...
 
+    @store_call(session=True, needs_master=True)
     def batch_put_session_start(
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], placement: Placement | None = None
     ) -> list[int]: ...
 
+    @store_call(session=True, moves_data=True)
     def batch_put_from_multi_buffer_ranges(
         self,
         keys: Sequence[ObjectKey],
@@ -94,12 +124,16 @@ class KVStore(Protocol):
         dst_offsets: Sequence[Sequence[int]],
     ) -> list[int]: ...
 
+    @store_call(session=True, needs_master=True)
     def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]: ...
 
+    @store_call(session=True, talks_to_master=True)
     def batch_put_session_revoke(self, keys: Sequence[ObjectKey]) -> list[int]: ...
 
+    @store_call(session=True, needs_master=True)
     def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]: ...
 
+    @store_call(session=True, moves_data=True)
     def batch_get_into_multi_buffer_ranges(
         self,
         keys: Sequence[ObjectKey],
@@ -108,9 +142,11 @@ class KVStore(Protocol):
         src_offsets: Sequence[Sequence[int]],
     ) -> list[int]: ...
 
+    @store_call(session=True, talks_to_master=True)
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int: ...
 
     # Whole-object calls (benchmarks, doctor, non-layerwise comparison).
+    @store_call(needs_master=True, moves_data=True)
     def batch_put_from(
         self,
         keys: Sequence[ObjectKey],
@@ -119,13 +155,23 @@ class KVStore(Protocol):
         placement: Placement | None = None,
     ) -> list[int]: ...
 
+    @store_call(needs_master=True, moves_data=True)
     def batch_get_into(
         self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> list[int]: ...
 
+    @store_call(needs_master=True)
     def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]: ...
 
     def close(self) -> None: ...
+
+
+# The one method table: every batch call of the protocol, in declaration order.
+STORE_CALLS: dict[str, StoreCall] = {
+    name: fn.__store_call__ for name, fn in vars(KVStore).items() if hasattr(fn, "__store_call__")
+}
+# The session/range methods layerkv requires of a Mooncake client, plus the exists query.
+SESSION_METHODS: tuple[str, ...] = tuple(name for name, call in STORE_CALLS.items() if call.session)
 
 
 def validate_results(results: object, num_keys: int, call: str) -> list[int]:

@@ -4,12 +4,18 @@ a per-key failure, writes the range audit and counts calls / keys / bytes. Any s
 thread: stats and the outage state are guarded by one lock; the backend provides its own
 thread-safety.
 
-Outages: when a chunk fails with RPC_FAIL for every key (master unreachable), metadata calls
-(exists, put/get start, put end, whole-object calls, remove) answer RPC_FAIL at once for
-`retry_interval_s` instead of reaching the backend — Mooncake spends ~4.4 s reconnecting on each
-such call while its master is down. Range calls on open sessions and session releases still go
-through (they do not need the master). After the interval one call probes the backend again.
-The engine meanwhile serves without the pool: misses, no saves.
+Outages: when a chunk answers RPC_FAIL / RPC_TIMEOUT for every key (master unreachable or
+hung), metadata calls (exists, put/get start, put end, whole-object calls, remove) answer
+NOT_SENT at once for `retry_interval_s` instead of reaching the backend (nothing to undo) — Mooncake spends ~4.4 s
+reconnecting on each such call while its master is down, ~30 s when it is hung. Range calls on
+open sessions and session releases still go through. After the interval one call probes the
+backend again. The engine meanwhile serves without the pool: misses, no saves. Every outage
+answer bumps `outage_epoch`: jobs stop using sessions opened before it (they may touch memory a
+restarted master gave to other objects).
+
+Bounds: with `call_timeout_s`, every call that talks to the master (all but the range calls) runs
+on a bounded pool thread and answers RPC_TIMEOUT after that many seconds; what such a call does
+when it returns late is undone (a late put start is revoked, a late get start ended).
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from layerkv.errors import StoreError
+from layerkv.errors import ConfigError, StoreError
 from layerkv.store.audit import RangeAudit
-from layerkv.store.base import Code, KVStore, ObjectKey, Placement, validate_results, validate_single
+from layerkv.store.base import OUTAGE_CODES, STORE_CALLS, Code, KVStore, ObjectKey, Placement, validate_results, validate_single
+from layerkv.store.bounded import BoundedCaller
 
 log = logging.getLogger(__name__)
 _RPC_FAIL = int(Code.RPC_FAIL)
+_RPC_TIMEOUT = int(Code.RPC_TIMEOUT)
+_NOT_SENT = int(Code.NOT_SENT)
 
 
 @dataclass(slots=True)
@@ -54,14 +63,17 @@ class CheckedStore:
         max_batch_keys: int,
         audit: RangeAudit | None = None,
         retry_interval_s: float = 5.0,
+        call_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_batch_keys < 1:
-            raise ValueError(f"max_batch_keys={max_batch_keys} must be >= 1 (config max_transfer_blocks)")
+            raise ConfigError(f"max_batch_keys={max_batch_keys} must be >= 1 (config max_transfer_blocks)")
         self.backend = backend
         self.retry_interval_s = retry_interval_s
         self._clock = clock
+        self._caller = BoundedCaller("store", call_timeout_s) if call_timeout_s is not None else None
         self._down_until = 0.0  # guarded by _stats_lock: metadata calls short-circuit before this time
+        self._epoch = 0  # guarded by _stats_lock: outage answers seen
         self.name = backend.name
         self.max_batch_keys = max_batch_keys
         self.audit = audit
@@ -110,18 +122,18 @@ class CheckedStore:
         for start in range(0, len(keys), self.max_batch_keys):
             part = slice(start, start + self.max_batch_keys)
             chunk = keys[part]
-            if call in _NEEDS_MASTER and self.is_down():
+            if call in _NEEDS_MASTER and self.is_down():  # answered here: nothing reached the store
                 self._count(call, len(chunk), 0, len(chunk))
-                results.extend([_RPC_FAIL] * len(chunk))
+                results.extend([_NOT_SENT] * len(chunk))
                 continue
             try:
-                raw = method(chunk, *(arg[part] for arg in per_key), *extra, **kwargs)
+                answered, raw = self._call(call, method, (chunk, *(arg[part] for arg in per_key), *extra), kwargs)
             except Exception as exc:  # the one place backend exceptions become codes
                 log.error("layerkv: %s on %s raised for %d keys (first %r): %r", call, self.name, len(chunk), chunk[0], exc, exc_info=exc)
                 got = [_RPC_FAIL] * len(chunk)
             else:
-                got = validate_results(raw, len(chunk), call)
-                if call in _NEEDS_MASTER:  # the backend itself said RPC_FAIL (not a raise): outage
+                got = validate_results(raw, len(chunk), call) if answered else [_RPC_TIMEOUT] * len(chunk)
+                if call in _OUTAGE_CHECKED:  # the store said it is unreachable (not a raise): outage
                     self._note_health(call, got)
             nbytes = moved(got, part) if moved is not None else 0
             self._count(call, len(chunk), nbytes, sum(1 for r in got if r < 0))
@@ -133,20 +145,51 @@ class CheckedStore:
             results.extend(got)
         return results
 
+    def _call(self, call: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """(answered in time?, raw result). Calls that talk to the master are bounded."""
+        if self._caller is None or call not in _BOUNDED:
+            return True, method(*args, **kwargs)
+        undo = self._undo_late(call, args[0])
+        return self._caller.call(lambda: method(*args, **kwargs), on_late=undo)
+
+    def _undo_late(self, call: str, keys: Sequence[ObjectKey]) -> Callable[[Any], None] | None:
+        """What to do when a timed-out call returns after all: undo sessions it opened."""
+        if call == "batch_put_session_start":
+            release = self.backend.batch_put_session_revoke
+        elif call == "batch_get_session_start":
+            release = self.backend.batch_get_session_end  # type: ignore[assignment]
+        else:
+            return None
+
+        def undo(raw: Any) -> None:
+            opened = [k for k, code in zip(keys, raw if isinstance(raw, (list, tuple)) else ()) if code == 0]
+            if opened:
+                log.warning("layerkv: %s answered after its bound; releasing %d sessions it opened", call, len(opened))
+                release(opened)
+
+        return undo
+
     # ---- outages -----------------------------------------------------------------------------
+    @property
+    def outage_epoch(self) -> int:
+        """Bumped on every outage answer; sessions started before a bump must not be used."""
+        with self._stats_lock:
+            return self._epoch
+
     def is_down(self) -> bool:
         """True while metadata calls short-circuit after an RPC failure of a whole chunk."""
         with self._stats_lock:
             return self._clock() < self._down_until
 
     def _note_health(self, call: str, got: list[int]) -> None:
-        down = bool(got) and all(code == _RPC_FAIL for code in got)
+        down = bool(got) and all(code in OUTAGE_CODES for code in got)
         with self._stats_lock:
             was_down = self._down_until > 0.0
             self._down_until = self._clock() + self.retry_interval_s if down else 0.0
+            self._epoch += down
         if down and not was_down:
-            log.warning("layerkv: %s unreachable (%s answered RPC_FAIL); serving without the pool, retrying every %.1f s",
-                        self.name, call, self.retry_interval_s)
+            log.warning("layerkv: %s unreachable (%s answered %s); serving without the pool, retrying every %.1f s",
+                        self.name, call, sorted(set(got)), self.retry_interval_s)
         elif was_down and not down:
             log.warning("layerkv: %s reachable again; using the pool", self.name)
 
@@ -213,7 +256,8 @@ class CheckedStore:
         for start in range(0, len(keys), self.max_batch_keys):
             chunk = keys[start : start + self.max_batch_keys]
             try:
-                code = validate_single(self.backend.batch_get_session_end(chunk), call)
+                answered, raw = self._call(call, self.backend.batch_get_session_end, (chunk,), {})
+                code = validate_single(raw, call) if answered else _RPC_TIMEOUT
             except Exception as exc:
                 log.error("layerkv: %s on %s raised for %d keys: %r", call, self.name, len(chunk), exc, exc_info=exc)
                 code = _RPC_FAIL
@@ -241,14 +285,15 @@ class CheckedStore:
 
     def close(self) -> None:
         """Close the backend (the audit belongs to whoever made it)."""
+        if self._caller is not None:
+            self._caller.close()
         self.backend.close()
 
 
-# Calls that need the master (Mooncake): short-circuited during an outage.
-_NEEDS_MASTER = frozenset({
-    "batch_is_exist", "batch_put_session_start", "batch_put_session_end", "batch_get_session_start",
-    "batch_put_from", "batch_get_into", "batch_remove",
-})
+# Derived from the protocol's method table (store/base.py).
+_NEEDS_MASTER = frozenset(name for name, call in STORE_CALLS.items() if call.needs_master)
+_BOUNDED = frozenset(name for name, call in STORE_CALLS.items() if call.bounded)
+_OUTAGE_CHECKED = frozenset(name for name, call in STORE_CALLS.items() if call.talks_to_master)
 
 
 def _positive(got: list[int], part: slice) -> int:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from layerkv.errors import StoreError
+from layerkv.errors import ConfigError, StoreError
 from layerkv.store.arena import copy_ranges
 from layerkv.store.base import Code, ObjectKey, Placement
 from layerkv.store.object_table import ClientId, GetSession, ObjectState, ObjectTable, StoredObject
@@ -52,7 +52,7 @@ class EmbeddedStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if lease_ttl_s <= 0 or put_timeout_s <= 0:
-            raise ValueError(f"lease_ttl_s={lease_ttl_s} and put_timeout_s={put_timeout_s} must be > 0")
+            raise ConfigError(f"lease_ttl_s={lease_ttl_s} and put_timeout_s={put_timeout_s} must be > 0")
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.lease_ttl_s = lease_ttl_s

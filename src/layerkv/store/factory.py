@@ -12,6 +12,7 @@ from layerkv.store.embedded import EmbeddedStore
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
+    from layerkv.store.checked import CheckedStore
     from layerkv.store.base import KVStore
 
 _SharedKey = tuple[int, float, float]
@@ -45,7 +46,7 @@ def close_shared_stores() -> None:
         root.close()
 
 
-def open_checked_store(config: LayerKVConfig) -> KVStore:
+def open_checked_store(config: LayerKVConfig) -> CheckedStore:
     """`open_store` wrapped in the one place that splits batches by `max_transfer_blocks`,
     validates every result and writes the range audit (LAYERKV_RANGE_DEBUG=1)."""
     from layerkv.store.audit import RangeAudit
@@ -56,4 +57,5 @@ def open_checked_store(config: LayerKVConfig) -> KVStore:
         max_batch_keys=config.max_transfer_blocks,
         audit=RangeAudit.from_config(config),
         retry_interval_s=config.store_retry_interval_s,
+        call_timeout_s=config.store_call_timeout_s,
     )

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from layerkv.store.base import SESSION_METHODS, Code, KVStore, ObjectKey, Placement
+from layerkv.store.base import STORE_CALLS, Code, KVStore, ObjectKey, Placement
 
-IS_EXIST, PUT_START, PUT_RANGES, PUT_END, PUT_REVOKE, GET_START, GET_RANGES, GET_END = SESSION_METHODS
-PUT_FROM, GET_INTO, REMOVE = "batch_put_from", "batch_get_into", "batch_remove"
-ALL_METHODS = (*SESSION_METHODS, PUT_FROM, GET_INTO, REMOVE)
+ALL_METHODS = tuple(STORE_CALLS)  # every batch call of the protocol
+(IS_EXIST, PUT_START, PUT_RANGES, PUT_END, PUT_REVOKE, GET_START, GET_RANGES, GET_END,
+ PUT_FROM, GET_INTO, REMOVE) = ALL_METHODS
 _rule_ids = itertools.count(1)
 KeyMatch = ObjectKey | Collection[ObjectKey] | Callable[[ObjectKey], bool] | None
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from layerkv.errors import ConfigError, StoreError, StoreVersionError
+from layerkv.store import native_log
 from layerkv.store.base import SESSION_METHODS, ObjectKey, Placement, code_name
 from layerkv.store.mooncake_master import MIN_SEGMENT_BYTES, tcp_reachable
 
@@ -201,18 +202,23 @@ class MooncakeStore:
         client_cls = client_cls or MooncakeDistributedStore
         check_session_methods(client_cls)
         preflight(args)
-        client = client_cls()
-        try:
-            rc = client.setup(args)
-        except Exception as exc:  # pybind11 raises arbitrary types; translate here only
-            raise StoreError(f"mooncake setup against master {args['master_server_addr']} raised {exc!r}") from exc
+        raised: Exception | None = None
+        with native_log.capture_startup() as captured:  # quiet: Mooncake's start-up glog lines
+            client = client_cls()
+            try:
+                rc = client.setup(args)
+            except Exception as exc:  # pybind11 raises arbitrary types; translate here only
+                raised = exc
+        said = f"; mooncake logged: {captured.problems()}" if captured.problems() else ""
+        if raised is not None:
+            raise StoreError(f"mooncake setup against master {args['master_server_addr']} raised {raised!r}{said}") from raised
         if rc != 0:
             segment = args["global_segment_size"]
             hint = "; global_segment_size must be 0 or >= 16 MiB" if 0 < segment < MIN_SEGMENT_BYTES else ""
             raise StoreError(
                 f"mooncake setup against master {args['master_server_addr']} failed: rc={code_name(rc)} "
                 f"(local_hostname={args['local_hostname']}, global_segment_size={segment}, "
-                f"protocol={args['protocol']}){hint}"
+                f"protocol={args['protocol']}){hint}{said}"
             )
         return cls(client, ReplicateConfig, args["master_server_addr"], placement)
 

@@ -1,13 +1,15 @@
-"""A local `mooncake_master` child process on loopback: free ports, start, readiness, stop, and
-the Mooncake client config that points at it. Used by `layerkv master` and the test fixtures.
-No mooncake import (the binary is found next to the running Python). Not thread-safe: one owner
-starts and stops a `MasterProcess`.
+"""A local `mooncake_master` child process on loopback: ports, start, readiness, stop, and the
+Mooncake client config that points at it. Ready means *this* child is alive and is the process
+listening on its RPC and HTTP ports (pids from /proc, see port_owner), never merely that
+something answers there. Used by `layerkv master`, the bench and the test fixtures. No mooncake
+import (the binary is found next to the running Python). Not thread-safe: one owner starts and
+stops a `MasterProcess`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
-import json
 import logging
 import os
 import shutil
@@ -16,13 +18,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerkv.errors import StoreError
+from layerkv.errors import PortInUseError, StoreError
+from layerkv.store import port_owner
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +49,6 @@ def find_master_binary() -> Path:
         f"{MASTER_BINARY} not found next to {sys.executable} nor on PATH; "
         "install it with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`"
     )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def tcp_reachable(host: str, port: int, timeout_s: float) -> OSError | None:
@@ -86,12 +81,24 @@ class MasterPorts:
 
     @classmethod
     def pick(cls, rpc_port: int | None = None, http_port: int | None = None) -> MasterPorts:
-        return cls(rpc_port or free_port(), http_port or free_port(), free_port())
+        """The given ports, the others chosen free by the kernel (three distinct ports: the
+        picking sockets stay open until all are chosen)."""
+        with contextlib.ExitStack() as held:
+            def pick_one() -> int:
+                sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                sock.bind((LOOPBACK, 0))
+                return int(sock.getsockname()[1])
+
+            return cls(rpc_port or pick_one(), http_port or pick_one(), pick_one())
+
+    def roles(self) -> list[tuple[str, int]]:
+        return [("master RPC", self.rpc_port), ("HTTP metadata", self.http_port), ("metrics", self.metrics_port)]
 
 
 @dataclass(slots=True)
 class MasterProcess:
-    """A running `mooncake_master` bound to 127.0.0.1. Stop it with `stop()`."""
+    """A running `mooncake_master` bound to 127.0.0.1 that serves its RPC and HTTP ports itself
+    (checked by pid, not by a connect). Stop it with `stop()`."""
 
     ports: MasterPorts
     lease_ttl_ms: int | None
@@ -120,6 +127,7 @@ class MasterProcess:
             "--enable_http_metadata_server=true",
             f"--http_metadata_server_host={LOOPBACK}",
             f"--http_metadata_server_port={self.ports.http_port}",
+            f"--metrics_host={LOOPBACK}",
             f"--metrics_port={self.ports.metrics_port}",
         ]
         if self.lease_ttl_ms is not None:
@@ -127,9 +135,12 @@ class MasterProcess:
         return args
 
     def start(self, timeout_s: float = 20.0) -> None:
-        """Spawn the master and wait until its RPC port accepts and its HTTP metadata server
-        answers. Raises StoreError (with the log tail) if it exits or misses the deadline."""
+        """Spawn the master and wait until it is the process listening on its RPC and HTTP ports
+        and the metadata server answers. Raises PortInUseError (naming the port and its holder)
+        if another process holds one of its ports, before or after the spawn; StoreError with
+        the log tail if it exits or misses the deadline."""
         binary = find_master_binary()
+        self._check_ports_free()
         with open(self.log_path, "ab") as log_file:
             self.popen = subprocess.Popen(
                 self.argv(binary), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -138,22 +149,85 @@ class MasterProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise StoreError(
-                    f"mooncake_master exited with {self.popen.returncode} at startup; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            if self.serving(probe_timeout_s=0.2):
+                self._raise_taken_port("exited at startup")
+                raise StoreError(f"{self.describe_exit()} at startup; log {self.log_path}:\n{self.log_tail()}")
+            if self.owns_ports() and self.serving(probe_timeout_s=0.2):
                 log.info("mooncake_master pid %d serving at %s", self.pid, self.address)
                 return
+            try:
+                self._raise_taken_port("cannot serve")  # lost a port to another process: it never will
+            except PortInUseError:
+                self.stop()
+                raise
             time.sleep(0.05)  # polling an external process with a deadline
         self.stop()
+        self._raise_taken_port(f"did not serve within {timeout_s:.0f} s")
         raise StoreError(
             f"mooncake_master at {self.address} not serving after {timeout_s:.0f} s; "
             f"log {self.log_path}:\n{self.log_tail()}"
         )
 
+    def owns_ports(self) -> bool:
+        """True if the child is alive and every LISTEN socket on its RPC and HTTP ports is its
+        own (so no other process answers in its place). Without /proc: whether it is alive."""
+        if not self.running():
+            return False
+        if not port_owner.supported():
+            return True  # no way to tell who listens; serving() still has to pass
+        for port in (self.ports.rpc_port, self.ports.http_port):
+            found = port_owner.listeners(port, likely_pid=self.pid)
+            if not found or any(listener.pid != self.pid for listener in found):
+                return False
+        return True
+
+    def check_serving(self) -> None:
+        """Raise StoreError (exit status / holder of a port, log tail) unless this child is alive
+        and the process serving its ports. For owners that re-check after start-up."""
+        if not self.running():
+            raise StoreError(f"{self.describe_exit()}; log {self.log_path}:\n{self.log_tail()}")
+        self._raise_taken_port("does not own its ports")
+        if not self.owns_ports():
+            raise StoreError(f"mooncake_master pid {self.pid} is not listening on {self.address} / "
+                             f"{self.metadata_url}; log {self.log_path}:\n{self.log_tail()}")
+
+    def describe_exit(self) -> str:
+        """`mooncake_master pid 12 exited with code 1` / `... was killed by SIGKILL`."""
+        code = self.popen.poll() if self.popen is not None else None
+        if code is None:
+            return f"mooncake_master pid {self.pid} is running"
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        return f"mooncake_master pid {self.pid} ({self.address}) {how}"
+
+    def _check_ports_free(self) -> None:
+        if not port_owner.supported():
+            return
+        for role, port in self.ports.roles():
+            found = port_owner.listeners(port)
+            if found:
+                raise PortInUseError(
+                    f"port {port} ({role}) on {LOOPBACK} is already in use by {found[0].holder()}; "
+                    "mooncake_master cannot serve there", port)
+
+    def _raise_taken_port(self, what: str) -> None:
+        """PortInUseError if another process listens on one of this master's ports."""
+        if not port_owner.supported():
+            return
+        for role, port in self.ports.roles():
+            foreign = [lst for lst in port_owner.listeners(port, likely_pid=self.pid) if lst.pid != self.pid]
+            if foreign:
+                raise PortInUseError(
+                    f"mooncake_master pid {self.pid} {what}: port {port} ({role}) is held by "
+                    f"{foreign[0].holder()}; log {self.log_path}:\n{self.log_tail()}", port)
+
     def serving(self, probe_timeout_s: float = 0.5) -> bool:
-        """True if the RPC port accepts a connection and the metadata server answers HTTP."""
+        """True if the RPC port accepts a connection and the metadata server answers HTTP
+        (whoever serves them: see owns_ports)."""
         if tcp_reachable(LOOPBACK, self.ports.rpc_port, probe_timeout_s) is not None:
             return False
         return http_answers(LOOPBACK, self.ports.http_port, "/metadata?key=layerkv_probe", probe_timeout_s)
@@ -194,12 +268,17 @@ class MasterProcess:
             "local_buffer_size": local_buffer_size,
         }
 
-    def log_tail(self, num_lines: int = 15) -> str:
+    def log_tail(self, num_lines: int = 15, max_line_chars: int = 300) -> str:
+        """The log's last lines, each cut at max_line_chars (Mooncake's metric lines run to 3 KB)."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError as exc:
             return f"(log unreadable: {exc})"
-        return "\n".join(lines[-num_lines:])
+        return "\n".join(line if len(line) <= max_line_chars else line[:max_line_chars] + " ..."
+                         for line in lines[-num_lines:])
+
+
+START_ATTEMPTS = 3  # auto-picked ports can be taken between the pick and the bind
 
 
 def start_master(
@@ -210,62 +289,26 @@ def start_master(
     log_path: str | os.PathLike[str] | None = None,
     timeout_s: float = 20.0,
 ) -> MasterProcess:
-    """Start a `mooncake_master` on loopback (free ports unless given) and wait until it serves.
+    """Start a `mooncake_master` on loopback (free ports unless given) and wait until it serves
+    its ports itself.
 
     `lease_ttl_ms` sets --default_kv_lease_ttl (Mooncake's default otherwise). The log goes to
-    `log_path` (a fresh temp file by default). Raises StoreError if it does not come up.
+    `log_path` (a fresh temp file by default). A port given here that another process holds
+    raises PortInUseError; auto-picked ports lost to a race are picked again (3 attempts).
+    Raises StoreError (log path and tail in the message) if it does not come up.
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
         os.close(fd)
         log_path = name
-    master = MasterProcess(MasterPorts.pick(rpc_port, http_port), lease_ttl_ms, Path(log_path))
-    master.start(timeout_s)
-    return master
-
-
-class LocalDeployment:
-    """`layerkv master` run as a child process (master + segment holder on loopback): what the
-    demo and the benchmarks use when no MOONCAKE_CONFIG_PATH is given. Objects live in the
-    child's segment, so clients may hold no memory (global_segment_size 0), as in production."""
-
-    def __init__(self, segment_size: str = "512MB", startup_timeout_s: float = 60.0) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="layerkv-master-")
-        self.config_path = Path(self._dir.name) / "mooncake.json"
-        env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "layerkv.cli", "master", "--port", "0", "--http-port", "0",
-             "--segment-size", segment_size, "--config-out", str(self.config_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )
-        line = _first_line(self._proc, startup_timeout_s)
-        if not line.startswith("{"):
-            self.stop()
-            raise StoreError(f"layerkv master did not start within {startup_timeout_s:.0f} s (exit code {self._proc.poll()})")
-        self.client_config = json.loads(line)
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGINT)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-        self._dir.cleanup()
-
-    def __enter__(self) -> LocalDeployment:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """The child's first stdout line, read on a helper thread so a silent child cannot hang us."""
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""),
-                              name="layerkv-master-stdout", daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return box[0] if box else ""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        master = MasterProcess(MasterPorts.pick(rpc_port, http_port), lease_ttl_ms, Path(log_path))
+        try:
+            master.start(timeout_s)
+            return master
+        except PortInUseError as exc:
+            master.stop()
+            if exc.port in (rpc_port, http_port) or attempt == START_ATTEMPTS:
+                raise
+            log.info("mooncake_master: %s; picking other ports", str(exc).splitlines()[0])
+    raise AssertionError("unreachable")

@@ -1,34 +1,44 @@
-"""One step's layerwise load: the receive thread reads layer l's ranges for every key, at most
-`prefetch_layers` layers ahead of the layer the compute thread works on, verifies headers with
-layer 0, fans a shared key out to every local block that wants it, and ends the get sessions
-only after its last read returned. With `staged` (host caches, read_layers_per_range > 1) it
-reads groups of layers as one range per key into staging and scatters them (transfer/staged.py);
-layer 0 is always read alone. Touched by the compute thread (wait_layer) and the receive
-thread (run); shared state guarded by JobState.cond.
+"""One step's layerwise load. The job owns its get sessions from start to end: on the receive
+thread it starts them, reads layer l's ranges for every key at most `prefetch_layers` layers ahead
+of the layer the compute thread works on, verifies the header with layer 0 and every layer's
+checksum before the compute thread may use it, fans a shared key out to every local block that
+wants it, renews the sessions when the step outlives `renew_after_s`, and ends them after its
+last read returned. Objects whose bytes fail their checksum (or whose header is wrong) are
+removed from the pool. With `staged` (host caches, read_layers_per_range > 1) it reads groups of
+layers as one range per key into staging and scatters them (staged.py).
 
     compute:  start ── wait(0) ─ attn 0 ─ wait(1) ─ attn 1 ─ wait(2) ─ attn 2 ...
-    receive:  read 0 ─ read 1 ─ read 2 ── read 3 ────────── read 4 ...          (prefetch 2)
+    receive:  start sessions ─ read 0 ─ read 1 ─ read 2 ── read 3 ────── read 4 ... end sessions
+
+Touched by the compute thread (wait_layer, failed_block_ids) and the receive thread (run);
+shared state guarded by JobState.cond. Failures never raise into the compute thread: they are
+rows marked failed, whose blocks the engine recomputes.
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from layerkv.errors import HeaderError, TransferTimeout
+from layerkv.errors import HeaderError, LayoutError
 from layerkv.header import Header
 from layerkv.layout import CacheLayout
-from layerkv.messages import BlockHash, ReqId
-from layerkv.store.base import KVStore, ObjectKey
+from layerkv.messages import BlockHash
 from layerkv.ranges import RangeLists
+from layerkv.store.base import UNCERTAIN_CODES, ObjectKey
+from layerkv.store.checked import CheckedStore
+from layerkv.transfer.lanes import Lanes, split_rows
+from layerkv.transfer.planner import LAYERS, WHOLE, Costs, LoadPlan
 from layerkv.transfer.rows import KeyRows
-from layerkv.transfer.staged import LayerGroup, StagedLayers, layer_groups
+from layerkv.transfer.staged import LayerGroup, StagedLayers, groups_of
 from layerkv.transfer.thread import JobState
+from layerkv.transfer.views import CacheViews
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +50,42 @@ class LoadKey:
     key: ObjectKey
     block_hash: BlockHash
     block_id: int
-    extra_block_ids: tuple[int, ...]
-    owners: frozenset[ReqId]
+    extra_block_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """What a finished load did (receive thread writes, compute thread reads after `finished`)."""
+
+    loaded_bytes: int = 0
+    range_calls: int = 0  # range calls made (the store may split each into chunks)
+    read_s: float = 0.0
+    header_failures: int = 0
+    checksum_failures: int = 0
+    fenced_keys: int = 0  # failed because the store had an outage after their session started
+    lease_renewals: int = 0
+    removed_keys: list[ObjectKey] = field(default_factory=list)  # bad objects removed from the pool
+    error: BaseException | None = None
 
 
 class LoadJob(JobState):
-    """Reads `keys` (whose get sessions are open) layer by layer. Failures are published as
-    invalid block ids / tainted requests before the compute thread is woken."""
-
     def __init__(
         self,
         keys: list[LoadKey],
         *,
-        store: KVStore,
+        store: CheckedStore,
         layout: CacheLayout,
         header: Header,
         staging: np.ndarray,  # uint8 registered rows: [>= len(keys), header_nbytes], or with
         # `staged`: [>= 1, staged.row_nbytes] (keys are read through it in chunks of its rows)
-        prefetch_layers: int,
-        on_done: Callable[[LoadJob], None],
-        on_failed: Callable[[list[LoadKey], str], None],
-        staged: StagedLayers | None = None,
+        views: CacheViews,
+        plan: LoadPlan,
+        lanes: Lanes,
+        renew_after_s: float,
+        prefetch_layers: int | None = None,  # read at most this far ahead of compute (None: no cap)
+        staged: StagedLayers | None = None,  # GROUPS / WHOLE plans
+        costs: Costs | None = None,  # running estimates to update with what this job measures
+        verify_checksums: bool = True,
     ) -> None:
         super().__init__("layerkv load")
         self.keys = keys
@@ -68,156 +93,328 @@ class LoadJob(JobState):
         self._layout = layout
         self._header = header
         self._staging = staging
+        self._views = views
+        self.plan = plan
+        self._lanes = lanes
         self._prefetch = prefetch_layers
-        self._on_done = on_done
-        self._on_failed = on_failed
-        self._rows = KeyRows([k.block_id for k in keys], layout, staging)
+        self._renew_after_s = renew_after_s
         self._staged = staged
-        # fan-out targets (row, block) beyond each key's first block, for the staged scatter
+        self._costs = costs
+        self._verify_checksums = verify_checksums
+        if plan.mode != LAYERS and staged is None:
+            raise LayoutError(f"a {plan.mode} load plan needs host staging")
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging)
+        # held while this job copies into the cache; give_up takes it after cancelling
+        self._cache_writes = threading.Lock()
+        # fan-out targets (row, block) beyond each key's first block
         self._extra_rows = np.array([i for i, k in enumerate(keys) for _ in k.extra_block_ids], dtype=np.int64)
         self._extra_blocks = np.array([b for k in keys for b in k.extra_block_ids], dtype=np.int64)
         self.failed = np.zeros(len(keys), dtype=bool)  # guarded by cond
         self.layers_done = 0  # guarded by cond
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
-        self.loaded_bytes = 0  # receive thread only, read after finished
-        self.range_calls = 0  # receive thread only: range calls made (the store may split each)
-        self.read_s = 0.0  # receive thread only
+        self.outcome = LoadOutcome()  # receive thread; read after finished
+        self._open = np.zeros(len(keys), dtype=bool)  # receive thread: sessions started, not ended
+        self._checksums = np.zeros((len(keys), layout.num_layers), dtype=np.uint64)  # receive thread
+        self._verify = np.zeros(len(keys), dtype=bool)  # receive thread: header carried checksums
+        self._bad_objects = np.zeros(len(keys), dtype=bool)  # receive thread: remove after ending
+        self._epoch = 0
+        self._session_start_s = 0.0
 
     # -- compute thread -------------------------------------------------------------------
-    def wait_layer(self, layer_idx: int, timeout_s: float) -> None:
+    def wait_layer(self, layer_idx: int, timeout_s: float) -> bool:
         """Let the receive thread run ahead to layer_idx + prefetch, then wait for layer_idx.
-        On timeout every block of the job is published invalid and the job is cancelled before
-        TransferTimeout is raised (the stalled call ends the sessions when it returns)."""
+        False on timeout: every block of the job is then failed and the job cancelled (a stuck
+        store call ends its sessions when it returns)."""
         with self.cond:
+            if self.cancelled:  # given up: every row failed already, nothing to wait for
+                return False
             if layer_idx > self.compute_layer:
                 self.compute_layer = layer_idx
                 self.cond.notify_all()
-        try:
-            self.wait_until(lambda: self.layers_done > layer_idx or self.finished, timeout_s, f"layer {layer_idx}")
-        except TransferTimeout as exc:
-            with self.cond:
-                rows = np.flatnonzero(~self.failed)
-            self._fail(rows, f"layer {layer_idx} not read within {timeout_s:.1f} s")
-            self.cancel()
-            raise exc
+        if self.wait_for(lambda: self.layers_done > layer_idx or self.finished, timeout_s):
+            return True
+        self.give_up(f"layer {layer_idx} not read within {timeout_s:.1f} s")
+        return False
+
+    def give_up(self, reason: str) -> None:
+        """Fail every row still good and cancel (compute thread, on a timeout). Returns once no
+        copy into the cache is in progress: after it, this job writes no cache block (only a
+        store call already inside the store may, in the per-layer plan; docs/data-safety.md)."""
+        with self.cond:
+            rows = np.flatnonzero(~self.failed)
+        self._fail(rows, reason)
+        self.cancel()
+        with self._cache_writes:  # a scatter / fan-out that began before the cancel ends first
+            pass
+
+    def settled(self) -> bool:
+        """No more failures can come: every layer was read (or the job gave up / ended)."""
+        with self.cond:
+            return self.finished or self.cancelled or self.layers_done >= self._layout.num_layers
+
+    def failed_block_ids(self) -> set[int]:
+        """Local blocks of failed rows (first block and fan-out targets)."""
+        with self.cond:
+            rows = np.flatnonzero(self.failed).tolist()
+        return {b for i in rows for b in (self.keys[i].block_id, *self.keys[i].extra_block_ids)}
 
     # -- receive thread -------------------------------------------------------------------
     def run(self) -> None:
         try:
-            groups = self._staged.groups if self._staged is not None else layer_groups(self._layout, 1)
-            for group in groups:
-                if not self._wait_allowed(group.first_layer):  # prefetch counts layers, not groups
-                    self._fail(np.flatnonzero(~self.failed), "cancelled before all layers were read")
-                    break
-                if self._staged is not None:
-                    self._read_group(group)
-                else:
-                    self._read_layer(group.first_layer)
-                with self.cond:
-                    self.layers_done = group.end_layer
-                    self.cond.notify_all()
+            whole = self.plan.mode == WHOLE  # whole-object reads need no session
+            if not self.cancelled and (whole or self._start_sessions(np.arange(len(self.keys)))):
+                for group in groups_of(self._layout, self.plan.group_ends):
+                    if not self._wait_allowed(group.first_layer):  # prefetch counts layers, not groups
+                        self._fail(self._active(), "cancelled before all layers were read")
+                        break
+                    if not whole:
+                        self._fence()
+                        self._maybe_renew()
+                    if self.plan.mode == LAYERS:
+                        self._read_layer(group.first_layer)
+                    else:
+                        self._read_staged(group)
+                    with self.cond:
+                        self.layers_done = group.end_layer
+                        self.cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - published to the compute thread
             log.exception("layerkv: load thread failed; every block of this step is invalid")
-            self._fail(np.flatnonzero(~self.failed), f"transfer thread error: {exc!r}", exc)
+            self.outcome.error = exc
+            self._fail(self._active(), f"transfer thread error: {exc!r}")
         finally:
             try:
-                self._on_done(self)  # every read of this job has returned: sessions may end
+                self._end_sessions()
             finally:
                 with self.cond:
                     self.finished = True
                     self.cond.notify_all()
 
+    def _active(self) -> np.ndarray:
+        with self.cond:
+            return np.flatnonzero(~self.failed)
+
+    def _start_sessions(self, rows: np.ndarray) -> bool:
+        """Start get sessions for `rows`; failed starts fail their rows. True if any opened."""
+        self._epoch = self._store.outage_epoch
+        self._session_start_s = time.monotonic()
+        results = np.asarray(self._store.batch_get_session_start([self.keys[i].key for i in rows]), dtype=np.int64)
+        ok = results == 0
+        self._open[rows[ok]] = True
+        uncertain = rows[np.isin(results, list(UNCERTAIN_CODES))]
+        if uncertain.size:  # the store may have opened these: end them (0 also for unknown keys)
+            self._store.batch_get_session_end([self.keys[i].key for i in uncertain])
+        if not ok.all():
+            self._fail(rows[~ok], f"get session start returned {sorted(set(results[~ok].tolist()))}")
+        return bool(ok.any())
+
+    def _end_sessions(self) -> None:
+        rows = np.flatnonzero(self._open)
+        self._open[:] = False
+        if rows.size:
+            self._store.batch_get_session_end([self.keys[i].key for i in rows])
+        bad = [self.keys[i].key for i in np.flatnonzero(self._bad_objects).tolist()]
+        if bad:  # never fail every later hit on the same bad bytes
+            self._store.batch_remove(bad)
+            self.outcome.removed_keys.extend(bad)
+            log.warning("layerkv: removed %d objects that failed verification from the pool", len(bad))
+
+    def _fence(self) -> None:
+        """After a store outage, sessions opened before it may read memory the store has given
+        to other objects: stop reading them (their blocks are recomputed)."""
+        if self._store.outage_epoch != self._epoch:
+            rows = self._active()
+            self.outcome.fenced_keys += int(rows.size)
+            self._fail(rows, "the store had an outage after these get sessions started")
+
+    def _maybe_renew(self) -> None:
+        """A step that outlives `renew_after_s` restarts its sessions (end + start) so the
+        lease cannot expire mid-step; checksums re-verify every later layer against the header
+        read with layer 0, so a replaced object is caught."""
+        if time.monotonic() - self._session_start_s < self._renew_after_s:
+            return
+        rows = np.flatnonzero(self._open & ~self._failed_snapshot())
+        if rows.size == 0:
+            return
+        self._store.batch_get_session_end([self.keys[i].key for i in rows])
+        self._open[rows] = False
+        self.outcome.lease_renewals += 1
+        self._start_sessions(rows)
+
+    def _failed_snapshot(self) -> np.ndarray:
+        with self.cond:
+            return self.failed.copy()
+
     def _wait_allowed(self, layer_idx: int) -> bool:
         with self.cond:
             # read ahead: while compute works on layer c, layers up to c + prefetch may be read
-            while layer_idx > self.compute_layer + self._prefetch and not self.cancelled:
+            while self._prefetch is not None and layer_idx > self.compute_layer + self._prefetch and not self.cancelled:
                 self.cond.wait(0.5)
             return not self.cancelled
 
     def _read_layer(self, layer_idx: int) -> None:
-        with self.cond:
-            active = np.flatnonzero(~self.failed)
+        """One layer straight into the cache blocks (the header into its staging row with
+        layer 0), the keys split over the plan's lanes."""
+        active = self._active()
         if active.size == 0:
             return
-        ok = self._get(active, self._rows.ranges(layer_idx, active), layer_idx, f"layer {layer_idx}")
-        good = active[ok]
+
+        def ranges(rows: np.ndarray) -> RangeLists:
+            return self._rows.header_and_layer(0, rows) if layer_idx == 0 else self._rows.layer(layer_idx, rows)
+
+        good = self._get_concurrently(active, ranges, layer_idx, f"layer {layer_idx}")
         if layer_idx == 0:
             good = good[self._verify_headers(good, good)]
-        self._fan_out(layer_idx, good)
+        if self._views.on_host and self._verify_checksums:
+            good = good[self._verify_blocks(layer_idx, good)]
+        fan = np.isin(self._extra_rows, good)
+        with self._cache_writes:
+            if not self.cancelled:
+                self._views.copy_blocks(layer_idx, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
 
-    def _read_group(self, group: LayerGroup) -> None:
-        """Read `group`'s span of every active key through the staging rows (a chunk of keys
-        per call), verify headers with layer 0, scatter to every block wanting the key."""
+    def _read_staged(self, group: LayerGroup) -> None:
+        """`group`'s span of every active key (a whole object with WHOLE plans) through the
+        staging rows, a wave of rows at a time, each wave split over the lanes; verify header
+        and checksums; scatter to every block wanting the key."""
         assert self._staged is not None
-        with self.cond:
-            active = np.flatnonzero(~self.failed)
+        staged, staging = self._staged, self._staging
+        active = self._active()
         slot_of_row = np.full(len(self.keys), -1, dtype=np.int64)
-        for begin in range(0, active.size, self._staging.shape[0]):
-            chunk = active[begin : begin + self._staging.shape[0]]
-            slots = np.arange(chunk.size, dtype=np.int64)
-            ok = self._get(chunk, self._staged.ranges(group, self._staging, chunk.size), group.first_layer, group.label)
-            good, good_slots = chunk[ok], slots[ok]
+        for begin in range(0, active.size, staging.shape[0]):
+            if self.cancelled:  # given up: no new reads, nothing more into the cache
+                return
+            wave = active[begin : begin + staging.shape[0]]
+            slot_of = {int(row): slot for slot, row in enumerate(wave.tolist())}
+
+            def ranges(rows: np.ndarray, group: LayerGroup = group) -> RangeLists:
+                slots = np.array([slot_of[int(r)] for r in rows.tolist()], dtype=np.int64)
+                return staged.ranges(group, staging, slots)
+
+            if self.plan.mode == WHOLE:
+                good = self._get_whole(wave, slot_of)
+            else:
+                good = self._get_concurrently(wave, ranges, group.first_layer, group.label)
+            good_slots = np.array([slot_of[int(r)] for r in good.tolist()], dtype=np.int64)
             if group.first_layer == 0:
                 checked = self._verify_headers(good, good_slots)
+                good, good_slots = good[checked], good_slots[checked]
+            if self._verify_checksums:
+                sums = staged.checksums(group, staging, good_slots)  # [good, layers of group]
+                checked = self._verify_sums(group.first_layer, good, sums)
                 good, good_slots = good[checked], good_slots[checked]
             slot_of_row[good] = good_slots  # -1 everywhere else
             extra = slot_of_row[self._extra_rows] >= 0 if self._extra_rows.size else np.zeros(0, dtype=bool)
             targets = np.concatenate([self._rows.block_ids[good], self._extra_blocks[extra]])
             sources = np.concatenate([good_slots, slot_of_row[self._extra_rows[extra]]])
-            self._staged.scatter(group, self._staging, sources, targets)
-            slot_of_row[chunk] = -1
+            with self._cache_writes:
+                if self.cancelled:
+                    return
+                staged.scatter(group, staging, sources, targets)
+            slot_of_row[wave] = -1
 
-    def _get(self, rows: np.ndarray, ranges: RangeLists, layer_idx: int, what: str) -> np.ndarray:
-        """One range call for the keys at `rows`; publishes short reads as failed and returns
-        the mask of rows whose read moved every byte."""
-        expected = int(np.sum(ranges.sizes[0]))
-        keys = [self.keys[i].key for i in rows]
+    def _get_concurrently(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int,
+                          what: str) -> np.ndarray:
+        """Range reads of `rows` split over the plan's lanes; fails short reads and returns the
+        rows whose read moved every byte."""
+        parts = split_rows(rows, self.plan.lanes)
+        lists = [ranges(part) for part in parts]
         start = time.perf_counter()
-        results = np.asarray(
-            self._store.batch_get_into_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx),  # type: ignore[call-arg]
+        results = self._lanes.run([functools.partial(self._call_ranges, part, rl, layer_idx) for part, rl in zip(parts, lists)])
+        elapsed = time.perf_counter() - start
+        expected = int(np.sum(lists[0].sizes[0]))
+        got = np.concatenate(results)
+        ok = got == expected
+        self.outcome.read_s += elapsed
+        self.outcome.range_calls += len(parts)
+        self.outcome.loaded_bytes += expected * int(ok.sum())
+        if self._costs is not None:
+            self._costs.observe_ranges(elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments,
+                                       expected * int(rows.size))
+        if not ok.all():
+            self._fail(rows[~ok], f"{what} read returned {sorted(set(got[~ok].tolist()))} (expected {expected} bytes)")
+        return rows[ok]
+
+    def _call_ranges(self, rows: np.ndarray, ranges: RangeLists, layer_idx: int) -> np.ndarray:
+        return np.asarray(
+            self._store.batch_get_into_multi_buffer_ranges(
+                [self.keys[i].key for i in rows], ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx
+            ),
             dtype=np.int64,
         )
-        self.read_s += time.perf_counter() - start
-        self.range_calls += 1
-        ok = results == expected
+
+    def _get_whole(self, rows: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
+        """Whole-object reads of `rows` into their staging slots, split over the lanes."""
+        staging, nbytes = self._staging, self._layout.object_nbytes
+        parts = split_rows(rows, self.plan.lanes)
+
+        def read(part: np.ndarray) -> np.ndarray:
+            ptrs = [staging.ctypes.data + slot_of[int(r)] * staging.strides[0] for r in part.tolist()]
+            return np.asarray(self._store.batch_get_into([self.keys[i].key for i in part], ptrs, [nbytes] * len(part)),
+                              dtype=np.int64)
+
+        start = time.perf_counter()
+        got = np.concatenate(self._lanes.run([functools.partial(read, part) for part in parts]))
+        elapsed = time.perf_counter() - start
+        ok = got == nbytes
+        self.outcome.read_s += elapsed
+        self.outcome.range_calls += len(parts)
+        self.outcome.loaded_bytes += nbytes * int(ok.sum())
+        if self._costs is not None:
+            self._costs.observe_whole(elapsed, max(len(p) for p in parts), nbytes * int(rows.size))
         if not ok.all():
-            codes = sorted(set(results[~ok].tolist()))
-            self._fail(rows[~ok], f"{what} read returned {codes} (expected {expected} bytes)")
-        self.loaded_bytes += expected * int(ok.sum())
-        return ok
+            self._fail(rows[~ok], f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)")
+        return rows[ok]
 
     def _verify_headers(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Mask of `rows` whose header (in staging slot `slots[i]`) matches; the others fail."""
-        ok = np.ones(rows.size, dtype=bool)
-        for i, (row, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+        """Mask of `rows` whose header (in staging slot `slots[i]`) matches; keeps each row's
+        layer checksums. A bad header fails the row and marks the object for removal."""
+        if rows.size == 0:
+            return np.ones(0, dtype=bool)
+        headers = self._staging[slots, : self._layout.header_nbytes]
+        ok, has_sums, sums = self._header.verify_many(headers, [self.keys[r].block_hash for r in rows.tolist()])
+        for i in np.flatnonzero(~ok).tolist():
+            row = int(rows[i])
             try:
-                self._header.verify(self._staging[slot, : self._layout.header_nbytes], self.keys[row].block_hash)
+                self._header.verify(headers[i], self.keys[row].block_hash)
+                reason = "header mismatch"
             except HeaderError as exc:
-                ok[i] = False
-                self._fail(np.array([row]), str(exc))
+                reason = str(exc)
+            self.outcome.header_failures += 1
+            self._bad_objects[row] = True
+            self._fail(np.array([row]), reason)
+        keep = ok & has_sums
+        if self._verify_checksums and keep.any():
+            self._verify[rows[keep]] = True
+            self._checksums[rows[keep]] = sums[keep]
         return ok
 
-    def _fan_out(self, layer_idx: int, rows: np.ndarray) -> None:
-        """Copy the layer from the block it was read into to the other blocks wanting the key."""
-        template = self._layout.template(layer_idx)
-        for row in rows.tolist():
-            extra = self.keys[row].extra_block_ids
-            if not extra:
-                continue
-            src, sizes, _ = template.columns(np.array([self.keys[row].block_id]))
-            dst, _, _ = template.columns(np.array(extra))
-            for target in dst:
-                for s_ptr, d_ptr, nbytes in zip(src[0].tolist(), target.tolist(), sizes[0].tolist()):
-                    ctypes.memmove(d_ptr, s_ptr, nbytes)
+    def _verify_blocks(self, layer_idx: int, rows: np.ndarray) -> np.ndarray:
+        """Mask of `rows` whose freshly read layer matches the header's checksum."""
+        if rows.size == 0:
+            return np.ones(0, dtype=bool)
+        sums = self._views.checksums(layer_idx, self._rows.block_ids[rows]).reshape(-1, 1)
+        return self._verify_sums(layer_idx, rows, sums)
 
-    def _fail(self, rows: np.ndarray, reason: str, exc: BaseException | None = None) -> None:
-        """Publish failed rows (invalid blocks, tainted requests) before waking the compute thread."""
+    def _verify_sums(self, first_layer: int, rows: np.ndarray, sums: np.ndarray) -> np.ndarray:
+        """`sums[i, j]`: checksum of layer first_layer + j as read for row rows[i]. Rows whose
+        header carried checksums must match them; mismatches fail and are removed later."""
+        if rows.size == 0:
+            return np.ones(0, dtype=bool)
+        want = self._checksums[rows, first_layer : first_layer + sums.shape[1]]
+        bad = self._verify[rows] & (want != sums).any(axis=1)
+        for row, j in zip(rows[bad].tolist(), np.argmax(want[bad] != sums[bad], axis=1).tolist()):
+            log.warning("layerkv: checksum mismatch: key %s layer %d; the block is recomputed and the object removed",
+                        self.keys[row].key, first_layer + j)
+        if bad.any():
+            self.outcome.checksum_failures += int(bad.sum())
+            self._bad_objects[rows[bad]] = True
+            self._fail(rows[bad], "layer checksum mismatch")
+        return ~bad
+
+    def _fail(self, rows: np.ndarray, reason: str) -> None:
+        """Publish failed rows before waking the compute thread."""
         with self.cond:
             new = rows[~self.failed[rows]]
             self.failed[new] = True
-            if exc is not None:
-                self.error = exc
-        if new.size:
-            self._on_failed([self.keys[i] for i in new.tolist()], reason)
-        with self.cond:
             self.cond.notify_all()
+        if new.size:
+            log.warning("layerkv: %d keys failed to load (%s); their blocks will be recomputed", new.size, reason)

@@ -1,6 +1,7 @@
 """The rows a step job moves: for each key its local block and its header staging slot, turned
-into one layer's range lists (the header travels with layer 0). Built on the compute thread,
-then read-only; the load or save thread uses it without locks.
+into range lists: a layer's segments, the header slot alone, or the header slot followed by
+layer 0 (what a load reads first). Built on the compute thread, then read-only; the load or save
+thread uses it without locks.
 """
 
 from __future__ import annotations
@@ -10,18 +11,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from layerkv.layout import CacheLayout
-from layerkv.ranges import RangeLists
+from layerkv.ranges import RangeLists, join_ranges
 
 
 class KeyRows:
-    def __init__(self, block_ids: Sequence[int], layout: CacheLayout, staging: np.ndarray) -> None:
-        """`staging`: uint8 [>= len(block_ids), header_nbytes], registered with the store; row i
-        holds key i's header."""
+    def __init__(self, block_ids: Sequence[int] | np.ndarray, layout: CacheLayout, staging: np.ndarray) -> None:
+        """`staging`: uint8 [>= len(block_ids), >= header_nbytes], registered with the store;
+        row i holds key i's header."""
         self.layout = layout
         self.block_ids = np.array(block_ids, dtype=np.int64)  # [keys]
         self._slots = np.arange(len(self.block_ids), dtype=np.int64)  # [keys]
         self._header = layout.header_template(staging.ctypes.data, staging.shape[0], staging.strides[0])
 
-    def ranges(self, layer_idx: int, rows: np.ndarray) -> RangeLists:
-        """Range lists of `layer_idx` for the keys at `rows` (one inner list per row)."""
-        return self.layout.step_ranges(layer_idx, self.block_ids[rows], self._header, self._slots[rows])
+    def layer(self, layer_idx: int, rows: np.ndarray) -> RangeLists:
+        """`layer_idx`'s ranges for the keys at `rows` (one inner list per row)."""
+        return self.layout.template(layer_idx).ranges(self.block_ids[rows])
+
+    def header(self, rows: np.ndarray) -> RangeLists:
+        """The header slot of each key at `rows` <-> object bytes [0, header_nbytes)."""
+        return self._header.ranges(self._slots[rows])
+
+    def header_and_layer(self, layer_idx: int, rows: np.ndarray) -> RangeLists:
+        """Header slot ranges followed by `layer_idx`'s ranges, per key (a load's first read)."""
+        return join_ranges((self._header, self._slots[rows]), (self.layout.template(layer_idx), self.block_ids[rows]))
+
+    def step(self, layer_idx: int, rows: np.ndarray) -> RangeLists:
+        """What a layerwise transfer moves for `layer_idx`: layer 0 carries the header."""
+        return self.header_and_layer(0, rows) if layer_idx == 0 else self.layer(layer_idx, rows)

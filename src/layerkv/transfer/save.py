@@ -1,25 +1,48 @@
-"""One step's layerwise save: the send thread writes layer l's ranges for every open put
-session as soon as the compute thread hands the layer over, revokes a key whose range failed
-(the others go on), and after the last layer commits the rest — except keys owned by a request
-that read bad KV in this step, which are revoked. Compute thread: hand_layer / finalize;
-send thread: run. Shared state guarded by JobState.cond.
+"""One step's layerwise save. The job owns its put sessions until it hands them over to
+`PendingPuts` (committed or revoked later by the scheduler's verdict for this step, settle.py);
+anything else (cancelled, incomplete, an exception) revokes every session it started.
+
+Staged (host caches, the default): as the compute thread hands each layer over, the send thread
+copies it into the key's staging row (the object's image) and checksums it; once every layer is
+copied the compute thread is released (`released`), and the write thread then starts the put
+sessions and writes one range per key of the whole image (header included), split over the
+lanes: the store's latency never reaches the forward pass, nor the next step's copies.
+
+    compute:  attn 0 ─ hand(0) ─ attn 1 ─ hand(1) ─ ... ─ hand(L-1) ─ finalize ─ wait (released)
+    send:     copy 0 ───────── copy 1 ... ─ copy L-1 ─ headers ─┤
+    write:                                                      put start ─ write images ─> pending
+
+Direct (device caches): put start, then each layer's ranges straight from the cache as it is
+handed over, then the headers; released when the last write returned.
+
+Compute thread: hand_layer / finalize / wait; send thread: run. Shared state guarded by
+JobState.cond. Never raises into the compute thread.
+
+Compute thread: hand_layer / finalize / wait; send thread: run. Shared state guarded by
+JobState.cond. Never raises into the compute thread.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from layerkv.header import Header
 from layerkv.layout import CacheLayout
-from layerkv.messages import ReqId
-from layerkv.store.base import KVStore, ObjectKey
+from layerkv.messages import BlockHash, ReqId
+from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
+from layerkv.store.checked import CheckedStore
+from layerkv.transfer.pending import PendingPut, PendingPuts
+from layerkv.transfer.lanes import Lanes, split_rows
 from layerkv.transfer.rows import KeyRows
-from layerkv.transfer.thread import JobState
+from layerkv.transfer.staged import LayerGroup, StagedLayers
+from layerkv.transfer.thread import JobState, TransferThread
+from layerkv.transfer.views import CacheViews
 
 log = logging.getLogger(__name__)
 
@@ -27,46 +50,71 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SaveKey:
     key: ObjectKey
+    block_hash: BlockHash
     block_id: int
-    owners: frozenset[ReqId]
+    owner: ReqId  # the request whose block this object is written from
 
 
 @dataclass(slots=True)
 class SaveOutcome:
-    committed: list[ObjectKey]
-    revoked: list[ObjectKey]
-    failed: list[ObjectKey]  # range or end failures (subset of revoked)
-    tainted: list[ObjectKey]  # revoked because an owner read bad KV (subset of revoked)
+    """What a finished save did (send thread writes, compute thread reads after `finished`)."""
+
+    started: int = 0
+    skipped_existing: int = 0  # put start answered OBJECT_EXISTS (written by someone else)
+    start_failed: int = 0
+    pending: int = 0  # handed to PendingPuts, waiting for the step's verdict
+    revoked: int = 0  # revoked by this job (range / header failure, incomplete step, error)
+    fenced_keys: int = 0
     saved_bytes: int = 0
     range_calls: int = 0
-    error: BaseException | None = None  # the send thread itself failed
+    write_s: float = 0.0
+    revoked_keys: list[ObjectKey] = field(default_factory=list)
+    error: BaseException | None = None
 
 
 class SaveJob(JobState):
-    """Writes `keys` (put sessions open, headers encoded in `staging` rows 0..n-1)."""
-
     def __init__(
         self,
         keys: list[SaveKey],
+        step_seq: int,
         *,
-        store: KVStore,
+        store: CheckedStore,
         layout: CacheLayout,
-        staging: np.ndarray,
-        on_closed: Callable[[SaveOutcome], None],
+        header: Header,
+        staging: np.ndarray,  # uint8 registered rows [>= len(keys), header_nbytes]
+        views: CacheViews,
+        placement: Placement,
+        pending: PendingPuts,
+        staged: StagedLayers | None = None,  # staged mode: `staging` rows are object images
+        lanes: Lanes | None = None,
+        num_lanes: int = 1,
+        writer: TransferThread | None = None,  # staged mode: where the write phase runs
     ) -> None:
         super().__init__("layerkv save")
         self.keys = keys
+        self.step_seq = step_seq
         self._store = store
         self._layout = layout
-        self._on_closed = on_closed
+        self._header = header
+        self._staging = staging
+        self._views = views
+        self._placement = placement
+        self._pending = pending
+        self._staged = staged
+        self._lanes = lanes
+        self._num_lanes = num_lanes if lanes is not None else 1
+        self._writer = writer
+        if staged is not None and writer is None:
+            raise ValueError("a staged save needs the write thread")
         self._rows = KeyRows([k.block_id for k in keys], layout, staging)
         self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, device event or None)
-        self._tainted_reqs: frozenset[ReqId] | None = None  # guarded by cond; set by finalize
-        self.failed = np.zeros(len(keys), dtype=bool)  # send thread only until finished
-        self.sent_layers: set[int] = set()  # send thread only
-        self.saved_bytes = 0
-        self.write_s = 0.0
-        self.outcome = SaveOutcome([], [], [], [])
+        self._finalized = False  # guarded by cond
+        self.released = False  # guarded by cond: the job no longer reads the KV cache memory
+        self._open = np.zeros(len(keys), dtype=bool)  # send thread: started, not yet handed over / revoked
+        self._sent_layers: set[int] = set()  # send thread
+        self._checksums = np.zeros((len(keys), layout.num_layers), dtype=np.uint64)  # send thread
+        self._epoch = 0
+        self.outcome = SaveOutcome()
 
     # -- compute thread -------------------------------------------------------------------
     def hand_layer(self, layer_idx: int, event: Any = None) -> None:
@@ -74,109 +122,234 @@ class SaveJob(JobState):
             self._handed.append((layer_idx, event))
             self.cond.notify_all()
 
-    def finalize(self, tainted_reqs: frozenset[ReqId]) -> None:
-        """No more layers this step; commit what is complete and clean."""
+    def finalize(self) -> None:
+        """No more layers this step."""
         with self.cond:
-            self._tainted_reqs = tainted_reqs
+            self._finalized = True
             self.cond.notify_all()
 
     # -- send thread ----------------------------------------------------------------------
     def run(self) -> None:
-        open_rows = np.arange(len(self.keys))
-        try:
-            while True:
-                item = self._next_layer()
-                if item is None:
-                    break
-                layer_idx, event = item
-                if event is not None:
-                    event.synchronize()  # the layer's KV is written on the device before we read it
-                self._write_layer(layer_idx)
-            open_rows = self._commit()
-        except BaseException as exc:  # noqa: BLE001 - published; keys revoked below
-            log.exception("layerkv: save thread failed; revoking this step's put sessions")
-            with self.cond:
-                self.error = exc
-            self.failed[:] = True
-        finally:
+        """Send thread. Direct: the whole job. Staged: the copies; the writes then run on the
+        write thread (`writes`), so the next step's copies never wait for this step's store."""
+        if self._staged is not None and self._writer is not None:
             try:
-                still_open = [i for i in open_rows.tolist() if self.keys[i].key not in self.outcome.committed]
-                self._revoke(np.array(still_open, dtype=np.int64), failed=bool(self.error))
-            finally:
-                self.outcome.saved_bytes, self.outcome.error = self.saved_bytes, self.error
-                self._on_closed(self.outcome)
-                with self.cond:
-                    self.finished = True
-                    self.cond.notify_all()
+                complete = self._copy_layers()
+            except BaseException as exc:  # noqa: BLE001 - published; nothing was started
+                log.exception("layerkv: save thread failed while copying; nothing saved this step")
+                self.outcome.error = exc
+                complete = False
+            if complete:
+                try:
+                    # queued before the compute thread is released: the next step's verdict on
+                    # this step (queued on the same thread) must come after these writes
+                    self._writer.submit(_Writes(self))
+                    with self.cond:
+                        self.released = True
+                        self.cond.notify_all()
+                    return  # the write phase finishes the job
+                except RuntimeError:  # the write thread is closed (shutdown)
+                    pass
+            self._finish()
+            return
+        try:
+            self._run_direct()
+        except BaseException as exc:  # noqa: BLE001 - published; sessions revoked below
+            log.exception("layerkv: save thread failed; revoking this step's put sessions")
+            self.outcome.error = exc
+        finally:
+            self._finish()
+
+    def write_images(self) -> None:
+        """Write thread: put starts, one write per key of its object image, hand over."""
+        try:
+            if not self.cancelled:
+                self._write_images()
+        except BaseException as exc:  # noqa: BLE001 - published; sessions revoked below
+            log.exception("layerkv: write thread failed; revoking this step's put sessions")
+            self.outcome.error = exc
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            self._revoke(np.flatnonzero(self._open), "not handed over")
+        finally:
+            with self.cond:
+                self.released = self.finished = True
+                self.cond.notify_all()
+
+    def _run_direct(self) -> None:
+        if not self.cancelled:
+            self._start_sessions()
+        while self._open.any():
+            item = self._next_layer()
+            if item is None:
+                break
+            layer_idx, event = item
+            if event is not None:
+                event.synchronize()  # the layer's KV is written on the device before we read it
+            self._fence()
+            self._write_layer(layer_idx)
+        self._hand_over()
+
+    def _copy_layers(self) -> bool:
+        """Copy every handed layer into the staging images, then release the compute thread.
+        True if every layer was copied (the images may be written)."""
+        assert self._staged is not None
+        rows = np.arange(len(self.keys))
+        while True:
+            item = self._next_layer()
+            if item is None:
+                break
+            layer_idx, _ = item  # host caches: no device event
+            if layer_idx not in self._sent_layers:
+                self._sent_layers.add(layer_idx)
+                self._staged.gather(layer_idx, self._staging, rows, self._rows.block_ids)
+                self._checksums[:, layer_idx] = self._staged.layer_checksums(layer_idx, self._staging, rows)
+        with self.cond:
+            complete = len(self._sent_layers) == self._layout.num_layers and not self.cancelled
+        if not complete:
+            log.info("layerkv: %d of %d layers handed over this step; nothing saved", len(self._sent_layers),
+                     self._layout.num_layers)
+            return False
+        self._header.encode_into(self._staging, rows, [k.block_hash for k in self.keys], self._checksums)
+        return True
+
+    def _write_images(self) -> None:
+        assert self._staged is not None
+        self._start_sessions()
+        self._fence()
+        active = np.flatnonzero(self._open)
+        if active.size == 0:
+            return
+        whole = LayerGroup(0, self._layout.num_layers, 0, self._layout.object_nbytes)
+        parts = split_rows(active, self._num_lanes)
+        lists = [self._staged.ranges(whole, self._staging, part) for part in parts]
+        results = self._run_parts([functools.partial(self._put, part, rl, None) for part, rl in zip(parts, lists)])
+        ok = np.concatenate(results)
+        if not ok.all():
+            self._revoke(active[~ok], "object write failed")
+        if self.cancelled:  # shut down while writing: nobody will settle these
+            return  # run() revokes every session still open
+        handed = active[ok]
+        self._pending.add(self.step_seq, [PendingPut(self.keys[i].key, self.keys[i].owner) for i in handed.tolist()])
+        self._open[handed] = False
+        self.outcome.pending = int(handed.size)
+
+    def _run_parts(self, parts: list[Any]) -> list[Any]:
+        return self._lanes.run(parts) if self._lanes is not None else [part() for part in parts]
+
+    def _start_sessions(self) -> None:
+        self._epoch = self._store.outage_epoch
+        keys = [k.key for k in self.keys]
+        results = np.asarray(
+            self._store.batch_put_session_start(keys, [self._layout.object_nbytes] * len(keys), self._placement),
+            dtype=np.int64,
+        )
+        ok = results == 0
+        self._open[ok] = True
+        self.outcome.started = int(ok.sum())
+        self.outcome.skipped_existing = int(np.count_nonzero(results == int(Code.OBJECT_EXISTS)))
+        self.outcome.start_failed = len(keys) - self.outcome.started - self.outcome.skipped_existing
+        uncertain = [keys[i] for i in np.flatnonzero(np.isin(results, list(UNCERTAIN_CODES))).tolist()]
+        if uncertain:  # the store may have started these puts: never leave them PROCESSING
+            self._store.batch_put_session_revoke(uncertain)
 
     def _next_layer(self) -> tuple[int, Any] | None:
         with self.cond:
-            while not self._handed and self._tainted_reqs is None and not self.cancelled:
+            while not self._handed and not self._finalized and not self.cancelled:
                 self.cond.wait(0.5)
-            if self._handed:
-                return self._handed.pop(0)
-            return None
+            if self.cancelled:
+                return None
+            return self._handed.pop(0) if self._handed else None
+
+    def _fence(self) -> None:
+        """After a store outage, sessions started before it may write into memory the store has
+        given to other objects: revoke them instead of writing on."""
+        if self._store.outage_epoch != self._epoch:
+            rows = np.flatnonzero(self._open)
+            self.outcome.fenced_keys += int(rows.size)
+            self._revoke(rows, "the store had an outage after these put sessions started")
 
     def _write_layer(self, layer_idx: int) -> None:
-        if layer_idx in self.sent_layers:
+        if layer_idx in self._sent_layers:
             return
-        self.sent_layers.add(layer_idx)
-        active = np.flatnonzero(~self.failed)
+        self._sent_layers.add(layer_idx)
+        active = np.flatnonzero(self._open)
         if active.size == 0:
             return
-        ranges = self._rows.ranges(layer_idx, active)
+        ok = self._put(active, self._rows.layer(layer_idx, active), layer_idx)
+        written = active[ok]
+        if self._views.on_host and written.size:
+            self._checksums[written, layer_idx] = self._views.checksums(layer_idx, self._rows.block_ids[written])
+        if not ok.all():
+            self._revoke(active[~ok], f"layer {layer_idx} write failed")
+
+    def _hand_over(self) -> None:
+        """All layers written: headers (with checksums) go last, then the sessions wait for
+        the step's verdict. An incomplete step revokes."""
+        with self.cond:
+            cancelled = self.cancelled
+        rows = np.flatnonzero(self._open)
+        if rows.size == 0:
+            return
+        if cancelled or len(self._sent_layers) != self._layout.num_layers:
+            self._revoke(rows, f"{len(self._sent_layers)} of {self._layout.num_layers} layers written")
+            return
+        self._fence()
+        rows = np.flatnonzero(self._open)
+        if rows.size == 0:
+            return
+        self._header.encode_into(self._staging, np.arange(len(self.keys))[rows], [self.keys[i].block_hash for i in rows.tolist()],
+                                 self._checksums[rows] if self._views.on_host else None)
+        ok = self._put(rows, self._rows.header(rows), None)
+        if not ok.all():
+            self._revoke(rows[~ok], "header write failed")
+        handed = rows[ok]
+        self._pending.add(self.step_seq, [PendingPut(self.keys[i].key, self.keys[i].owner) for i in handed.tolist()])
+        self._open[handed] = False
+        self.outcome.pending = int(handed.size)
+
+    def _put(self, rows: np.ndarray, ranges: Any, layer_idx: int | None) -> np.ndarray:
         expected = int(np.sum(ranges.sizes[0]))
         start = time.perf_counter()
         results = np.asarray(
-            self._store.batch_put_from_multi_buffer_ranges(  # type: ignore[call-arg]
-                [self.keys[i].key for i in active], ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx
+            self._store.batch_put_from_multi_buffer_ranges(
+                [self.keys[i].key for i in rows], ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx
             ),
             dtype=np.int64,
         )
-        self.write_s += time.perf_counter() - start
-        self.outcome.range_calls += 1
-        self.saved_bytes += expected * int(np.count_nonzero(results == expected))
-        bad = active[results != expected]
-        if bad.size:
-            log.warning("layerkv: layer %d write failed for %d keys (%s); revoking them", layer_idx, bad.size,
-                        sorted(set(results[results != expected].tolist())))
-            self.failed[bad] = True
-            self._revoke(bad, failed=True)
+        ok = results == expected
+        with self.cond:  # lanes call this concurrently
+            self.outcome.write_s += time.perf_counter() - start
+            self.outcome.range_calls += 1
+            self.outcome.saved_bytes += expected * int(ok.sum())
+        if not ok.all():
+            what = "object" if self._staged is not None else "header" if layer_idx is None else f"layer {layer_idx}"
+            log.warning("layerkv: %s write failed for %d keys (%s)", what, int((~ok).sum()), sorted(set(results[~ok].tolist())))
+        return ok
 
-    def _commit(self) -> np.ndarray:
-        """End the sessions of complete, untainted keys; revoke the rest. Returns rows still open."""
-        with self.cond:
-            tainted_reqs = self._tainted_reqs or frozenset()
-            cancelled = self.cancelled
-        rows = np.flatnonzero(~self.failed)
-        complete = len(self.sent_layers) == self._layout.num_layers and not cancelled
-        if not complete:
-            log.warning("layerkv: %d of %d layers written this step; revoking %d keys",
-                        len(self.sent_layers), self._layout.num_layers, rows.size)
-            self._revoke(rows, failed=True)
-            return np.array([], dtype=np.int64)
-        tainted = np.array([i for i in rows.tolist() if self.keys[i].owners & tainted_reqs], dtype=np.int64)
-        if tainted.size:
-            self.outcome.tainted.extend(self.keys[i].key for i in tainted.tolist())
-            self._revoke(tainted, failed=False)
-        clean = np.setdiff1d(rows, tainted)
-        if clean.size == 0:
-            return clean
-        results = np.asarray(self._store.batch_put_session_end([self.keys[i].key for i in clean]), dtype=np.int64)
-        self.outcome.committed.extend(self.keys[i].key for i in clean[results == 0].tolist())
-        bad = clean[results != 0]
-        if bad.size:
-            log.warning("layerkv: commit failed for %d keys (%s); revoking them", bad.size, sorted(set(results[results != 0].tolist())))
-            self._revoke(bad, failed=True)
-        return np.array([], dtype=np.int64)
-
-    def _revoke(self, rows: np.ndarray, *, failed: bool) -> None:
-        rows = np.array([i for i in rows.tolist() if self.keys[i].key not in self.outcome.revoked], dtype=np.int64)
+    def _revoke(self, rows: np.ndarray, reason: str) -> None:
+        rows = rows[self._open[rows]]
         if rows.size == 0:
             return
+        self._open[rows] = False
         keys = [self.keys[i].key for i in rows.tolist()]
-        self.failed[rows] = True
-        self.outcome.revoked.extend(keys)
-        if failed:
-            self.outcome.failed.extend(keys)
+        self.outcome.revoked += len(keys)
+        self.outcome.revoked_keys.extend(keys)
+        log.info("layerkv: revoking %d put sessions: %s", len(keys), reason)
         self._store.batch_put_session_revoke(keys)  # a failed revoke leaves PROCESSING to the store's timeout
+
+
+class _Writes:
+    """The write phase of a staged SaveJob, queued on the write thread."""
+
+    def __init__(self, job: SaveJob) -> None:
+        self.job = job
+
+    def run(self) -> None:
+        self.job.write_images()
+
+    def cancel(self) -> None:
+        self.job.cancel()

@@ -9,7 +9,6 @@ once per worker on the compute thread; read-only afterwards, used by the receive
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy as np
 from layerkv.errors import LayoutError
 from layerkv.layout import CacheLayout
 from layerkv.ranges import RangeLists
+from layerkv.transfer.views import CacheViews, staged_checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,47 +42,44 @@ def layer_groups(layout: CacheLayout, layers_per_range: int) -> tuple[LayerGroup
         raise LayoutError(f"layers_per_range={layers_per_range} must be >= 1")
     n = layout.num_layers
     bounds = [0, *range(1, n, layers_per_range), n] if n > 1 else [0, 1]
-    groups = []
-    for first, end in zip(bounds, bounds[1:]):
+    return groups_of(layout, tuple(bounds[1:]))
+
+
+def groups_of(layout: CacheLayout, group_ends: tuple[int, ...]) -> tuple[LayerGroup, ...]:
+    """The groups [0, e0), [e0, e1), ... (exclusive ends); the first one includes the header."""
+    groups, first = [], 0
+    for end in group_ends:
         start = 0 if first == 0 else layout.layer_offset(first)
         stop = layout.layer_offset(end - 1) + layout.layer_nbytes(end - 1)
         groups.append(LayerGroup(first, end, start, stop - start))
+        first = end
     return tuple(groups)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _SegmentView:
-    """One segment of one layer: `blocks[b]` is block b's bytes in the cache, found at
-    [object_offset, object_offset + nbytes) of the object."""
-
-    blocks: np.ndarray  # uint8 [num_blocks, nbytes], a strided view over the cache memory
-    object_offset: int
-    nbytes: int
 
 
 class StagedLayers:
     """Layer groups of a host-memory layout plus numpy views of every cache segment."""
 
-    def __init__(self, layout: CacheLayout, layers_per_range: int) -> None:
-        if layout.device_type != "cpu":
+    def __init__(self, views: CacheViews) -> None:
+        layout = views.layout
+        if not views.on_host:
             raise LayoutError(f"staged layer-group reads need host caches; these live on {layout.device_type}")
         self.layout = layout
-        self.groups = layer_groups(layout, layers_per_range)
-        self.row_nbytes = max(g.span_nbytes for g in self.groups)  # staging row width
-        self._views = tuple(_layer_views(layout, l) for l in range(layout.num_layers))  # [layer][segment]
+        self.row_nbytes = layout.object_nbytes  # staging row width: any group, or the whole object
+        self._views = views.layers  # [layer][segment]
 
-    def ranges(self, group: LayerGroup, staging: np.ndarray, num_slots: int) -> RangeLists:
-        """Range lists reading `group`'s span of key i into staging slot i (i < num_slots); the
-        span is split into pieces of at most max_transfer_bytes."""
-        if num_slots > staging.shape[0] or group.span_nbytes > staging.shape[1]:
-            raise LayoutError(f"staging {list(staging.shape)} is too small for {num_slots} keys x {group.span_nbytes} bytes")
+    def ranges(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray) -> RangeLists:
+        """Range lists moving `group`'s span of one key per slot of `slots` (its staging row);
+        the span is split into pieces of at most max_transfer_bytes."""
+        if (slots.size and int(slots.max()) >= staging.shape[0]) or group.span_nbytes > staging.shape[1]:
+            raise LayoutError(f"staging {list(staging.shape)} is too small for slots up to {int(slots.max())} x "
+                              f"{group.span_nbytes} bytes")
         piece = self.layout.max_transfer_bytes
         starts = np.arange(0, group.span_nbytes, piece, dtype=np.int64)  # [pieces]
         sizes_row = np.minimum(piece, group.span_nbytes - starts).tolist()
         offsets_row = (group.span_start + starts).tolist()
-        slot_ptrs = staging.ctypes.data + np.arange(num_slots, dtype=np.int64) * staging.strides[0]
-        ptrs = (slot_ptrs[:, None] + starts[None, :]).tolist()  # [num_slots, pieces]
-        return RangeLists(ptrs, [sizes_row] * num_slots, [offsets_row] * num_slots, len(sizes_row))
+        slot_ptrs = staging.ctypes.data + slots.astype(np.int64) * staging.strides[0]
+        ptrs = (slot_ptrs[:, None] + starts[None, :]).tolist()  # [slots, pieces]
+        return RangeLists(ptrs, [sizes_row] * len(slots), [offsets_row] * len(slots), len(sizes_row))
 
     def scatter(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
         """cache[block_ids[j]] <- staging[slots[j]] for every segment of every layer of `group`
@@ -97,15 +94,24 @@ class StagedLayers:
                 src = staging[:n, col : col + seg.nbytes] if in_order else staging[slots, col : col + seg.nbytes]
                 seg.blocks[block_ids] = src
 
+    def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
+        """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
+        layer's place in the object image (rows are whole objects: header first)."""
+        for seg in self._views[layer_idx]:
+            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = seg.blocks[block_ids]
 
-def _layer_views(layout: CacheLayout, layer_idx: int) -> tuple[_SegmentView, ...]:
-    template = layout.template(layer_idx)
-    views = []
-    for ptr, stride, nbytes, offset in zip(
-        template.base_ptrs.tolist(), template.strides_nbytes.tolist(), template.nbytes.tolist(), template.object_offsets.tolist()
-    ):
-        extent = (layout.num_blocks - 1) * stride + nbytes  # never past the last block's bytes
-        flat = np.frombuffer((ctypes.c_char * extent).from_address(ptr), dtype=np.uint8)
-        blocks = np.lib.stride_tricks.as_strided(flat, shape=(layout.num_blocks, nbytes), strides=(stride, 1))
-        views.append(_SegmentView(blocks, offset, nbytes))
-    return tuple(views)
+    def layer_checksums(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """xxh3-64 of `layer_idx` in the object images at `slots`: uint64 [len(slots)]."""
+        col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+        return np.array([staged_checksum(staging[slot, col : col + width]) for slot in slots.tolist()], dtype=np.uint64)
+
+    def checksums(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """xxh3-64 of each layer of `group` in staging rows `slots`: uint64 [len(slots), layers
+        in group] (the same values CacheViews.checksums gives for a block)."""
+        out = np.empty((len(slots), group.end_layer - group.first_layer), dtype=np.uint64)
+        for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
+            col = self.layout.layer_offset(layer_idx) - group.span_start
+            width = self.layout.layer_nbytes(layer_idx)
+            for i, slot in enumerate(slots.tolist()):
+                out[i, j] = staged_checksum(staging[slot, col : col + width])
+        return out

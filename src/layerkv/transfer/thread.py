@@ -9,9 +9,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
-
-from layerkv.errors import TransferTimeout
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.5  # how often an idle thread re-checks for close
@@ -38,27 +37,28 @@ class JobState:
             self.cancelled = True
             self.cond.notify_all()
 
-    def wait_finished(self, timeout_s: float) -> None:
-        """Block until run() has returned; TransferTimeout after `timeout_s`."""
-        self.wait_until(lambda: self.finished, timeout_s, "to finish")
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block until run() has returned; False if it has not after `timeout_s`."""
+        return self.wait_for(lambda: self.finished, timeout_s)
 
-    def wait_until(self, predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (under cond) until `predicate()`; False after `timeout_s`. Never raises."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while not predicate():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TransferTimeout(
-                        f"layerkv: {self.name} did not get {what} within {timeout_s:.1f} s "
-                        f"(store stalled?); raise load_timeout_s/save_timeout_s if the store is slow"
-                    )
+                    return False
                 self.cond.wait(remaining)
+            return True
 
 
 class TransferThread:
     """Runs submitted jobs in order on one named daemon thread (`layerkv-recv-0`, ...)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_idle: Callable[[], None] | None = None) -> None:
+        """`on_idle` runs on this thread whenever it has waited `_POLL_S` with nothing queued."""
+        self._on_idle = on_idle
         self._queue: queue.Queue[StepJob | None] = queue.Queue()
         self._closed = threading.Event()
         self._current: StepJob | None = None  # only read for cancel on close
@@ -85,11 +85,20 @@ class TransferThread:
         if self._thread.is_alive():
             log.error("layerkv: %s did not stop within %.1f s", self.name, timeout_s)
 
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         while not self._closed.is_set():
             try:
                 job = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
+                if self._on_idle is not None:
+                    try:
+                        self._on_idle()
+                    except BaseException:  # noqa: BLE001 - an idle chore must not kill the thread
+                        log.exception("layerkv: %s: idle task raised", self.name)
                 continue
             if job is None:
                 break

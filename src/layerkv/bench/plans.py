@@ -1,0 +1,198 @@
+"""Suite `plans`: layerkv's own worker data path (the WorkerConnector with each load / save plan,
+checksums and commits included) against whole-object reads and writes of the same bytes, side by
+side per backend and entry size. Loads: every layer waited for with no compute in between (the
+transfer alone); saves: every layer handed over at once, then the commit step, until the objects
+are readable. Checksum cost: the default plan with and without verifying. Driver thread only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from layerkv.bench.backends import Backend, open_backends
+from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps, kib, median_s, ratio
+from layerkv.config import LayerKVConfig
+from layerkv.keys import block_keys
+from layerkv.messages import Deployment
+from layerkv.plan import BlockSpec, StepPlan, StepVerdict
+from layerkv.store.checked import CheckedStore
+from layerkv.worker import WorkerConnector
+
+NAME = "plans"
+KiB = 1 << 10
+BLOCK_SIZE = 16
+MAX_BATCH_KEYS = 64
+_runs = itertools.count()
+LOAD_PLANS = ("layers", "groups", "whole", "auto")
+SAVE_PLANS = ("layers", "auto")  # direct per-layer writes vs staged object images
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    entry_nbytes: int  # one K or V entry of one block of one layer
+    num_keys: int
+    num_layers: int
+
+
+def cases(options: BenchOptions) -> list[Case]:
+    if options.tiny:
+        return [Case(4 * KiB, 4, 2)]
+    if options.quick:
+        return [Case(16 * KiB, 64, 8)]
+    return [Case(16 * KiB, 64, 8), Case(64 * KiB, 64, 8)]
+
+
+class _Worker:
+    """One WorkerConnector (its own CheckedStore client wrapper) over paged caches of `case`."""
+
+    def __init__(self, backend: Backend, case: Case, tag: str, **config: object) -> None:
+        self.case = case
+        self.config = LayerKVConfig.from_dict({"max_transfer_blocks": MAX_BATCH_KEYS, "read_layers_per_range": 4, **config}, env={})
+        width = case.entry_nbytes // BLOCK_SIZE
+        self.deployment = Deployment(model_id=f"bench/plans-{tag}", kv_dtype="uint8", block_size=BLOCK_SIZE, num_kv_heads=1,
+                                     kv_signature=f"plans:{case.num_layers}x{case.entry_nbytes}")
+        self.store = CheckedStore(backend.store, max_batch_keys=MAX_BATCH_KEYS, call_timeout_s=10.0)
+        self.worker = WorkerConnector(self.config, self.deployment, self.store)
+        rng = np.random.default_rng(case.entry_nbytes + case.num_layers)
+        # per layer [K|V, blocks, block_size, width] uint8
+        self.caches = {f"model.layers.{l}.attn": rng.integers(0, 255, (2, case.num_keys, BLOCK_SIZE, width), dtype=np.uint8)
+                       for l in range(case.num_layers)}
+        self.worker.register_kv_caches(self.caches, case.num_keys)
+        self.names = list(self.caches)
+        self.seq = itertools.count()
+
+    def step(self, plan: StepPlan, *, load: bool, save: bool) -> None:
+        w = self.worker
+        w.bind_connector_metadata(plan)
+        w.start_load_kv()
+        for name in self.names:
+            if load:
+                w.wait_for_layer_load(name)
+            if save:
+                w.save_kv_layer(name)
+        w.wait_for_save()
+        w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+
+    def save(self, hashes: tuple[bytes, ...]) -> None:
+        """Save step, then the step carrying its commit verdict; until readable."""
+        seq = next(self.seq)
+        spec = BlockSpec("r", hashes, tuple(range(len(hashes))))
+        self.step(StepPlan(step_seq=seq, num_tokens=len(hashes) * BLOCK_SIZE, saves=(spec,)), load=False, save=True)
+        self.step(StepPlan(step_seq=next(self.seq), verdicts=(StepVerdict(seq),)), load=False, save=False)
+        self.worker.flush()
+
+    def load(self, hashes: tuple[bytes, ...]) -> None:
+        spec = BlockSpec("r", hashes, tuple(range(len(hashes))))
+        self.step(StepPlan(step_seq=next(self.seq), num_tokens=1, loads=(spec,)), load=True, save=False)
+
+    def keys(self, hashes: tuple[bytes, ...]) -> list[str]:
+        return block_keys(self.worker.namespace, hashes, 0)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def _hashes(tag: str, n: int) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(f"{tag}:{i}".encode()).digest()[:16] for i in range(n))
+
+
+def _whole(backend: Backend, case: Case, nbytes: int, reps: int) -> tuple[float, float]:
+    """(put_s, get_s) of whole-object batch_put_from / batch_get_into of `nbytes` per key."""
+    store = CheckedStore(backend.store, max_batch_keys=MAX_BATCH_KEYS)
+    rows = np.random.default_rng(1).integers(0, 255, (case.num_keys, nbytes), dtype=np.uint8)
+    dst = np.zeros_like(rows)
+    for a in (rows, dst):
+        store.register_buffer(a.ctypes.data, a.nbytes)
+    keys = [f"bench-plans-whole-{next(_runs)}-{i}" for i in range(case.num_keys)]
+    ptrs, sizes = [r.ctypes.data for r in rows], [nbytes] * case.num_keys
+    try:
+        put_s = median_s(lambda: store.batch_put_from(keys, ptrs, sizes), reps, setup=lambda: store.batch_remove(keys))
+        get_s = median_s(lambda: store.batch_get_into(keys, [r.ctypes.data for r in dst], sizes), reps)
+        assert np.array_equal(rows, dst), "whole-object read returned other bytes"
+        store.batch_remove(keys)
+    finally:
+        for a in (rows, dst):
+            store.unregister_buffer(a.ctypes.data)
+    return put_s, get_s
+
+
+def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> list[Row]:
+    tag = f"{backend.name}-{next(_runs)}"
+    producer = _Worker(backend, case, tag, transfer_plan="layers")
+    assert producer.worker.layout is not None
+    object_nbytes = producer.worker.layout.object_nbytes
+    payload = case.num_keys * object_nbytes
+    put_s, get_s = _whole(backend, case, object_nbytes, reps)
+    base = {"backend": backend.name, "entry": kib(case.entry_nbytes), "keys": case.num_keys, "layers": case.num_layers}
+    rows: list[Row] = [
+        {**base, "direction": "get", "path": "whole object", "ms": get_s * 1e3, "gbps": gbps(payload, get_s), "vs_whole": 1.0},
+        {**base, "direction": "put", "path": "whole object", "ms": put_s * 1e3, "gbps": gbps(payload, put_s), "vs_whole": 1.0},
+    ]
+    try:
+        for plan in SAVE_PLANS:
+            progress.case(f"{NAME} {backend.name} save {plan}")
+            saver = producer if plan == "layers" else _Worker(backend, case, tag, transfer_plan=plan)
+            run_hashes: list[tuple[bytes, ...]] = []
+
+            def fresh() -> None:
+                run_hashes.append(_hashes(f"{tag}:{plan}:{len(run_hashes)}", case.num_keys))
+
+            fresh()
+            saver.save(run_hashes[-1])  # warm-up
+            s = median_s(lambda: saver.save(run_hashes[-1]), reps, setup=fresh)
+            assert saver.store.batch_is_exist(saver.keys(run_hashes[-1])) == [1] * case.num_keys, "saved objects not readable"
+            rows.append({**base, "direction": "put", "path": f"layerkv save ({plan})", "ms": s * 1e3,
+                         "gbps": gbps(payload, s), "vs_whole": ratio(put_s, s)})
+            for h in run_hashes:
+                saver.store.batch_remove(saver.keys(h))
+            if saver is not producer:
+                saver.close()
+        hashes = _hashes(f"{tag}:load", case.num_keys)
+        producer.save(hashes)
+        for plan, verify in [*((p, True) for p in LOAD_PLANS), ("auto", False)]:
+            progress.case(f"{NAME} {backend.name} load {plan}")
+            reader = _Worker(backend, case, tag, transfer_plan=plan, verify_checksums=verify)
+            try:
+                reader.load(hashes)  # warm-up: staging registered, lanes started, estimates seeded
+                for cache in reader.caches.values():
+                    cache[:] = 0
+                s = median_s(lambda: reader.load(hashes), reps)
+                same = all(np.array_equal(reader.caches[n], producer.caches[n]) for n in reader.names)
+                stats = reader.worker.stats()
+                label = f"layerkv load ({plan})" + ("" if verify else ", checksums off")
+                rows.append({**base, "direction": "get", "path": label, "ms": s * 1e3, "gbps": gbps(payload, s),
+                             "vs_whole": ratio(get_s, s), "verified": same and stats.load_failed_blocks == 0,
+                             "plans l/g/w": f"{stats.load_plans_layers}/{stats.load_plans_groups}/{stats.load_plans_whole}"})
+            finally:
+                reader.close()
+        producer.store.batch_remove(producer.keys(hashes))
+    finally:
+        producer.close()
+    return rows
+
+
+def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    result = SuiteResult(NAME)
+    with open_backends(options.mooncake) as backends:
+        for backend in backends:
+            for case in cases(options):
+                result.rows.extend(_measure(backend, case, options.reps, progress))
+    for row in result.rows:
+        if row["path"] == "layerkv load (auto)":
+            result.summary[f"{row['backend']} {row['entry']} load auto vs whole"] = row["vs_whole"]
+        if row["path"] == "layerkv save (auto)":
+            result.summary[f"{row['backend']} {row['entry']} save auto vs whole"] = row["vs_whole"]
+    result.notes = [
+        "whole object: batch_get_into / batch_put_from of contiguous rows, no session, no checksum, no commit protocol",
+        "layerkv load: one step of the WorkerConnector waiting for every layer with no compute (the transfer alone), "
+        "bytes compared with the producer's caches afterwards; read_layers_per_range=4 for the groups plan",
+        "layerkv save: the save step plus the step carrying its commit verdict, until every object is readable; "
+        "layers = per-layer writes straight from the cache, auto = staged object images (one write per key)",
+        "vs_whole = whole-object time / layerkv time (1.0 = as fast as whole objects)",
+    ]
+    return result

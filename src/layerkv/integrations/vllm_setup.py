@@ -1,0 +1,280 @@
+"""vLLM setup checks and the neutral `Deployment` of a vLLM instance: which vLLM configurations
+layerkv supports (versions, KV cache layouts, where the pool lives), and the per-layer cache
+signature both vLLM roles compute alike. Called once per connector instance at construction
+(scheduler role on the engine core, worker role on each worker); no state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from layerkv.errors import UnsupportedSetupError
+from layerkv.fingerprint import checkpoint_fingerprint, settings_digest
+from layerkv.messages import Deployment, KVRole
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from layerkv.config import LayerKVConfig
+
+log = logging.getLogger(__name__)
+
+# Exact spec types whose blocks are plain per-layer pages addressed by the prefix hash chain.
+_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+
+
+# --------------------------------------------------------------------------- setup checks
+
+
+def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Raise `UnsupportedSetupError` naming every setup the neutral connector cannot express."""
+    problems: list[str] = []
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        problems.append(
+            f"hybrid KV cache groups: {len(groups)} kv_cache_groups ({kinds}); layerkv needs exactly one "
+            "full-attention group (a model with one attention type, --disable-hybrid-kv-cache-manager)"
+        )
+    for group in groups:
+        specs = _layer_specs(group)
+        unsupported = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
+        if unsupported:
+            problems.append(f"KV cache spec {', '.join(unsupported)}: only full attention (MHA/GQA/MQA) and MLA are supported")
+        elif len({_spec_text(s) for s in specs}) > 1:
+            problems.append(
+                f"per-layer KV specs differ within one group ({len({_spec_text(s) for s in specs})} shapes): "
+                "vLLM's scheduler sees only one of them, so layerkv cannot name the objects"
+            )
+    parallel = vllm_config.parallel_config
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            problems.append(f"context parallel: {name}={size}; layerkv supports only 1")
+    if vllm_config.model_config.is_encoder_decoder:
+        problems.append("encoder-decoder models (cross-attention KV is not prefix-addressed)")
+    if len(groups) == 1:
+        block_size = groups[0].kv_cache_spec.block_size
+        hash_block_size = kv_cache_config.hash_block_size
+        if hash_block_size not in (None, block_size):
+            problems.append(
+                f"hash_block_size={hash_block_size} differs from the KV block size {block_size}; "
+                "layerkv keys one object per KV block"
+            )
+    layout_problem = _layout_problem(vllm_config, kv_cache_config)
+    if layout_problem:
+        problems.append(layout_problem)
+    if problems:
+        raise UnsupportedSetupError("layerkv cannot run this vLLM setup: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------- KV cache layouts
+#
+# vLLM describes the physical KV cache as a permutation of logical [L, B, H, N, C]
+# (vllm/v1/kv_cache_layout.py). layerkv moves one block of one layer as one byte run, which
+# every "block-compact" layout gives (L and B outermost: LBHNC, LBNHC, BLHNC, BLNHC); LHBNC and
+# BHLNC store each head of a block apart. Inside a block the bytes are [H, N, C] or [N, H, C]:
+# that order enters the namespace (different objects), where the layers sit does not.
+
+USABLE_LAYOUTS = tuple(layout.name for layout in KVCacheLayout if layout.is_block_compact)
+PREFERRED_LAYOUT = "LBHNC"  # also what vLLM's own NIXL, Mooncake and offloading connectors ask for
+
+
+def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheLayout | None:
+    """The layout vLLM's engine core resolved (both roles see it: `KVCacheConfig.kv_cache_layout`,
+    `CacheConfig.kv_cache_layout`); None before resolution (hand-made configs in tests)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    return KVCacheLayout[name] if name else None
+
+
+def block_byte_order(layout: KVCacheLayout | None) -> str:
+    """Physical order of one block's [H, N, C] bytes ('HNC', 'NHC', ...); 'HNC' when unknown."""
+    if layout is None:
+        return "HNC"
+    return "".join("LBHNC"[dim] for dim in layout.value if dim > 1)
+
+
+def required_kv_cache_layout(vllm_config: VllmConfig) -> str | None:
+    """`get_required_kvcache_layout`: the layout layerkv asks vLLM for. vLLM uses it when every
+    attention backend supports it and otherwise keeps the backends' first choice with a
+    warning (`resolve_kv_cache_layout`); layerkv then still accepts any block-compact layout.
+    Asking matters where a backend prefers LHBNC (ROCm attention, which also supports LBHNC).
+    None when the user pinned VLLM_KV_CACHE_LAYOUT (vLLM uses that; a layout layerkv cannot use
+    is refused at startup) or for MLA (one latent head: every layout is one run per block)."""
+    if os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+        return None
+    model = vllm_config.model_config
+    if model is not None and model.use_mla:
+        return None
+    return PREFERRED_LAYOUT
+
+
+def _layout_problem(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    layout = resolved_layout(vllm_config, kv_cache_config)
+    if layout is None or layout.is_block_compact or len(kv_cache_config.kv_cache_groups) != 1:
+        return None
+    heads = {s.num_kv_heads for s in _layer_specs(kv_cache_config.kv_cache_groups[0])}
+    if heads == {1}:  # one head per rank (MLA, or as many ranks as KV heads): nothing is scattered
+        return None
+    return (
+        f"KV cache layout {layout.name}: each head of a block is stored apart, so one block of one layer "
+        f"is not one byte run; layerkv needs one of {', '.join(USABLE_LAYOUTS)}: set "
+        f"VLLM_KV_CACHE_LAYOUT={PREFERRED_LAYOUT} (or another of those your attention backend supports)"
+    )
+
+
+# --------------------------------------------------------------------------- where the pool lives
+
+
+def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
+    """Raise `UnsupportedSetupError` when `backend="embedded"` cannot be one pool: the embedded
+    store lives in one process, so vLLM's scheduler (engine core) must run its only worker in
+    that process ("uni" executor, or "external_launcher" with one rank). With the multiprocess
+    or Ray executor the scheduler would never see what the workers saved: no hit, ever."""
+    if config.backend != "embedded":
+        return
+    parallel = vllm_config.parallel_config
+    backend = parallel.distributed_executor_backend
+    name = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+    world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if name == "uni" or (name == "external_launcher" and world_size == 1):
+        return
+    raise UnsupportedSetupError(
+        f"layerkv backend='embedded' keeps the pool inside one process, but this vLLM runs its scheduler and "
+        f"its workers in different processes (distributed_executor_backend={name!r}, "
+        f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}): "
+        f"the scheduler would never see what the workers save and the pool would never hit. Fix: use Mooncake "
+        f"(run `layerkv master --config-out mooncake.json`, then set \"backend\": \"mooncake\", "
+        f"\"mooncake_config_path\": \"mooncake.json\" in kv_connector_extra_config), or run one process with "
+        f"--distributed-executor-backend uni (tensor_parallel_size=1)"
+    )
+
+
+def _layer_specs(group: Any) -> list[Any]:
+    """Per-layer specs of one KV cache group (a UniformTypeKVCacheSpecs holds one per layer)."""
+    specs = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    return list(specs.values()) if specs else [group.kv_cache_spec]
+
+
+def _spec_text(spec: Any) -> str:
+    kind = "mla" if isinstance(spec, MLAAttentionSpec) else "attn"
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    return (
+        f"vllm-{kind}[block_size={spec.block_size},num_kv_heads={spec.num_kv_heads},head_size={spec.head_size},"
+        f"head_size_v={head_size_v}]{str(spec.dtype).removeprefix('torch.')}:page={spec.page_size_bytes}"
+    )
+
+
+def kv_signature_of(kv_cache_config: KVCacheConfig) -> str:
+    """`Deployment.kv_signature`: the per-layer cache spec of the single group, computed the same
+    on the scheduler and on every worker. vLLM hands the scheduler rank 0's config with a
+    UniformTypeKVCacheSpecs reduced to one of its specs and (under PP) other layer names, so
+    this names the spec, not the layers (`check_supported` rejects groups whose specs differ).
+    A block stored in another byte order than [H, N, C] (LBNHC, BLNHC) adds `:order=NHC`, so
+    caches that disagree on it name different objects (no hit, never foreign bytes)."""
+    specs = _layer_specs(kv_cache_config.kv_cache_groups[0])
+    (text,) = sorted({_spec_text(s) for s in specs})
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    order = block_byte_order(KVCacheLayout[name] if name else None)
+    if order != "HNC" and any(s.num_kv_heads > 1 for s in specs):
+        text += f":order={order}"
+    return text
+
+
+def _parallel_ranks(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker; the scheduler has no rank and reports (0, 0)."""
+    parallel = vllm_config.parallel_config
+    if role is KVConnectorRole.SCHEDULER:
+        return 0, 0
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise UnsupportedSetupError(
+            "the layerkv worker connector was built before vLLM's model-parallel groups "
+            f"(tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}): its rank is unknown"
+        )
+    return 0, 0
+
+
+# hf_config keys that name the checkpoint, not its KV values
+_UNRELATED_HF_KEYS = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation_autoset"})
+
+
+def model_fingerprint_of(vllm_config: VllmConfig) -> str:
+    """The weights' identity: the pinned revision, else the HF snapshot's commit, else a
+    fingerprint of the local checkpoint files; '' when none can be found (logged: a user
+    should then pin `model_fingerprint`)."""
+    model = vllm_config.model_config
+    if model.revision:
+        return f"revision={model.revision}"
+    path = Path(str(model.model))
+    if not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(str(model.model), local_files_only=True))
+            return f"snapshot={path.name}"  # the snapshot directory is named by its commit
+        except Exception:  # noqa: BLE001 - no local snapshot: nothing to fingerprint
+            log.warning("layerkv: no revision and no local checkpoint for %s: objects are keyed by the model id "
+                        "only; set model_fingerprint in kv_connector_extra_config to pin the weights", model.model)
+            return ""
+    fingerprint = checkpoint_fingerprint(path)
+    return f"files={fingerprint}" if fingerprint else ""
+
+
+def model_settings_of(vllm_config: VllmConfig) -> str:
+    """Digest of what changes KV bytes besides the weights: the model config after
+    hf_overrides (rope, layer count, quantization config, ...), the quantization method, the
+    KV cache dtype and scale calculation, and speculative (draft / MTP) layers."""
+    model = vllm_config.model_config
+    hf = {k: v for k, v in model.hf_config.to_dict().items() if k not in _UNRELATED_HF_KEYS}
+    spec = vllm_config.speculative_config
+    return settings_digest({
+        "hf_config": hf,
+        "dtype": str(model.dtype),
+        "quantization": model.quantization,
+        "cache_dtype": vllm_config.cache_config.cache_dtype,
+        "calculate_kv_scales": getattr(vllm_config.cache_config, "calculate_kv_scales", None),
+        "speculative": None if spec is None else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
+    })
+
+
+def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole) -> Deployment:
+    """The neutral `Deployment` of this vLLM instance (call after `check_supported`)."""
+    model = vllm_config.model_config
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    # "auto" means the model dtype; an explicit fp8 name says more than torch.uint8 would.
+    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)  # type: ignore[attr-defined]
+    tp_rank, pp_rank = _parallel_ranks(vllm_config, role)
+    assert vllm_config.kv_transfer_config is not None  # a connector exists only with a transfer config
+    kv_role = vllm_config.kv_transfer_config.kv_role
+    return Deployment(
+        model_id=str(model.model),
+        kv_dtype=kv_dtype,
+        block_size=int(spec.block_size),
+        num_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=tp_rank,
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+        pp_rank=pp_rank,
+        model_fingerprint=model_fingerprint_of(vllm_config),
+        model_settings=model_settings_of(vllm_config),
+        is_mla=bool(model.use_mla),
+        role=KVRole(kv_role),
+        kv_signature=kv_signature_of(kv_cache_config),
+    )
+
+

@@ -1,0 +1,98 @@
+"""vLLM scheduler output -> layerkv's neutral step messages, the metadata object that carries
+the neutral plan to vLLM's workers, and the worker metadata that carries each worker's step
+number back (vLLM aggregates it over every worker before the scheduler sees it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+def request_view(request: Request) -> RequestView:
+    """`request.block_hashes` already chain the cache salt, LoRA id and multimodal hashes."""
+    return RequestView(
+        req_id=request.request_id,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_tokens=request.num_tokens,
+        block_hashes=tuple(request.block_hashes),
+    )
+
+
+class StepTranslator:
+    """SchedulerOutput -> SchedulerStep. vLLM sends only new block ids for running requests, so
+    this keeps each live request's full block-id list and a reference to its `Request` (whose
+    block hashes grow as tokens arrive). Scheduler thread only."""
+
+    def __init__(self) -> None:
+        self._requests: dict[ReqId, Request] = {}
+        self._block_ids: dict[ReqId, list[int]] = {}
+
+    def track(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def forget(self, req_id: ReqId) -> None:
+        self._requests.pop(req_id, None)
+        self._block_ids.pop(req_id, None)
+
+    def translate(self, out: SchedulerOutput) -> SchedulerStep:
+        scheduled: list[ScheduledRequest] = []
+        for new in out.scheduled_new_reqs:
+            self._block_ids[new.req_id] = list(new.block_ids[0])
+            scheduled.append(self._scheduled(new.req_id, new.num_computed_tokens, out, resumed=False))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:  # preempted earlier: its old blocks were freed, these replace them
+                self._block_ids[req_id] = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                self._block_ids.setdefault(req_id, []).extend(new_ids[0])
+            scheduled.append(self._scheduled(req_id, cached.num_computed_tokens[i], out, resumed=resumed))
+        preempted = frozenset(out.preempted_req_ids or ())
+        for req_id in preempted:
+            self._block_ids.pop(req_id, None)
+        for req_id in out.finished_req_ids:
+            self.forget(req_id)
+        return SchedulerStep(tuple(scheduled), frozenset(out.finished_req_ids), preempted)
+
+    def _scheduled(self, req_id: ReqId, num_computed_tokens: int, out: SchedulerOutput, resumed: bool) -> ScheduledRequest:
+        request = self._requests.get(req_id)
+        assert request is not None, f"request {req_id} scheduled but never seen by the connector"
+        return ScheduledRequest(
+            req_id=req_id,
+            block_ids=tuple(self._block_ids[req_id]),
+            num_computed_tokens=num_computed_tokens,
+            num_scheduled_tokens=out.num_scheduled_tokens[req_id],
+            block_hashes=tuple(request.block_hashes),
+            resumed=resumed,
+        )
+
+
+class LayerKVMetadata(KVConnectorMetadata):
+    """Carries the neutral scheduler side's per-step metadata to the workers (pickled)."""
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+
+
+
+
+class LayerKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the step numbers the workers ran. vLLM's output aggregator combines
+    one per worker with `aggregate`, so a step appears once per worker that reported it."""
+
+    def __init__(self, steps: tuple[int, ...]) -> None:
+        self.steps = steps
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, LayerKVWorkerMeta), type(other).__name__
+        return LayerKVWorkerMeta(self.steps + other.steps)

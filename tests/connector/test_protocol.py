@@ -1,0 +1,238 @@
+"""The worker's side of the commit protocol and its failure paths: saves wait for a verdict,
+nothing raised into the engine, nothing leaked (an exception after put start, a stalled save, a
+verdict that never comes, shutdown), get sessions renewed before their lease ends, and the
+device code path (torch views and copies) on CPU tensors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from layerkv.config import LayerKVConfig
+from layerkv.errors import ConfigError, LayoutError
+from layerkv.layout import CacheLayout
+from layerkv.messages import Deployment
+from layerkv.store.checked import CheckedStore
+from layerkv.store.embedded import EmbeddedStore
+from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
+from layerkv.transfer.views import CacheViews
+from layerkv.worker import WorkerConnector
+from tests.connector.conftest import EmbeddedBackend, MooncakeBackend
+from tests.connector.rig import BLOCK_SIZE, Req, Rig
+
+
+def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+
+
+def _exists(rig: Rig, keys: list[str]) -> list[int]:
+    return rig.sched_faults.inner.batch_is_exist(keys)
+
+
+def test_saves_are_readable_only_after_the_next_steps_verdict(make_rig) -> None:
+    rig = make_rig()
+    a = Req("a", _tokens(3))
+    _, s = rig.admit(a)
+    rig.step([s])
+    keys = rig.keys(a)
+    assert _exists(rig, keys) == [0, 0, 0]  # written, waiting for the verdict
+    assert rig.workers[0].open_sessions()["pending_puts"] == 3
+    rig.settle()  # the next step carries the verdict
+    assert _exists(rig, keys) == [1, 1, 1]
+    assert rig.workers[0].stats().committed_keys == 3
+
+
+def test_an_exception_after_put_start_revokes_everything(make_rig, store_factory, monkeypatch) -> None:
+    from layerkv.header import Header
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("header encoder broke")
+
+    rig = make_rig()
+    a = Req("a", _tokens(4))
+    monkeypatch.setattr(Header, "encode_into", broken)
+    rig.run(a)  # nothing raised into the engine
+    monkeypatch.undo()
+    keys = rig.keys(a)
+    assert rig.workers[0].is_idle(5.0)
+    assert store_factory.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
+    assert sorted(rig.faults[0].keys_sent(PUT_REVOKE)) == sorted(keys)
+    assert rig.workers[0].stats().transfer_errors == 1
+
+
+def test_a_stalled_save_is_revoked_and_the_step_goes_on(make_rig, store_factory) -> None:
+    rig = make_rig(save_timeout_s=0.5)
+    a = Req("a", _tokens(4))
+    rig.faults[0].delay(PUT_RANGES, 30.0, layer_idx=1, times=1)
+    start = time.monotonic()
+    _, s = rig.admit(a)
+    rig.step([s])  # wait_for_save gives up after 0.5 s
+    assert time.monotonic() - start < 5.0
+    assert rig.workers[0].stats().save_timeouts == 1
+    rig.faults[0].release()
+    assert rig.workers[0].is_idle(5.0)
+    rig.settle()
+    keys = rig.keys(a)
+    assert store_factory.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
+
+
+def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, store_factory) -> None:
+    rig = make_rig(commit_timeout_s=1.0)
+    a = Req("a", _tokens(3))
+    _, s = rig.admit(a)
+    rig.step([s])
+    worker = rig.workers[0]
+    assert worker.open_sessions()["pending_puts"] == 3
+    worker._expire_pending()  # what the idle send thread runs: too early, nothing expires
+    assert worker.open_sessions()["pending_puts"] == 3
+    worker.pending._clock = lambda: time.monotonic() + 2.0  # the verdict is now 2 s late
+    worker._expire_pending()
+    assert worker.open_sessions()["pending_puts"] == 0 and worker.stats().revoked_unsettled == 3
+    assert store_factory.processing_keys(rig.keys(a)) == []
+    rig.settle()  # a late verdict for a step already revoked is harmless
+    assert _exists(rig, rig.keys(a)) == [0, 0, 0]
+
+
+def test_shutdown_revokes_what_waits_for_a_verdict(make_rig, store_factory) -> None:
+    rig = make_rig()
+    a = Req("a", _tokens(3))
+    _, s = rig.admit(a)
+    rig.step([s])
+    worker = rig.workers[0]
+    worker.shutdown()
+    assert worker.stats().revoked_on_shutdown == 3
+    assert store_factory.processing_keys(rig.keys(a)) == [] and _exists(rig, rig.keys(a)) == [0, 0, 0]
+    rig.finished.add("a")  # nothing left to drain
+
+
+class _ShortLeaseEmbedded(EmbeddedBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.root.close()
+        self.root = EmbeddedStore(64 << 20, lease_ttl_s=1.0)
+
+
+@pytest.mark.parametrize("backend", ["embedded", "mooncake"])
+@pytest.mark.parametrize("renew_after_s", [0.4, 100.0])
+def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend: str, renew_after_s: float) -> None:
+    if backend == "embedded":
+        store_backend = _ShortLeaseEmbedded()
+    else:
+        harness = request.getfixturevalue("mooncake_harness")
+        store_backend = MooncakeBackend(harness.make_store(64 << 20, lease_ttl_s=1.0))
+    rig = Rig(store_backend, num_layers=4, prefetch_layers=1, load_timeout_s=5.0, lease_renew_after_s=renew_after_s)
+    try:
+        tokens = _tokens(4)
+        rig.run(Req("a", tokens))
+        b = Req("b", tokens)
+        _, s = rig.admit(b)
+        rig.faults[0].delay(GET_RANGES, 0.45)  # every layer read is slow: the step takes ~1.8 s
+        invalid = rig.step([s])
+        rig.faults[0].clear_rules()
+        stats = rig.workers[0].stats()
+        if renew_after_s < 1.0:  # renewed before the 1 s lease ran out: every layer read
+            assert invalid == set() and stats.lease_renewals >= 2, stats
+            assert rig.wrong_blocks(b, range(4)) == []
+        else:  # the control: without renewal the lease expires mid-step (-707) and blocks are recomputed
+            assert invalid == set(b.block_ids[:4]) and stats.lease_renewals == 0, stats
+        rig.drain()
+    finally:
+        rig.shutdown()
+        store_backend.close()
+
+
+def test_device_code_path_fans_out_with_torch_copies() -> None:
+    caches = {f"model.layers.{l}.attn": torch.randn(2, 8, BLOCK_SIZE, 2, 4) for l in range(2)}
+    layout = CacheLayout.from_caches(caches, 8, max_transfer_bytes=1 << 20)
+    device_like = CacheViews(layout, caches, on_host=False)  # torch views, as on an accelerator
+    host = CacheViews(layout, caches)
+    device_like.copy_blocks(1, np.array([2, 2]), np.array([5, 6]))
+    assert not torch.equal(caches["model.layers.0.attn"][:, 5], caches["model.layers.0.attn"][:, 2])  # other layer untouched
+    assert torch.equal(caches["model.layers.1.attn"][:, 5], caches["model.layers.1.attn"][:, 2])
+    assert torch.equal(caches["model.layers.1.attn"][:, 6], caches["model.layers.1.attn"][:, 2])
+    assert host.checksums(1, np.array([2]))[0] == host.checksums(1, np.array([5]))[0]
+
+
+def test_bad_setups_are_rejected_with_the_key_named() -> None:
+    with pytest.raises(ConfigError, match=r"Deployment.block_size=0 must be an int >= 1"):
+        Deployment(model_id="m", kv_dtype="float32", block_size=0, num_kv_heads=2)
+    with pytest.raises(ConfigError, match=r"Deployment.block_size=-4 must be an int >= 1"):
+        Deployment(model_id="m", kv_dtype="float32", block_size=-4, num_kv_heads=2)
+    config = LayerKVConfig.from_dict({}, env={})
+    deployment = Deployment(model_id="m", kv_dtype="float32", block_size=16, num_kv_heads=2, kv_signature="s")
+    root = EmbeddedStore(64 << 20)
+    with pytest.raises(TypeError, match="needs a CheckedStore"):
+        WorkerConnector(config, deployment, root.client())  # type: ignore[arg-type]
+    worker = WorkerConnector(config, deployment, CheckedStore(root.client(), max_batch_keys=64))
+    try:
+        caches = {"model.layers.0.attn": torch.zeros(2, 8, 4, 2, 8)}  # 4 tokens per block, not 16
+        with pytest.raises(LayoutError, match=r"block_size=16 tokens appears in none of its dims"):
+            worker.register_kv_caches(caches, 8)
+        with pytest.raises(ConfigError, match=r"num_blocks=0 must be a positive int"):
+            worker.register_kv_caches(caches, 0)
+    finally:
+        worker.shutdown()
+    import layerkv.worker
+
+    worker = WorkerConnector(config, deployment, CheckedStore(root.client(), max_batch_keys=64))
+    try:  # staging is bounded (1 GiB here; 1 MiB for the test): an object larger than it cannot be staged
+        big = {f"model.layers.{l}.attn": torch.zeros(2, 4, 16, 8, 128) for l in range(9)}  # 64 KiB per layer-block
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(layerkv.worker, "MAX_STAGING_NBYTES", 1 << 20)
+            with pytest.raises(ConfigError, match=r"one object of this layout is \d+ bytes, more than the 1 MiB staging bound"):
+                worker.register_kv_caches(big, 4)
+    finally:
+        worker.shutdown()
+        root.close()
+
+
+@pytest.mark.parametrize("plan", ["auto", "whole"])
+def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, store_factory, plan: str) -> None:
+    """Staged saves copy each layer into the object image; the put starts and writes go out
+    after the forward released them: a store that takes 2 s per write costs the step nothing."""
+    rig = make_rig(transfer_plan=plan, save_timeout_s=5.0)
+    a = Req("a", _tokens(4))
+    rig.faults[0].delay(PUT_RANGES, 2.0, times=1)
+    start = time.monotonic()
+    _, s = rig.admit(a)
+    rig.step([s])
+    assert time.monotonic() - start < 1.5, "the forward waited for the store"
+    assert rig.workers[0].stats().save_timeouts == 0
+    rig.settle()  # waits for the background write, then commits
+    assert _exists(rig, rig.keys(a)) == [1] * 4
+    writes = rig.faults[0].calls(PUT_RANGES)
+    assert sum(c.num_ranges for c in writes) == 4 and {c.layer_idx for c in writes} == {None}  # one image per key
+    b = Req("b", _tokens(4))
+    _, s = rig.admit(b)
+    rig.poison(b)
+    assert rig.step([s]) == set()
+    assert rig.wrong_blocks(b, range(4)) == []
+
+
+def test_a_failed_image_write_revokes_only_its_key(make_rig, store_factory) -> None:
+    rig = make_rig(transfer_plan="auto")
+    a = Req("a", _tokens(5))
+    keys = rig.keys(a)
+    rig.faults[0].fail(PUT_RANGES, keys[2])
+    rig.run(a)
+    assert _exists(rig, keys) == [1, 1, 0, 1, 1]
+    assert rig.faults[0].keys_sent(PUT_REVOKE) == [keys[2]]
+    assert store_factory.processing_keys(keys) == []
+    stats = rig.workers[0].stats()
+    assert (stats.committed_keys, stats.save_failed_keys) == (4, 1)
+
+
+def test_a_staged_save_whose_step_is_abandoned_saves_nothing(make_rig, store_factory) -> None:
+    rig = make_rig(transfer_plan="auto")
+    a = Req("a", _tokens(3))
+    _, s = rig.admit(a)
+    worker = rig.workers[0]
+    worker.bind_connector_metadata(rig.scheduler.build_connector_meta(rig.step_of([s])))
+    worker.start_load_kv()
+    worker.save_kv_layer(rig.layer_name(0))
+    worker.clear_connector_metadata()  # abandoned after layer 0: the job is cancelled
+    assert worker.is_idle(5.0)
+    assert rig.faults[0].calls(PUT_RANGES) == [] and store_factory.processing_keys(rig.keys(a)) == []

@@ -1,0 +1,119 @@
+"""A store that stalls never costs more than one bound, never writes KV into blocks the engine
+reuses, never reports a failure twice and never leaks: the holes a review found (each test fails
+on the code before its fix). Embedded store with FaultyStore delays; single worker."""
+
+from __future__ import annotations
+
+import time
+
+from layerkv.store.base import Code
+from layerkv.store.faults import (
+    GET_END, GET_INTO, GET_RANGES, GET_START, IS_EXIST, PUT_END, PUT_FROM, PUT_RANGES, PUT_REVOKE, PUT_START, REMOVE,
+)
+from tests.connector.rig import BLOCK_SIZE, Req
+
+
+def _tokens(num_blocks: int, base: int = 0, extra: int = 1) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+
+
+def test_a_given_up_load_writes_nothing_into_the_cache_afterwards(make_rig) -> None:
+    rig = make_rig(num_layers=3, read_layers_per_range=2, load_timeout_s=0.3)
+    tokens = _tokens(3)
+    rig.run(Req("a", tokens))
+    b = Req("b", list(tokens))
+    rig.faults[0].delay(GET_RANGES, 1.0, layer_idx=1, times=1)  # the group [1, 3) read is late
+    _, s = rig.admit(b)
+    invalid, _ = rig.worker_step([s])
+    loaded = b.block_ids[:3]
+    assert invalid == set(loaded)
+    for cache in rig.caches[0].values():  # the engine reuses the blocks
+        cache[:, loaded] = -7.0
+    assert rig.workers[0].is_idle(5.0)  # the late read returned; the job ended
+    for layer_idx in range(3):
+        assert {float(rig.block_values(0, layer_idx, blk).flatten()[0]) for blk in loaded} == {-7.0}
+
+
+def test_loads_while_an_earlier_load_is_stuck_are_recomputed_at_once(make_rig) -> None:
+    rig = make_rig(num_layers=3, transfer_plan="whole", load_timeout_s=0.3)
+    a_tokens, b_tokens = _tokens(2, base=0), _tokens(2, base=500)
+    rig.run(Req("pa", a_tokens))
+    rig.run(Req("pb", b_tokens))
+    a = Req("a", list(a_tokens))
+    rig.faults[0].delay(GET_INTO, 2.0, keys=rig.keys(a)[0], times=1)
+    _, s = rig.admit(a)
+    assert rig.worker_step([s])[0] == set(a.block_ids[:2])
+    b = Req("b", list(b_tokens))
+    _, s = rig.admit(b)
+    start = time.monotonic()
+    assert rig.worker_step([s])[0] == set(b.block_ids[:2])  # no new read into staging A's late copy may hit
+    assert time.monotonic() - start < 0.25 and rig.workers[0].stats().load_skipped_stuck == 1
+    rig.faults[0].release()
+    assert rig.workers[0].is_idle(5.0)
+    c = Req("c", list(b_tokens))
+    _, s = rig.admit(c)
+    rig.poison(c)
+    assert rig.worker_step([s])[0] == set() and rig.wrong_blocks(c, range(2)) == []
+
+
+def test_each_load_failure_is_reported_once_in_the_speculative_decoding_hook_order(make_rig) -> None:
+    rig = make_rig(num_layers=3)
+    tokens = _tokens(3)
+    rig.run(Req("a", tokens))
+    b = Req("b", list(tokens))
+    rig.faults[0].fail(GET_RANGES, rig.keys(b, blocks=[1])[0], code=int(Code.TRANSFER_FAIL), layer_idx=1, times=1)
+    _, s = rig.admit(b)
+    invalid, steps = rig.worker_step([s], deferred=True)
+    assert invalid == {b.block_ids[1]} and len(steps) == 1
+    c = Req("c", _tokens(2, base=300))
+    _, s = rig.admit(c)
+    invalid, steps = rig.worker_step([s], deferred=True)
+    assert invalid == set() and len(steps) == 1  # not the same failure again
+
+
+def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, store_factory) -> None:
+    rig = make_rig(num_layers=3, transfer_plan="auto")
+    rig.faults[0].delay(PUT_RANGES, 7.0, times=1)
+    a = Req("a", _tokens(3))
+    _, s = rig.admit(a)
+    rig.worker_step([s])  # returns once the layers are copied; the write goes on
+    rig.workers[0].shutdown()
+    assert rig.workers[0].pending.num_keys() == 0
+    assert store_factory.processing_keys(rig.keys(a)) == []
+    rig.finished.add("a")
+
+
+def test_a_stuck_write_stalls_neither_loads_nor_later_steps(make_rig) -> None:
+    rig = make_rig(num_layers=2, transfer_plan="auto", transfer_lanes=2, load_timeout_s=1.0, save_timeout_s=1.0)
+    pre = _tokens(4, base=100, extra=0)
+    rig.run(Req("p", pre + [1]))
+    r1 = Req("r1", _tokens(8, base=200))
+    rig.faults[0].delay(PUT_RANGES, 60.0, keys=rig.keys(r1, blocks=[7])[0], times=1)  # in the second lane's part
+    _, s = rig.admit(r1)
+    rig.worker_step([s])
+    c = Req("c", pre + _tokens(2, base=400))
+    _, s = rig.admit(c)
+    rig.poison(c)
+    start = time.monotonic()
+    invalid, _ = rig.worker_step([s])
+    assert time.monotonic() - start < 0.5, "the load waited behind the stuck write"
+    assert invalid == set() and rig.wrong_blocks(c, range(4)) == []
+    rig.faults[0].release()
+
+
+def test_a_hung_master_costs_one_bound_not_one_per_step(make_rig) -> None:
+    rig = make_rig(num_layers=2, transfer_plan="auto", store_call_timeout_s=0.5, store_retry_interval_s=30.0)
+    meta = [IS_EXIST, PUT_START, PUT_END, PUT_REVOKE, GET_START, GET_END, GET_INTO, REMOVE, PUT_FROM]
+    for faulty in (rig.sched_faults, *rig.faults):
+        faulty.delay(meta, 60.0)  # the master hangs (no TCP reset)
+    times = []
+    for i in range(4):
+        r = Req(f"r{i}", _tokens(5, base=100 + 50 * i))
+        start = time.monotonic()
+        _, s = rig.admit(r)
+        rig.worker_step([s])
+        times.append(time.monotonic() - start)
+    assert max(times[1:]) < 0.2, times  # after the first bound the pool is skipped at once
+    assert rig.scheduler.stats.save_blocks == 0  # no saves planned while the store is down
+    for faulty in (rig.sched_faults, *rig.faults):
+        faulty.release()

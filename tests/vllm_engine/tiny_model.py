@@ -1,0 +1,72 @@
+"""A random-weight Llama checkpoint and a word-level tokenizer, made at test time (no download):
+what the real-engine tests serve. Runs in the test process (transformers, tokenizers, torch).
+
+Greedy tokens of a random model are fragile (its next-token distribution is nearly flat), so the
+output head is scaled up: top-1 margins become large against the rounding noise of a different
+schedule, while every logprob still depends on every KV byte (the oracle compares them bitwise).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZE = 4096
+WORD_PREFIX = "w"  # token id t <-> the word f"w{t}" (ids 0-2: <unk>, <s>, </s>)
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2  # TP=2: one KV head per rank
+    dtype: str = "float32"
+    lm_head_scale: float = 10.0
+    seed: int = 0
+
+    def save(self, path: Path) -> Path:
+        """Write config.json + model.safetensors + tokenizer files into `path`; returns it."""
+        import torch
+        import transformers
+
+        torch.manual_seed(self.seed)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, max_position_embeddings=4096,
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        )
+        model = transformers.LlamaForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(self.lm_head_scale)
+        model.to(getattr(torch, self.dtype)).save_pretrained(path)
+        save_word_tokenizer(path)
+        return path
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A WordLevel tokenizer whose words are w0..w4095 (whitespace-split), saved as
+    tokenizer.json + tokenizer_config.json so `vllm serve` and transformers load it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab = {**special, **{f"{WORD_PREFIX}{t}": t for t in range(len(special), VOCAB_SIZE)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+        "eos_token": "</s>", "model_max_length": 4096, "add_bos_token": False,
+    }))
+
+
+def words(token_ids: list[int]) -> str:
+    """The text that tokenizes to exactly `token_ids` with the word tokenizer."""
+    return " ".join(f"{WORD_PREFIX}{t}" for t in token_ids)
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    """Deterministic token ids (never the special ids 0-2)."""
+    return [(seed * 7919 + k * 131) % (VOCAB_SIZE - 3) + 3 for k in range(num_tokens)]
