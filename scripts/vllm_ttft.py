@@ -141,14 +141,14 @@ def main() -> int:
                         ("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_NO_USAGE_STATS", "1"), ("HF_HUB_OFFLINE", "1")):
         os.environ.setdefault(name, value)
 
-    from layerkv.store.local_deployment import LocalDeployment
+    from layerkv.store.local_master import LocalMaster
 
     with tempfile.TemporaryDirectory(prefix="layerkv-ttft-") as tmp:
         model = Path(tmp) / "model"
         make_model(model, args.layers, args.hidden, args.dtype)
         deployment = None
         if not os.environ.get("MOONCAKE_CONFIG_PATH"):
-            deployment = LocalDeployment(segment_size="4GB")  # fp32 8x1024: 2 MiB per block
+            deployment = LocalMaster(segment_size="4GB")  # fp32 8x1024: 2 MiB per block
             config = Path(tmp) / "mooncake.json"
             config.write_text(json.dumps(deployment.client_config))
             os.environ["MOONCAKE_CONFIG_PATH"] = str(config)

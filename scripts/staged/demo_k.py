@@ -3,7 +3,7 @@ path, config replaced; demo defaults untouched). Usage: demo_k.py STORE K [K ...
 import os, sys, statistics
 from layerkv.config import LayerKVConfig
 from layerkv.demo import run_demo
-from layerkv.store.local_deployment import LocalDeployment
+from layerkv.store.local_master import LocalMaster
 
 store, ks = sys.argv[1], [int(k) for k in sys.argv[2:]]
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -15,7 +15,7 @@ def run(config):
               f"recompute median {statistics.median(row.ttft_recompute_ms for row in r.rows):.1f}", flush=True)
 config = LayerKVConfig.from_dict({"backend": store})
 if store == "mooncake":
-    with LocalDeployment() as d:
+    with LocalMaster() as d:
         run(config.replace(mooncake_config_path=str(d.config_path)))
 else:
     run(config)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from layerkv.errors import ConfigError
-from layerkv.store.base import Placement
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -126,10 +125,6 @@ class LayerKVConfig:
                 raise ConfigError(f"LAYERKV_RANGE_DEBUG={debug!r} must be exactly '0' or '1'")
             values["range_debug"] = debug == "1"
         return cls(**values)
-
-    @property
-    def placement(self) -> Placement:
-        return Placement(self.replica_num, self.preferred_segment, self.prefer_alloc_in_same_node)
 
     def replace(self, **changes: Any) -> LayerKVConfig:
         """A validated copy with `changes` applied (the original is untouched)."""

@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 from layerkv.errors import ConfigError, UnsupportedSetupError
 from layerkv.header import DIGEST_NBYTES, SCHEMA_VERSION
 from layerkv.messages import Deployment
+from layerkv.store.base import ObjectKey
 
 if TYPE_CHECKING:
     from layerkv.layout import CacheLayout
 
-ObjectKey = str
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]+")
 _SHORT_DIGEST_HEX = 16
 _MAX_BASENAME = 64
 
 
 @dataclass(frozen=True, slots=True)
-class StoragePlacement:
+class StorageRole:
     """Where this TP rank's KV goes: `put_step` ranks share the same heads; one of them writes."""
 
     put_step: int
@@ -46,7 +46,7 @@ class Namespace:
     digest: bytes
 
 
-def storage_placement(deployment: Deployment) -> StoragePlacement:
+def storage_role(deployment: Deployment) -> StorageRole:
     """Storage rank rule of SPEC §1. MLA counts as one head: storage rank 0, only tp_rank 0 writes.
     Raises ConfigError for out-of-range ranks, UnsupportedSetupError for head splits that do not divide."""
     d = deployment
@@ -55,7 +55,7 @@ def storage_placement(deployment: Deployment) -> StoragePlacement:
     if d.pp_size < 1 or not 0 <= d.pp_rank < d.pp_size:
         raise ConfigError(f"pp_rank={d.pp_rank} must be 0 <= pp_rank < pp_size={d.pp_size} (and pp_size >= 1)")
     if d.is_mla:
-        return StoragePlacement(d.tp_size, 0, d.tp_rank == 0, 1)
+        return StorageRole(d.tp_size, 0, d.tp_rank == 0, 1)
     if d.num_kv_heads < 1:
         raise ConfigError(f"num_kv_heads={d.num_kv_heads} must be >= 1 (MLA: set is_mla=True)")
     if d.num_kv_heads >= d.tp_size:
@@ -72,7 +72,7 @@ def storage_placement(deployment: Deployment) -> StoragePlacement:
                 f"replicated KV heads must be shared by equal groups of ranks"
             )
         put_step = d.tp_size // d.num_kv_heads
-    return StoragePlacement(put_step, d.tp_rank // put_step, d.tp_rank % put_step == 0, d.tp_size // put_step)
+    return StorageRole(put_step, d.tp_rank // put_step, d.tp_rank % put_step == 0, d.tp_size // put_step)
 
 
 def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
@@ -85,7 +85,7 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
     scheduler has no tensors) or, when that is empty, as the registered `layout`'s signature.
     The object header carries the exact layout digest, checked on every read."""
-    placement = storage_placement(deployment)
+    role = storage_role(deployment)
     if model_fingerprint:
         deployment = dataclasses.replace(deployment, model_fingerprint=model_fingerprint)
     if not tenant or "@" in tenant:
@@ -103,7 +103,7 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
         "tp_size": d.tp_size,
         "num_kv_heads": d.num_kv_heads,
         "is_mla": d.is_mla,
-        "put_step": placement.put_step,
+        "put_step": role.put_step,
         "pp_size": d.pp_size,
         "pp_rank": d.pp_rank,  # each pipeline stage holds different layers
     }

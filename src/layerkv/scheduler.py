@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.keys import block_keys, namespace_for, storage_placement
+from layerkv.keys import block_keys, namespace_for, storage_role
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.plan import BlockSpec, StepPlan, StepVerdict
 from layerkv.stats import SchedulerStats
@@ -102,9 +102,9 @@ class SchedulerConnector:
             namespace_for(dataclasses.replace(deployment, pp_rank=s), config.tenant, model_fingerprint=config.model_fingerprint).name
             for s in range(deployment.pp_size)
         ]
-        self.stats = SchedulerStats()
-        placement = storage_placement(deployment)
-        self._lookup = PoolLookup(self.store, stage_namespaces, placement.num_storage_ranks, config.exists_window_blocks, self.stats)
+        self._stats = SchedulerStats()
+        role = storage_role(deployment)
+        self._lookup = PoolLookup(self.store, stage_namespaces, role.num_storage_ranks, config.exists_window_blocks, self._stats)
         self._block_size = deployment.block_size
         self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
         self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc
@@ -125,11 +125,11 @@ class SchedulerConnector:
         start_block = num_computed_tokens // self._block_size
         if start_block >= end_block:
             return 0, False
-        self.stats.lookups += 1
+        self._stats.lookups += 1
         hit_blocks = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
         if hit_blocks == 0:
             return 0, False
-        self.stats.hit_blocks += hit_blocks
+        self._stats.hit_blocks += hit_blocks
         self._matched[request.req_id] = _PendingLoad(start_block, hit_blocks)
         return hit_blocks * self._block_size, False
 
@@ -154,9 +154,9 @@ class SchedulerConnector:
         if saves:
             self._awaiting[seq] = _AwaitedStep({r.req_id: frozenset(r.block_ids) for r in step.requests}, time.monotonic())
         verdicts, self._verdicts = tuple(self._verdicts), []
-        self.stats.steps += 1
-        self.stats.load_blocks += sum(len(spec) for spec in loads)
-        self.stats.save_blocks += sum(len(spec) for spec in saves)
+        self._stats.steps += 1
+        self._stats.load_blocks += sum(len(spec) for spec in loads)
+        self._stats.save_blocks += sum(len(spec) for spec in saves)
         num_tokens = sum(r.num_scheduled_tokens for r in step.requests)
         reinvalidate = self._stale_blocks(step, loads)
         return StepPlan(step_seq=seq, num_tokens=num_tokens, loads=loads, saves=saves, ended_req_ids=ended,
@@ -177,14 +177,14 @@ class SchedulerConnector:
         self._suspect -= written
         stale = {b for r in step.requests for b in r.block_ids[: r.num_computed_tokens // bs]
                  if b in self._suspect and b not in written}
-        self.stats.stale_blocks_reinvalidated += len(stale)
+        self._stats.stale_blocks_reinvalidated += len(stale)
         return frozenset(stale)
 
     def update_connector_output(self, report: WorkerReport) -> None:
         """A step's combined worker output: decide the steps every worker has now reported.
         Failed blocks count against every step still waiting (under async scheduling a step can
         be built before the previous step's failures are known)."""
-        self.stats.load_failures += len(report.invalid_block_ids)
+        self._stats.load_failures += len(report.invalid_block_ids)
         self._suspect |= report.invalid_block_ids
         for awaited in self._awaiting.values():
             awaited.invalid_block_ids |= report.invalid_block_ids
@@ -199,13 +199,17 @@ class SchedulerConnector:
                 del self._awaiting[seq]
                 tainted = frozenset(r for r, blocks in awaited.block_tables.items() if blocks & awaited.invalid_block_ids)
                 self._verdicts.append(StepVerdict(seq, tainted))
-                self.stats.tainted_requests += len(tainted)
+                self._stats.tainted_requests += len(tainted)
             elif seq < latest:  # a later step is reported, this one never will be in full
                 del self._awaiting[seq]
                 log.warning("layerkv: step %d was reported by %d of %d workers; revoking its saves",
                             seq, awaited.num_reports, self._num_workers)
                 self._verdicts.append(StepVerdict(seq, revoke_all=True))
-                self.stats.unreported_steps += 1
+                self._stats.unreported_steps += 1
+
+    def stats(self) -> SchedulerStats:
+        """Cumulative counters (the live object: read, do not keep for a snapshot)."""
+        return self._stats
 
     def has_pending_work(self) -> bool:
         """True while a step's saves wait for their verdict or a decided verdict waits for the
@@ -218,7 +222,7 @@ class SchedulerConnector:
             log.warning("layerkv: step %d was reported by %d of %d workers within %.0f s; revoking its saves",
                         seq, awaited.num_reports, self._num_workers, self.config.commit_timeout_s)
             self._verdicts.append(StepVerdict(seq, revoke_all=True))
-            self.stats.unreported_steps += 1
+            self._stats.unreported_steps += 1
         return bool(self._awaiting or self._verdicts)
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
@@ -253,7 +257,7 @@ class SchedulerConnector:
         per_request: dict[ReqId, tuple[list[BlockHash], list[int]]] = {}
         for (req_id, block_hash, block_id), exists in zip(candidates, present):
             if exists:
-                self.stats.save_skipped_existing += 1
+                self._stats.save_skipped_existing += 1
                 continue
             hashes, ids = per_request.setdefault(req_id, ([], []))
             hashes.append(block_hash)

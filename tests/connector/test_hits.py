@@ -12,24 +12,24 @@ def _tokens(num_blocks: int, extra: int = 0, base: int = 0) -> list[int]:
     return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
 
 
-def test_hit_needs_every_storage_rank(make_rig, store_factory) -> None:
+def test_hit_needs_every_storage_rank(make_rig, backend) -> None:
     rig = make_rig(tp_size=2, num_kv_heads=2)
     tokens = _tokens(8, extra=1)
     rig.run(Req("a", tokens))
     ext, _ = rig.admit(Req("b", tokens))
     assert ext == 8 * BLOCK_SIZE
-    assert store_factory.remove(rig.keys(Req("x", tokens), rank=1, blocks=[0])) == [0]
+    assert backend.remove(rig.keys(Req("x", tokens), rank=1, blocks=[0])) == [0]
     ext, _ = rig.admit(Req("c", tokens))
     assert ext == 0  # rank 0's key of block 0 alone is not a hit
-    assert rig.scheduler.stats.hit_blocks == 8
+    assert rig.scheduler.stats().hit_blocks == 8
 
 
-def test_hit_stops_at_the_first_miss(make_rig, store_factory) -> None:
+def test_hit_stops_at_the_first_miss(make_rig, backend) -> None:
     rig = make_rig()
     tokens = _tokens(8, extra=1)
     a = Req("a", tokens)
     rig.run(a)
-    assert store_factory.remove(rig.keys(a, blocks=[3])) == [0]
+    assert backend.remove(rig.keys(a, blocks=[3])) == [0]
     b = Req("b", tokens)
     ext, s = rig.admit(b)
     assert ext == 3 * BLOCK_SIZE  # blocks 4..7 are in the pool but come after the miss
@@ -45,7 +45,7 @@ def test_windowed_queries_stop_at_the_first_window_with_a_miss(make_rig) -> None
     assert ext == 5 * BLOCK_SIZE
     calls = rig.sched_faults.calls(IS_EXIST)
     assert [len(c.keys) for c in calls] == [4, 8]  # blocks 0-3, then a doubled window 4-11 (miss at 5)
-    assert rig.scheduler.stats.exists_calls >= 2
+    assert rig.scheduler.stats().exists_calls >= 2
 
 
 def test_full_hit_leaves_at_least_one_token(make_rig) -> None:
@@ -67,7 +67,7 @@ def test_malformed_exists_answer_is_a_miss_not_a_hit(make_rig) -> None:
     rig.sched_faults.malformed(IS_EXIST, [1], times=1)  # one int for 4 keys
     ext, _ = rig.admit(Req("b", tokens))
     assert ext == 0
-    assert rig.scheduler.stats.lookup_errors >= 1
+    assert rig.scheduler.stats().lookup_errors >= 1
     ext, _ = rig.admit(Req("c", tokens))
     assert ext == 4 * BLOCK_SIZE
 

@@ -47,7 +47,7 @@ def test_shared_key_failure_fans_out_to_every_request(make_rig) -> None:
     invalid = rig.step(scheduled)
     assert invalid == {a.block_ids[2], b.block_ids[2]}
     assert rig.workers[0].get_block_ids_with_load_errors() == set()  # reported once
-    assert rig.scheduler.stats.load_failures == 2
+    assert rig.scheduler.stats().load_failures == 2
     assert a.num_computed == b.num_computed == 2 * BLOCK_SIZE
     rig.step([rig.chunk(a), rig.chunk(b)])
     assert rig.wrong_blocks(a, range(5)) == [] and rig.wrong_blocks(b, range(6)) == []

@@ -17,4 +17,4 @@ def test_producer_then_consumer_roundtrip(make_rig) -> None:
     stats = rig.workers[0].stats()
     assert stats.committed_keys == 10 and stats.load_blocks == 10 and stats.load_failed_blocks == 0
     assert stats.loaded_bytes > 0 and stats.saved_bytes > 0
-    assert rig.scheduler.stats.hit_blocks == 10
+    assert rig.scheduler.stats().hit_blocks == 10

@@ -71,7 +71,7 @@ def test_each_load_failure_is_reported_once_in_the_speculative_decoding_hook_ord
     assert invalid == set() and len(steps) == 1  # not the same failure again
 
 
-def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, store_factory) -> None:
+def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, backend) -> None:
     rig = make_rig(num_layers=3, transfer_plan="auto")
     rig.faults[0].delay(PUT_RANGES, 7.0, times=1)
     a = Req("a", _tokens(3))
@@ -79,7 +79,7 @@ def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, store_fa
     rig.worker_step([s])  # returns once the layers are copied; the write goes on
     rig.workers[0].shutdown()
     assert rig.workers[0].pending.num_keys() == 0
-    assert store_factory.processing_keys(rig.keys(a)) == []
+    assert backend.processing_keys(rig.keys(a)) == []
     rig.finished.add("a")
 
 
@@ -114,6 +114,6 @@ def test_a_hung_master_costs_one_bound_not_one_per_step(make_rig) -> None:
         rig.worker_step([s])
         times.append(time.monotonic() - start)
     assert max(times[1:]) < 0.2, times  # after the first bound the pool is skipped at once
-    assert rig.scheduler.stats.save_blocks == 0  # no saves planned while the store is down
+    assert rig.scheduler.stats().save_blocks == 0  # no saves planned while the store is down
     for faulty in (rig.sched_faults, *rig.faults):
         faulty.release()

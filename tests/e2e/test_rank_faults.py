@@ -17,8 +17,11 @@ Checks, per case:
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,11 +31,10 @@ from layerkv.keys import block_keys
 from layerkv.messages import KVRole
 from layerkv.store.base import Code, KVStore
 from layerkv.store.faults import GET_RANGES, GET_START, FaultyStore
-from tests.e2e.conftest import BOTH_BACKENDS
+from tests.backends import BOTH_BACKENDS, EmbeddedBackend
 from tests.e2e.harness import (
     BLOCK_SIZE,
     MODEL,
-    EmbeddedBackend,
     Oracle,
     assert_close,
     assert_identical,
@@ -83,6 +85,20 @@ FAULTS: dict[str, tuple[Install, int]] = {  # name -> (rule, first token the con
 }
 
 
+def _release_after_the_give_up(faults: FaultyStore, rule: Any, load_timeout_s: float) -> None:
+    """Release the stalled call `load_timeout_s` + 2 s after it started: the load has given up
+    by then, and the engine's end-of-generate flush need not wait for its save timeout."""
+
+    def release() -> None:
+        deadline = time.monotonic() + 120
+        while not faults.fired(rule) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(load_timeout_s + 2.0)
+        faults.release()
+
+    threading.Thread(target=release, name="release-stall", daemon=True).start()
+
+
 def _engine(topology: Topology):  # type: ignore[no-untyped-def]
     return small_engine(tp_size=topology.tp_size, pp_size=topology.pp_size, max_num_batched_tokens=BUDGET)
 
@@ -92,7 +108,7 @@ def _pool_objects(client: KVStore, run, prompts) -> dict[str, bytes]:  # type: i
     (stage namespace, storage rank) of `run`."""
     found: dict[str, bytes] = {}
     for worker in run.workers:
-        keys = [k for prompt in prompts for k in block_keys(worker.namespace, _hashes(prompt), worker.placement.storage_rank)]
+        keys = [k for prompt in prompts for k in block_keys(worker.namespace, _hashes(prompt), worker.storage_role.storage_rank)]
         found.update(_objects(client, sorted(set(keys) - set(found)), worker.layout.object_nbytes))
     return found
 
@@ -151,8 +167,10 @@ def test_one_workers_load_fault_poisons_nothing(make_oracle, backend, topology: 
 
     consumer = oracle.pooled()
     faulty_worker = consumer.workers[topo.faulty_worker]
-    keys = block_keys(faulty_worker.namespace, _hashes(PRODUCER_PROMPT), faulty_worker.placement.storage_rank)
+    keys = block_keys(faulty_worker.namespace, _hashes(PRODUCER_PROMPT), faulty_worker.storage_role.storage_rank)
     rule = install(consumer.rank_faults(topo.faulty_worker), keys)
+    if fault == "range_stalls_past_the_timeout":  # the stalled read returns once the load gave up
+        _release_after_the_give_up(consumer.rank_faults(topo.faulty_worker), rule, load_timeout_s=1.0)
     got = serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
     consumer.rank_faults(topo.faulty_worker).release()  # a stalled call returns now
     assert faulty_worker.is_idle(10.0)

@@ -1,7 +1,7 @@
 """Every place that starts a master (fixtures, bench, demo) gets one it owns, with real
 `mooncake_master` processes: a taken port is an error naming its holder, a master whose ports
 another process serves is never "ready", auto-picked ports lost to a race are picked again, and
-a local deployment that fails or dies says why."""
+a local master child that fails or dies says why."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import layerkv
 from layerkv.errors import PortInUseError, StoreError
 from layerkv.store import port_owner
-from layerkv.store.local_deployment import LocalDeployment
+from layerkv.store.local_master import LocalMaster
 from layerkv.store.mooncake_master import MasterPorts, MasterProcess
 from tests.mooncake_master import MOONCAKE_PROBLEM_LINE, require_mooncake, start_master
 
@@ -79,23 +79,23 @@ def test_auto_picked_ports_lost_to_a_race_are_picked_again(held_port: int, monke
         master.stop()
 
 
-def test_local_deployment_that_fails_to_start_says_why() -> None:
+def test_local_master_that_fails_to_start_says_why() -> None:
     require_mooncake()
-    with pytest.raises(StoreError, match=r"(?s)layerkv master \(local deployment\) exited with code 2.*--segment-size"):
-        LocalDeployment(segment_size="lots")
+    with pytest.raises(StoreError, match=r"(?s)layerkv master \(local child\) exited with code 2.*--segment-size"):
+        LocalMaster(segment_size="lots")
 
 
-def test_local_deployment_whose_master_dies_is_an_error_with_the_tail() -> None:
+def test_local_master_whose_master_dies_is_an_error_with_the_tail() -> None:
     require_mooncake()
-    with LocalDeployment(segment_size="32MB") as deployment:
-        deployment.check_alive()
-        rpc_port = int(deployment.client_config["master_server_address"].rpartition(":")[2])
+    with LocalMaster(segment_size="32MB") as master:
+        master.check_alive()
+        rpc_port = int(master.client_config["master_server_address"].rpartition(":")[2])
         (listener,) = port_owner.listeners(rpc_port)
         assert listener.pid is not None
         os.kill(listener.pid, signal.SIGKILL)
-        deployment._proc.wait(timeout=30)  # `layerkv master` notices and exits
+        master._proc.wait(timeout=30)  # `layerkv master` notices and exits
         with pytest.raises(StoreError, match=rf"(?s)exited with code 1 while in use.*pid {listener.pid} .*killed by SIGKILL"):
-            deployment.check_alive()
+            master.check_alive()
 
 
 def test_demo_on_mooncake_prints_no_mooncake_error_or_warning() -> None:

@@ -16,7 +16,7 @@ from layerkv.keys import (
     block_keys,
     model_basename,
     namespace_for,
-    storage_placement,
+    storage_role,
 )
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
@@ -111,7 +111,7 @@ PUT_STEP_TABLE = {
 def test_put_step_table(tp_size: int, num_kv_heads: int) -> None:
     put_step = PUT_STEP_TABLE[(tp_size, num_kv_heads)]
     placements = [
-        storage_placement(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=num_kv_heads))
+        storage_role(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=num_kv_heads))
         for r in range(tp_size)
     ]
     assert {p.put_step for p in placements} == {put_step}
@@ -125,7 +125,7 @@ def test_put_step_table(tp_size: int, num_kv_heads: int) -> None:
 @pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
 def test_mla_has_one_storage_rank_written_by_rank_0(tp_size: int) -> None:
     placements = [
-        storage_placement(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=1, is_mla=True))
+        storage_role(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=1, is_mla=True))
         for r in range(tp_size)
     ]
     assert [p.storage_rank for p in placements] == [0] * tp_size
@@ -146,7 +146,7 @@ def test_mla_has_one_storage_rank_written_by_rank_0(tp_size: int) -> None:
 )
 def test_bad_placements_raise_clear_errors(change: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
-        storage_placement(dataclasses.replace(BASE, **change))
+        storage_role(dataclasses.replace(BASE, **change))
 
 
 def test_bad_tenant_is_rejected() -> None:

@@ -77,7 +77,7 @@ def test_a_request_sharing_a_block_whose_load_failed_has_its_saves_revoked(pool,
     worker = consumer.core_worker
     stats = worker.stats()
     assert stats.revoked_tainted == 4 and stats.committed_keys == 0, stats  # a's 2 and b's 2 new blocks
-    assert consumer.scheduler.connector.scheduler_side.stats.tainted_requests == 2
+    assert consumer.scheduler.connector.scheduler_side.stats().tainted_requests == 2
     assert _exists(consumer, new_a) == [0, 0] and _exists(consumer, new_b) == [0, 0]
     consumer.run_to_completion()
     assert _exists(consumer, new_b) == [1, 1] and _exists(consumer, new_a) == [1, 1]  # recomputed, then committed
@@ -163,7 +163,7 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
     out, connector_output, _ = consumer.step()
     assert bad in consumer.block_ids("c")[:3]  # a local prefix-cache hit on the bad block
     assert connector_output.invalid_block_ids == {bad}  # reported again: vLLM rewinds c
-    assert consumer.scheduler.connector.scheduler_side.stats.stale_blocks_reinvalidated == 1
+    assert consumer.scheduler.connector.scheduler_side.stats().stale_blocks_reinvalidated == 1
     consumer.run_to_completion()
     assert consumer.core_worker.stats().revoked_tainted == 4  # a's 2 new blocks, then c's 2 computed over the bad block
     # c recomputed the block: every block of c holds what the model computes, in the pool

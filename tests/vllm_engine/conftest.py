@@ -79,9 +79,9 @@ def model_dir(tier_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def mooncake_config(tier_dir: Path) -> Iterator[Path]:
     """`layerkv master` as a child (mooncake_master + segment holder on 127.0.0.1)."""
-    from layerkv.store.local_deployment import LocalDeployment
+    from layerkv.store.local_master import LocalMaster
 
-    deployment = LocalDeployment(segment_size="512MB")
+    deployment = LocalMaster(segment_size="512MB")
     path = tier_dir / "mooncake.json"
     path.write_text(json.dumps(deployment.client_config))
     try:

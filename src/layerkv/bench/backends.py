@@ -78,9 +78,9 @@ def _mooncake_local(segment_bytes: int) -> Iterator[Backend]:
 def _mooncake_remote(segment_bytes: int) -> Iterator[Backend]:
     """`layerkv master` in a child process (master + segment holder); our client mounts 0 bytes."""
     from layerkv.store.mooncake import MooncakeStore
-    from layerkv.store.local_deployment import LocalDeployment
+    from layerkv.store.local_master import LocalMaster
 
-    with LocalDeployment(str(segment_bytes), startup_timeout_s=_HOLDER_START_TIMEOUT_S) as deployment:
+    with LocalMaster(str(segment_bytes), startup_timeout_s=_HOLDER_START_TIMEOUT_S) as deployment:
         store = MooncakeStore.from_mooncake_config(deployment.client_config)
         try:
             yield Backend("mooncake-remote", store, "Mooncake over TCP loopback; segment held by a `layerkv master` process")

@@ -63,7 +63,7 @@ def measure(backend: Backend, prompt_tokens: int, window_blocks: int, reps: int,
                 times, counts = [], None
                 for _ in range(reps):
                     store.reset_stats()
-                    before = (connector.stats.exists_calls, connector.stats.keys_queried)
+                    before = (connector.stats().exists_calls, connector.stats().keys_queried)
                     start = time.perf_counter()
                     if variant == "windowed":
                         hit_tokens, _ = connector.get_num_new_matched_tokens(request, 0)
@@ -73,7 +73,7 @@ def measure(backend: Backend, prompt_tokens: int, window_blocks: int, reps: int,
                         hit = next((i for i, f in enumerate(flags) if not f), len(flags))
                     times.append(time.perf_counter() - start)
                     backend_calls = store.stats()["batch_is_exist"].calls
-                    counts = (connector.stats.exists_calls - before[0], connector.stats.keys_queried - before[1], backend_calls, hit)
+                    counts = (connector.stats().exists_calls - before[0], connector.stats().keys_queried - before[1], backend_calls, hit)
                 assert counts is not None
                 rows.append({
                     "backend": backend.name, "prompt_tokens": prompt_tokens, "blocks": num_blocks, "hit_rate": hit_rate,

@@ -92,7 +92,7 @@ class _Setup:
 def _keys(worker: WorkerConnector, hashes: tuple[bytes, ...]) -> list[str]:
     from layerkv.keys import block_keys
 
-    return block_keys(worker.namespace, hashes, worker.placement.storage_rank)
+    return block_keys(worker.namespace, hashes, worker.storage_role.storage_rank)
 
 
 def measure(setup: _Setup, num_layers: int, prompt_tokens: int, reps: int) -> Row:

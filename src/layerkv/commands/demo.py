@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
         native_log.configure(args.mooncake_log)  # before the first Mooncake client (and for the child)
     if args.store == "mooncake" and not config.mooncake_config_path:
-        from layerkv.store.local_deployment import LocalDeployment
+        from layerkv.store.local_master import LocalMaster
 
-        with LocalDeployment() as deployment:  # a local master + segment holder on 127.0.0.1
+        with LocalMaster() as deployment:  # a local master + segment holder on 127.0.0.1
             config = config.replace(mooncake_config_path=str(deployment.config_path))
             result = _run_demo(config, args)
             deployment.check_alive()  # a pool that died mid-run is an error, not a quiet recompute

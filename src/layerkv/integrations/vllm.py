@@ -226,8 +226,8 @@ class LayerKVConnector(KVConnectorBase_V1):
         """Counter changes since the previous call (vLLM calls this once per step on each worker
         and, when logging stats, on the scheduler); None when nothing changed."""
         side = self._worker if self._worker is not None else self._scheduler
-        stats = getattr(side, "stats", None)  # worker: a method; scheduler: an attribute; doubles: none
-        data = self._deltas.take(stats() if callable(stats) else stats)
+        stats = getattr(side, "stats", None)  # a method on both sides; test doubles have none
+        data = self._deltas.take(stats() if stats is not None else None)
         return LayerKVStats(data=data) if data else None
 
     @classmethod

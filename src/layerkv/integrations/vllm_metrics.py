@@ -30,7 +30,7 @@ def counters_of(stats: Any) -> dict[str, int | float]:
 
 
 class CounterDeltas:
-    """The core keeps cumulative counters (`WorkerConnector.stats()`, `SchedulerConnector.stats`);
+    """The core keeps cumulative counters (`WorkerConnector.stats()`, `SchedulerConnector.stats()`);
     vLLM wants what happened since its last `get_kv_connector_stats` call. Names get `prefix`
     so scheduler and worker counters stay apart when vLLM aggregates them. One caller thread."""
 

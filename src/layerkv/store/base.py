@@ -62,6 +62,12 @@ class Placement:
     preferred_segment: str = ""
     prefer_alloc_in_same_node: bool = False
 
+    @classmethod
+    def from_config(cls, config: Any) -> Placement:
+        """From a LayerKVConfig's `replica_num`, `preferred_segment`, `prefer_alloc_in_same_node`
+        (read by name: the store does not import the config)."""
+        return cls(config.replica_num, config.preferred_segment, config.prefer_alloc_in_same_node)
+
 
 @dataclass(frozen=True, slots=True)
 class StoreCall:

@@ -183,7 +183,7 @@ class MooncakeStore:
             raise ConfigError("backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)")
         master = config.mooncake_master or os.environ.get("MOONCAKE_MASTER") or None
         return cls.from_mooncake_config(load_mooncake_config(path), master_address=master,
-                                        placement=config.placement)
+                                        placement=Placement.from_config(config))
 
     @classmethod
     def from_mooncake_config(cls, mooncake_config: Mapping[str, Any], *, master_address: str | None = None,

@@ -20,7 +20,7 @@ from typing import Any
 from layerkv.errors import StoreError
 
 
-class LocalDeployment:
+class LocalMaster:
     """A running `layerkv master --port 0 --http-port 0` child. Objects live in the child's
     segment, so clients may hold no memory (global_segment_size 0), as in production.
     `client_config` / `config_path`: the Mooncake client config it printed."""
@@ -45,7 +45,7 @@ class LocalDeployment:
             state = f"exited with code {code}" if code is not None else f"printed no config within {startup_timeout_s:.0f} s"
             tail = self.stderr_tail()  # read before stop() removes the directory
             self.stop()
-            raise StoreError(f"layerkv master (local deployment) {state}; its stderr:\n{tail}")
+            raise StoreError(f"layerkv master (local child) {state}; its stderr:\n{tail}")
         self.client_config: dict[str, Any] = json.loads(line)
 
     def check_alive(self) -> None:
@@ -53,7 +53,7 @@ class LocalDeployment:
         mooncake_master died, or it was killed): results obtained meanwhile had no pool."""
         code = self._proc.poll()
         if code is not None:
-            raise StoreError(f"layerkv master (local deployment, pid {self._proc.pid}) exited with code {code} "
+            raise StoreError(f"layerkv master (local child, pid {self._proc.pid}) exited with code {code} "
                              f"while in use; its stderr:\n{self.stderr_tail()}")
 
     def stderr_tail(self, num_lines: int = 12) -> str:
@@ -80,7 +80,7 @@ class LocalDeployment:
             self._proc.stdout.close()
         self._dir.cleanup()
 
-    def __enter__(self) -> LocalDeployment:
+    def __enter__(self) -> LocalMaster:
         return self
 
     def __exit__(self, *exc: object) -> None:
