@@ -19,30 +19,29 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-
+from layerkv import worker_jobs
 from layerkv.config import LayerKVConfig
-from layerkv.errors import ConfigError, LayoutError, StoreError, TransferError
+from layerkv.errors import ConfigError, TransferError
 from layerkv.header import Header
-from layerkv.keys import block_keys, namespace_for, storage_placement
+from layerkv.keys import namespace_for, storage_role
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.plan import BlockSpec, StepPlan
 from layerkv.stats import WorkerStats
-from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.lanes import Lanes
-from layerkv.transfer.load import LoadJob, LoadKey
-from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, Costs, LoadPlan, StepShape, choose_lanes, choose_plan
+from layerkv.transfer.load import LoadJob
 from layerkv.transfer.pending import PendingPuts
-from layerkv.transfer.save import SaveJob, SaveKey
+from layerkv.transfer.planner import Costs
+from layerkv.transfer.save import SaveJob
 from layerkv.transfer.settle import SettleJob, revoke_all
-from layerkv.transfer.staged import StagedLayers, layer_groups
+from layerkv.transfer.staged import StagedLayers
 from layerkv.transfer.staging import StagingPool
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
+from layerkv.worker_jobs import CacheMemory, JobFactory, check_block_size, fold
 
 log = logging.getLogger(__name__)
-MAX_STAGING_NBYTES = 1 << 30  # read_layers_per_range staging above this is refused at startup
 # Save jobs of earlier steps still writing in the background (each holds its own staging images);
 # with this many, a step's saves are skipped: a write that does not return (a stalled segment
 # holder) must not make every later step queue a job and allocate new images.
@@ -70,13 +69,11 @@ class WorkerConnector:
         self.config = config
         self.deployment = deployment
         self.store = store
-        self.placement = storage_placement(deployment)
+        self.storage_role = storage_role(deployment)
         self.namespace = namespace_for(deployment, config.tenant, model_fingerprint=config.model_fingerprint)
         self.pending = PendingPuts()
         self.layout: CacheLayout | None = None
-        self._header: Header | None = None
-        self._views: CacheViews | None = None
-        self._staged: StagedLayers | None = None
+        self._jobs: JobFactory | None = None  # once the KV caches are registered
         self._names_per_layer: list[int] = []  # registered cache names of each layer
         self._lock = threading.Lock()
         self._expired = 0  # guarded by _lock: pending puts revoked after commit_timeout_s (send thread)
@@ -85,6 +82,7 @@ class WorkerConnector:
         self._load: LoadJob | None = None
         self._save: SaveJob | None = None
         self._settle: SettleJob | None = None
+        self._late_settle: SettleJob | None = None  # a verdict-only step's commits that outlived their wait
         self._collect_later: list[Any] = []  # jobs of ended steps still running: folded in when they finish
         self._folded: set[int] = set()  # ids of current-step jobs already folded into _stats
         self._invalid_block_ids: set[int] = set()
@@ -92,10 +90,8 @@ class WorkerConnector:
         self._saved_names: dict[int, int] = {}  # layer -> names saved this step
         self._handed: set[int] = set()  # layers handed to the save job this step
         self._handed_invalid: set[int] = set()  # load failures of this step already reported
-        self._staging = StagingPool(store, MAX_STAGING_NBYTES)  # registered host rows, one job at a time
-        self._regions: list[int] = []
-        self._unregistered: list[tuple[int, int]] = []
-        self._next_register_s = 0.0
+        self._staging = StagingPool(store, worker_jobs.MAX_STAGING_NBYTES)  # registered host rows, one job at a time
+        self._memory = CacheMemory(store, config.store_retry_interval_s, f"rank {deployment.tp_rank}")
         self._closed = False  # compute thread: shutdown() ran
         rank = f"{deployment.pp_rank}-{deployment.tp_rank}" if deployment.pp_size > 1 else str(deployment.tp_rank)
         self.costs = Costs()  # running transfer / compute estimates for the planner (any thread)
@@ -114,27 +110,30 @@ class WorkerConnector:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"num_blocks={num_blocks!r} must be a positive int")
         self.layout = CacheLayout.from_caches(kv_caches, num_blocks, max_transfer_bytes=self.config.max_transfer_bytes)
-        _check_block_size(self.layout, self.deployment.block_size)
+        check_block_size(self.layout, self.deployment.block_size)
         if self.layout.device_type != "cpu" and self.config.backend == "embedded":
             raise ConfigError(
                 f"backend='embedded' needs host memory; the KV caches live on {self.layout.device_type}. "
                 "Use backend='mooncake' for device memory"
             )
-        self._header = Header(self.namespace.digest, self.layout.digest, self.layout.num_layers, self.layout.object_nbytes)
-        self._views = CacheViews(self.layout, kv_caches)
+        header = Header(self.namespace.digest, self.layout.digest, self.layout.num_layers, self.layout.object_nbytes)
+        views = CacheViews(self.layout, kv_caches)
         self._names_per_layer = [len({e.layer_name for e in layer}) for layer in self.layout.layers]
-        if self._views.on_host:  # staged group / whole-object reads (device caches: straight in)
-            self._staged = StagedLayers(self._views)
-            if self.layout.object_nbytes > MAX_STAGING_NBYTES:
+        staged = None
+        if views.on_host:  # staged group / whole-object reads (device caches: straight in)
+            staged = StagedLayers(views)
+            if self.layout.object_nbytes > worker_jobs.MAX_STAGING_NBYTES:
                 raise ConfigError(
                     f"one object of this layout is {self.layout.object_nbytes} bytes, more than the "
-                    f"{MAX_STAGING_NBYTES >> 20} MiB staging bound; lower the block size (tokens per block)"
+                    f"{worker_jobs.MAX_STAGING_NBYTES >> 20} MiB staging bound; lower the block size (tokens per block)"
                 )
         elif self.config.read_layers_per_range > 1:
             log.info("layerkv: read_layers_per_range=%d ignored: KV caches live on %s (staging is host-only)",
                      self.config.read_layers_per_range, self.layout.device_type)
-        self._unregistered = _memory_regions(kv_caches)
-        self._register_regions()
+        self._jobs = JobFactory(self.config, self.store, self.namespace, self.storage_role.storage_rank, self.layout,
+                                header, views, staged, self._staging, self.costs, self._load_lanes, self._save_lanes,
+                                self.pending, self._write, self._stats)
+        self._memory.register(kv_caches)
         log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
                  self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self.namespace.name)
 
@@ -166,7 +165,7 @@ class WorkerConnector:
             self._write.submit(self._settle)
         if not (plan.loads or plan.saves):
             return
-        if not self._register_regions():
+        if not self._memory.ready():
             # the store refused our memory (e.g. Mooncake's master is down): no transfers this
             # step; loads are reported failed so the engine recomputes, saves are skipped
             if plan.loads and self.deployment.role.loads:
@@ -178,7 +177,7 @@ class WorkerConnector:
                 self._stats.load_skipped_stuck += 1
             else:
                 self._load = self._start_loads(plan.loads, plan.num_tokens)
-        if plan.saves and self.deployment.role.saves and self.placement.writes:
+        if plan.saves and self.deployment.role.saves and self.storage_role.writes:
             if self._stuck(SaveJob) or self.store.is_down() or self._saves_in_flight() >= MAX_SAVES_IN_FLIGHT:
                 self._stats.save_skipped_steps += 1
             else:
@@ -233,11 +232,16 @@ class WorkerConnector:
         if load is not None:
             self._invalid_block_ids |= load.failed_block_ids() - self._handed_invalid
         settle = self._settle
-        if settle is not None and plan is not None and not (plan.loads or plan.saves):
+        if self._late_settle is not None and self._late_settle.finished:
+            self._late_settle = None
+        if settle is not None and plan is not None and not (plan.loads or plan.saves) and self._late_settle is None:
             # a step with nothing of ours but verdicts is what an engine runs when it would
             # otherwise go idle: its commits finish here, so they are in the pool (and in this
-            # step's stats) before the engine stops stepping. Bounded; a late one finishes alone.
-            settle.wait_finished(self.config.save_timeout_s)
+            # step's stats) before the engine stops stepping. Bounded; one that times out (the
+            # write thread is stuck in the store) finishes alone, and no later step waits until
+            # it has: a stalled store costs one bound, not one per step.
+            if not settle.wait_finished(self.config.save_timeout_s):
+                self._late_settle = settle
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads are synchronous; a save never holds the engine's blocks
@@ -293,12 +297,7 @@ class WorkerConnector:
             self._collect()
             for error in self._staging.close():
                 log.warning("layerkv: %s", error)
-            for ptr in self._regions:
-                try:
-                    self.store.unregister_buffer(ptr)
-                except StoreError as exc:
-                    log.warning("layerkv: %s", exc)
-            self._regions.clear()
+            self._memory.unregister()
 
     def stats(self) -> WorkerStats:
         self._collect()
@@ -326,6 +325,24 @@ class WorkerConnector:
         return {"pending_puts": self.pending.num_keys(), "running_jobs": sum(1 for j in jobs if not j.finished)}
 
     # -- internals ------------------------------------------------------------------------
+    def _start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
+        assert self._jobs is not None
+        job = self._jobs.start_loads(specs, num_tokens)
+        if job is None:  # no staging: the step's loads are recomputed
+            self._invalid_block_ids |= {b for spec in specs for b in spec.block_ids}
+        else:
+            self._recv.submit(job)
+        return job
+
+    def _start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
+        assert self._jobs is not None
+        job = self._jobs.start_saves(step_seq, specs)
+        if job is not None:
+            # staged: copies on the send thread, writes on the write thread; direct: all on the
+            # write thread, after this step's verdicts (a revoke always precedes a re-save)
+            (self._send if job.is_staged else self._write).submit(job)
+        return job
+
     def _hand_layer(self, layer_idx: int) -> None:
         """Give layer `layer_idx` to the save job once, with a device completion event."""
         if self._save is None or layer_idx in self._handed or layer_idx not in self._saved_names:
@@ -370,7 +387,7 @@ class WorkerConnector:
             if job is None or id(job) in self._folded:
                 continue
             if job.finished:
-                _fold(self._stats, job)
+                fold(self._stats, job)
                 self._folded.add(id(job))
             elif job in self._collect_later:
                 still.append(job)
@@ -386,149 +403,6 @@ class WorkerConnector:
             with self._lock:
                 self._expired += n
 
-    def _register_regions(self) -> bool:
-        """Register the KV cache regions the store has not accepted yet; True when all are.
-        A refusal (e.g. Mooncake's master unreachable) is retried at most once per
-        `store_retry_interval_s`; meanwhile the worker serves without the pool."""
-        if not self._unregistered:
-            return True
-        now = time.monotonic()
-        if now < self._next_register_s:
-            return False
-        try:
-            while self._unregistered:
-                ptr, nbytes = self._unregistered[0]
-                self.store.register_buffer(ptr, nbytes)
-                self._regions.append(ptr)
-                self._unregistered.pop(0)
-        except StoreError as exc:
-            self._next_register_s = now + self.config.store_retry_interval_s
-            log.warning("layerkv: rank %d cannot register its KV cache with the store (%s); serving without "
-                        "the pool, retrying in %.1f s", self.deployment.tp_rank, exc, self.config.store_retry_interval_s)
-            return False
-        return True
-
-    def _start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
-        """One LoadKey per distinct object: read into the first local block, copied to the rest."""
-        assert self.layout is not None and self._header is not None and self._views is not None
-        by_key: dict[ObjectKey, tuple[bytes, list[int]]] = {}
-        for spec in specs:
-            keys = block_keys(self.namespace, spec.block_hashes, self.placement.storage_rank)
-            for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
-                by_key.setdefault(key, (block_hash, []))[1].append(block_id)
-        load_keys = [LoadKey(key, h, ids[0], tuple(ids[1:])) for key, (h, ids) in by_key.items()]
-        self._stats.load_keys += len(load_keys)
-        self._stats.load_blocks += sum(len(spec) for spec in specs)
-        plan, prefetch = self._load_plan(len(load_keys), num_tokens)
-        try:
-            if plan.mode == LAYERS:
-                staging = self._staging.take("load", len(load_keys), self.layout.header_nbytes)
-            else:  # keys pass through staging rows a wave at a time (bounded memory)
-                assert self._staged is not None
-                max_rows = max(1, MAX_STAGING_NBYTES // self._staged.row_nbytes)
-                staging = self._staging.take("groups", min(len(load_keys), max_rows), self._staged.row_nbytes)
-        except StoreError as exc:
-            log.warning("layerkv: loads of this step fail: staging buffer: %s", exc)
-            self._invalid_block_ids |= {b for spec in specs for b in spec.block_ids}
-            return None
-        self._stats.count_plan(plan.mode)
-        if self.store.audit is not None:
-            self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
-                                  predicted_ms=round(plan.predicted_s * 1e3, 3))
-        job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self._header, staging=staging,
-                      views=self._views, plan=plan, lanes=self._load_lanes, renew_after_s=self.config.lease_renew_after_s,
-                      prefetch_layers=prefetch, staged=self._staged if plan.mode != LAYERS else None, costs=self.costs,
-                      verify_checksums=self.config.verify_checksums)
-        self._staging.lend(staging, job)
-        self._recv.submit(job)
-        return job
-
-    def _load_plan(self, num_keys: int, num_tokens: int) -> tuple[LoadPlan, int | None]:
-        """This step's load plan and read-ahead cap: chosen from the running estimates
-        (transfer_plan="auto"), or the fixed knobs."""
-        assert self.layout is not None
-        lanes, mode, L = self.config.transfer_lanes, self.config.transfer_plan, self.layout.num_layers
-        if mode != "auto" and (mode == "layers" or self._staged is None):  # device caches: no staging
-            return LoadPlan(LAYERS, tuple(range(1, L + 1)), lanes or 1), self.config.prefetch_layers
-        if mode == "groups":
-            ends = tuple(g.end_layer for g in layer_groups(self.layout, self.config.read_layers_per_range))
-            return LoadPlan(GROUPS, ends, lanes or 1), self.config.prefetch_layers
-        if mode == "whole":
-            return LoadPlan(WHOLE, (L,), lanes or choose_lanes(num_keys, 4)), None
-        shape = StepShape(
-            num_keys=num_keys,
-            num_layers=self.layout.num_layers,
-            layer_nbytes=max(self.layout.layer_nbytes(l) for l in range(self.layout.num_layers)),
-            header_nbytes=self.layout.header_nbytes,
-            segments_per_layer=max(self.layout.template(l).num_segments for l in range(self.layout.num_layers)),
-            staging_ok=self._staged is not None,
-        )
-        costs = self.costs.snapshot()
-        if lanes:  # a fixed lane count, the rest chosen
-            plan = choose_plan(shape, costs, num_tokens, max_lanes=lanes)
-            return LoadPlan(plan.mode, plan.group_ends, lanes, plan.predicted_s), None
-        return choose_plan(shape, costs, num_tokens), None
-
-    def _start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
-        assert self.layout is not None and self._header is not None and self._views is not None
-        by_key: dict[ObjectKey, SaveKey] = {}
-        for spec in specs:
-            keys = block_keys(self.namespace, spec.block_hashes, self.placement.storage_rank)
-            for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
-                by_key.setdefault(key, SaveKey(key, block_hash, block_id, spec.req_id))
-        # staged (copy into object images, write later) unless the per-layer path is asked for or
-        # the step's images would not fit the staging bound
-        staged = self._staged if self.config.transfer_plan != "layers" else None
-        if staged is not None and len(by_key) * staged.row_nbytes > MAX_STAGING_NBYTES:
-            staged = None
-        try:  # staged: one object image per key; direct: one header per key
-            if staged is not None:
-                staging = self._staging.take("save-images", len(by_key), staged.row_nbytes)
-            else:
-                staging = self._staging.take("save", len(by_key), self.layout.header_nbytes)
-        except StoreError as exc:
-            log.warning("layerkv: skipping this step's saves: staging buffer: %s", exc)
-            self._stats.save_failed_keys += len(by_key)
-            return None
-        lanes = self.config.transfer_lanes or choose_lanes(len(by_key), 4)
-        job = SaveJob(list(by_key.values()), step_seq, store=self.store, layout=self.layout, header=self._header,
-                      staging=staging, views=self._views, placement=self.config.placement, pending=self.pending,
-                      staged=staged, lanes=self._save_lanes, num_lanes=lanes, writer=self._write)
-        self._staging.lend(staging, job)
-        # staged: copies on the send thread, writes on the write thread; direct: all on the write
-        # thread, after this step's verdicts (a revoke always precedes a re-save of the key)
-        (self._send if staged is not None else self._write).submit(job)
-        return job
-
-def _fold(stats: WorkerStats, job: LoadJob | SaveJob | SettleJob) -> None:
-    """Add a finished job's outcome to the worker's counters (compute thread)."""
-    if isinstance(job, LoadJob):
-        o = job.outcome
-        stats.loaded_bytes += o.loaded_bytes
-        stats.load_range_calls += o.range_calls
-        stats.load_failed_blocks += len(job.failed_block_ids())
-        stats.header_failures += o.header_failures
-        stats.checksum_failures += o.checksum_failures
-        stats.removed_objects += len(o.removed_keys)
-        stats.fenced_keys += o.fenced_keys
-        stats.lease_renewals += o.lease_renewals
-        stats.transfer_errors += o.error is not None
-    elif isinstance(job, SaveJob):
-        s = job.outcome
-        stats.save_keys += s.started
-        stats.saved_bytes += s.saved_bytes
-        stats.save_range_calls += s.range_calls
-        stats.save_skipped_existing += s.skipped_existing
-        stats.save_failed_keys += s.start_failed + s.revoked
-        stats.fenced_keys += s.fenced_keys
-        stats.transfer_errors += s.error is not None
-    else:
-        t = job.outcome
-        stats.committed_keys += t.committed
-        stats.revoked_tainted += t.revoked_tainted
-        stats.commit_failed += t.commit_failed
-        stats.transfer_errors += t.error is not None
-
 
 def _completion_event(device_type: str) -> Any:
     """A marker the send thread waits on before it reads a layer the device just wrote: a
@@ -540,31 +414,3 @@ def _completion_event(device_type: str) -> Any:
     event = torch.Event(device=device_type)
     event.record()
     return event
-
-
-def _check_block_size(layout: CacheLayout, block_size: int) -> None:
-    """Every registered cache must hold `block_size` tokens per block (one of its per-block dims)."""
-    for layer in layout.layers:
-        for entry in layer:
-            if block_size not in entry.block_shape:
-                raise LayoutError(
-                    f"cache {entry.layer_name!r} has per-block shape {list(entry.block_shape)}, but the engine's "
-                    f"block_size={block_size} tokens appears in none of its dims: the registered caches do not "
-                    "match the configured block size"
-                )
-
-
-def _memory_regions(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """Distinct (ptr, nbytes) memory regions of the registered tensors / arrays. A torch view
-    registers its whole storage from the storage's start (vLLM views every layer into one
-    buffer: the view's own data_ptr plus the storage size would run past the allocation)."""
-    regions: dict[int, int] = {}
-    for value in kv_caches.values():
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(tensor, "data_ptr"):
-                storage = tensor.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            else:
-                ptr, nbytes = tensor.ctypes.data, tensor.nbytes
-            regions[ptr] = max(regions.get(ptr, 0), nbytes)
-    return sorted(regions.items())

@@ -51,7 +51,7 @@ def test_chunked_prefill_saves_each_chunk_and_resume_rereads_the_prefix(make_rig
     assert rig.wrong_blocks(a, range(10)) == []
 
 
-def test_preemption_and_an_aborted_step_release_everything(make_rig, store_factory) -> None:
+def test_preemption_and_an_aborted_step_release_everything(make_rig, backend) -> None:
     rig = make_rig()
     tokens = _tokens(6)
     p = Req("p", tokens[: 3 * BLOCK_SIZE] + [5])
@@ -68,7 +68,7 @@ def test_preemption_and_an_aborted_step_release_everything(make_rig, store_facto
     worker.clear_connector_metadata()  # the step is abandoned after layer 0
     assert worker.is_idle(5.0)  # its jobs were cancelled: the save revoked, the load ended
     new_keys = rig.keys(a, blocks=[3, 4, 5])
-    assert store_factory.processing_keys(new_keys) == []
+    assert backend.processing_keys(new_keys) == []
     assert rig.sched_faults.inner.batch_is_exist(new_keys) == [0, 0, 0]  # half-written: never committed
     rig.step([], preempted=frozenset({"a"}))
     assert worker.is_idle(5.0)

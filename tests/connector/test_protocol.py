@@ -20,7 +20,7 @@ from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
 from layerkv.transfer.views import CacheViews
 from layerkv.worker import WorkerConnector
-from tests.connector.conftest import EmbeddedBackend, MooncakeBackend
+from tests.backends import Backend, EmbeddedBackend, MooncakeBackend
 from tests.connector.rig import BLOCK_SIZE, Req, Rig
 
 
@@ -45,7 +45,7 @@ def test_saves_are_readable_only_after_the_next_steps_verdict(make_rig) -> None:
     assert rig.workers[0].stats().committed_keys == 3
 
 
-def test_an_exception_after_put_start_revokes_everything(make_rig, store_factory, monkeypatch) -> None:
+def test_an_exception_after_put_start_revokes_everything(make_rig, backend, monkeypatch) -> None:
     from layerkv.header import Header
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -58,12 +58,12 @@ def test_an_exception_after_put_start_revokes_everything(make_rig, store_factory
     monkeypatch.undo()
     keys = rig.keys(a)
     assert rig.workers[0].is_idle(5.0)
-    assert store_factory.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
+    assert backend.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
     assert sorted(rig.faults[0].keys_sent(PUT_REVOKE)) == sorted(keys)
     assert rig.workers[0].stats().transfer_errors == 1
 
 
-def test_a_stalled_save_is_revoked_and_the_step_goes_on(make_rig, store_factory) -> None:
+def test_a_stalled_save_is_revoked_and_the_step_goes_on(make_rig, backend) -> None:
     rig = make_rig(save_timeout_s=0.5)
     a = Req("a", _tokens(4))
     rig.faults[0].delay(PUT_RANGES, 30.0, layer_idx=1, times=1)
@@ -76,10 +76,10 @@ def test_a_stalled_save_is_revoked_and_the_step_goes_on(make_rig, store_factory)
     assert rig.workers[0].is_idle(5.0)
     rig.settle()
     keys = rig.keys(a)
-    assert store_factory.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
+    assert backend.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
 
 
-def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, store_factory) -> None:
+def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, backend) -> None:
     rig = make_rig(commit_timeout_s=1.0)
     a = Req("a", _tokens(3))
     _, s = rig.admit(a)
@@ -91,12 +91,12 @@ def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, store
     worker.pending._clock = lambda: time.monotonic() + 2.0  # the verdict is now 2 s late
     worker._expire_pending()
     assert worker.open_sessions()["pending_puts"] == 0 and worker.stats().revoked_unsettled == 3
-    assert store_factory.processing_keys(rig.keys(a)) == []
+    assert backend.processing_keys(rig.keys(a)) == []
     rig.settle()  # a late verdict for a step already revoked is harmless
     assert _exists(rig, rig.keys(a)) == [0, 0, 0]
 
 
-def test_shutdown_revokes_what_waits_for_a_verdict(make_rig, store_factory) -> None:
+def test_shutdown_revokes_what_waits_for_a_verdict(make_rig, backend) -> None:
     rig = make_rig()
     a = Req("a", _tokens(3))
     _, s = rig.admit(a)
@@ -104,25 +104,19 @@ def test_shutdown_revokes_what_waits_for_a_verdict(make_rig, store_factory) -> N
     worker = rig.workers[0]
     worker.shutdown()
     assert worker.stats().revoked_on_shutdown == 3
-    assert store_factory.processing_keys(rig.keys(a)) == [] and _exists(rig, rig.keys(a)) == [0, 0, 0]
+    assert backend.processing_keys(rig.keys(a)) == [] and _exists(rig, rig.keys(a)) == [0, 0, 0]
     rig.finished.add("a")  # nothing left to drain
 
 
-class _ShortLeaseEmbedded(EmbeddedBackend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.root.close()
-        self.root = EmbeddedStore(64 << 20, lease_ttl_s=1.0)
-
-
-@pytest.mark.parametrize("backend", ["embedded", "mooncake"])
+@pytest.mark.parametrize("backend_name", ["embedded", "mooncake"])
 @pytest.mark.parametrize("renew_after_s", [0.4, 100.0])
-def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend: str, renew_after_s: float) -> None:
-    if backend == "embedded":
-        store_backend = _ShortLeaseEmbedded()
+def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend_name: str, renew_after_s: float) -> None:
+    store_backend: Backend
+    if backend_name == "embedded":
+        store_backend = EmbeddedBackend(lease_ttl_s=1.0)
     else:
         harness = request.getfixturevalue("mooncake_harness")
-        store_backend = MooncakeBackend(harness.make_store(64 << 20, lease_ttl_s=1.0))
+        store_backend = MooncakeBackend.of(harness.make_store(64 << 20, lease_ttl_s=1.0))
     rig = Rig(store_backend, num_layers=4, prefetch_layers=1, load_timeout_s=5.0, lease_renew_after_s=renew_after_s)
     try:
         tokens = _tokens(4)
@@ -175,13 +169,13 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
             worker.register_kv_caches(caches, 0)
     finally:
         worker.shutdown()
-    import layerkv.worker
+    import layerkv.worker_jobs
 
     worker = WorkerConnector(config, deployment, CheckedStore(root.client(), max_batch_keys=64))
     try:  # staging is bounded (1 GiB here; 1 MiB for the test): an object larger than it cannot be staged
         big = {f"model.layers.{l}.attn": torch.zeros(2, 4, 16, 8, 128) for l in range(9)}  # 64 KiB per layer-block
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(layerkv.worker, "MAX_STAGING_NBYTES", 1 << 20)
+            mp.setattr(layerkv.worker_jobs, "MAX_STAGING_NBYTES", 1 << 20)
             with pytest.raises(ConfigError, match=r"one object of this layout is \d+ bytes, more than the 1 MiB staging bound"):
                 worker.register_kv_caches(big, 4)
     finally:
@@ -190,7 +184,7 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
 
 
 @pytest.mark.parametrize("plan", ["auto", "whole"])
-def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, store_factory, plan: str) -> None:
+def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, backend, plan: str) -> None:
     """Staged saves copy each layer into the object image; the put starts and writes go out
     after the forward released them: a store that takes 2 s per write costs the step nothing."""
     rig = make_rig(transfer_plan=plan, save_timeout_s=5.0)
@@ -212,7 +206,7 @@ def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, store_
     assert rig.wrong_blocks(b, range(4)) == []
 
 
-def test_a_failed_image_write_revokes_only_its_key(make_rig, store_factory) -> None:
+def test_a_failed_image_write_revokes_only_its_key(make_rig, backend) -> None:
     rig = make_rig(transfer_plan="auto")
     a = Req("a", _tokens(5))
     keys = rig.keys(a)
@@ -220,12 +214,12 @@ def test_a_failed_image_write_revokes_only_its_key(make_rig, store_factory) -> N
     rig.run(a)
     assert _exists(rig, keys) == [1, 1, 0, 1, 1]
     assert rig.faults[0].keys_sent(PUT_REVOKE) == [keys[2]]
-    assert store_factory.processing_keys(keys) == []
+    assert backend.processing_keys(keys) == []
     stats = rig.workers[0].stats()
     assert (stats.committed_keys, stats.save_failed_keys) == (4, 1)
 
 
-def test_a_staged_save_whose_step_is_abandoned_saves_nothing(make_rig, store_factory) -> None:
+def test_a_staged_save_whose_step_is_abandoned_saves_nothing(make_rig, backend) -> None:
     rig = make_rig(transfer_plan="auto")
     a = Req("a", _tokens(3))
     _, s = rig.admit(a)
@@ -235,4 +229,4 @@ def test_a_staged_save_whose_step_is_abandoned_saves_nothing(make_rig, store_fac
     worker.save_kv_layer(rig.layer_name(0))
     worker.clear_connector_metadata()  # abandoned after layer 0: the job is cancelled
     assert worker.is_idle(5.0)
-    assert rig.faults[0].calls(PUT_RANGES) == [] and store_factory.processing_keys(rig.keys(a)) == []
+    assert rig.faults[0].calls(PUT_RANGES) == [] and backend.processing_keys(rig.keys(a)) == []

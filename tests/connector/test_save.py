@@ -83,7 +83,7 @@ def test_tainted_step_saves_are_revoked(make_rig) -> None:
     assert _exists(rig, rig.keys(a)) == [1] * 7
 
 
-def test_malformed_put_answers_fail_the_whole_call(make_rig, store_factory) -> None:
+def test_malformed_put_answers_fail_the_whole_call(make_rig, backend) -> None:
     rig = make_rig(max_transfer_blocks=4)
     a = Req("a", _tokens(6))
     keys = rig.keys(a)
@@ -91,9 +91,9 @@ def test_malformed_put_answers_fail_the_whole_call(make_rig, store_factory) -> N
     rig.faults[0].malformed(PUT_START, [0], forward=True, times=1)
     rig.run(a)
     assert _exists(rig, keys) == [0, 0, 0, 0, 1, 1]
-    assert store_factory.processing_keys(keys) == []
+    assert backend.processing_keys(keys) == []
     b = Req("b", _tokens(6, base=100))
     rig.faults[0].malformed(PUT_END, True, times=1)  # a bool for the first 4 commits
     rig.run(b)
     assert _exists(rig, rig.keys(b)) == [0, 0, 0, 0, 1, 1]
-    assert store_factory.processing_keys(rig.keys(b)) == []
+    assert backend.processing_keys(rig.keys(b)) == []

@@ -37,7 +37,7 @@ def make_pattern_rig(make_rig, monkeypatch):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(("num_layers", "k", "max_rows"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
 def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layers: int, k: int, max_rows: int) -> None:
     """max_rows=4 (the staging memory bound): the 6 keys pass through 4 staging rows in two waves per group."""
-    import layerkv.worker
+    import layerkv.worker_jobs
 
     producer = make_pattern_rig(num_layers=num_layers)
     prefix = _tokens(6, extra=0)
@@ -45,7 +45,7 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
     loaded = {}
     for name, layers_per_range in (("direct", 1), ("staged", k)):
         rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range)
-        monkeypatch.setattr(layerkv.worker, "MAX_STAGING_NBYTES", max_rows * rig.workers[0].layout.object_nbytes)
+        monkeypatch.setattr(layerkv.worker_jobs, "MAX_STAGING_NBYTES", max_rows * rig.workers[0].layout.object_nbytes)
         a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
         (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
         assert ext_a == ext_b == 6 * BLOCK_SIZE
@@ -104,7 +104,7 @@ def test_failed_group_read_marks_exactly_its_blocks(make_rig) -> None:
     assert_get_sessions_well_formed(f)
 
 
-def test_header_of_another_block_is_detected(make_rig, store_factory, caplog) -> None:
+def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     rig = make_rig(num_layers=4, read_layers_per_range=3)
     tokens = _tokens(6)
     req = Req("a", tokens)
@@ -113,7 +113,7 @@ def test_header_of_another_block_is_detected(make_rig, store_factory, caplog) ->
     layout, header = rig.workers[0].layout, rig.workers[0]._header
     planted = np.zeros((1, layout.object_nbytes), dtype=np.uint8)
     header.encode_into(planted, np.arange(1), [hashes[3]])
-    client = store_factory.client()
+    client = backend.client()
     client.register_buffer(planted.ctypes.data, planted.nbytes)
     try:
         assert client.batch_put_from([keys[2]], [planted.ctypes.data], [planted.nbytes]) == [0]

@@ -4,6 +4,8 @@ the chaos tier (tests/chaos, test_segment_holder_stalled), pinned here on every 
 
 from __future__ import annotations
 
+import time
+
 from layerkv.store.faults import PUT_RANGES
 from tests.connector.rig import BLOCK_SIZE, Req
 
@@ -25,11 +27,16 @@ def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
     rig = make_rig(num_layers=2, transfer_plan="auto")
     rig.faults[0].delay(PUT_RANGES, 60.0, times=1)  # the first step's object write never returns
     worker = rig.workers[0]
+    start = time.monotonic()
     _serve(rig, Req("r0", _tokens(4)))
     held = worker._staging.nbytes()
     for i in range(1, 6):  # 25 more steps that each have a block to save
         _serve(rig, Req(f"r{i}", _tokens(4, base=100 * i)))
     assert worker._staging.nbytes() <= held, f"staging grew from {held} to {worker._staging.nbytes()} bytes"
     assert worker.stats().save_skipped_steps >= 20
+    # the six verdict-only steps: the first waits save_timeout_s for its commits (stuck behind
+    # the write), the others see that wait is still unfinished and do not wait again
+    bound = rig.config.save_timeout_s
+    assert time.monotonic() - start < 2.5 * bound, f"{time.monotonic() - start:.1f} s: every idle step waited {bound} s"
     rig.faults[0].release()
     assert worker.is_idle(5.0)

@@ -1,5 +1,5 @@
-"""Fixtures of the oracle tests. `backend` is the store of one test: embedded by default,
-parametrised indirectly (`@BOTH_BACKENDS`) to also run on the real Mooncake master. `make_oracle`
+"""Fixtures of the oracle tests. `backend` (tests/backends.py) is the store of one test: embedded
+by default, parametrised indirectly (`@BOTH_BACKENDS`) to also run on the real Mooncake master. `make_oracle`
 builds `Oracle`s over it and, at teardown, asserts nothing is left in flight."""
 
 from __future__ import annotations
@@ -9,39 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Backend, EmbeddedBackend, MooncakeBackend, Oracle
-
-BOTH_BACKENDS = pytest.mark.parametrize("backend", ["embedded", "mooncake"], indirect=True)
-
-
-@pytest.fixture(scope="session")
-def mooncake_rank_clients(mooncake_master: Any, mooncake_store: Any) -> Iterator[Callable[[int], Any]]:
-    """rank -> a Mooncake client: rank 0 the shared session client, others clients without a
-    segment of their own (made once per run; closing a client takes 1-2 s)."""
-    from tests.mooncake_master import connect_store
-
-    clients: dict[int, Any] = {0: mooncake_store}
-
-    def client(rank: int) -> Any:
-        if rank not in clients:
-            clients[rank] = connect_store(mooncake_master, 0)
-        return clients[rank]
-
-    yield client
-    for rank, store in clients.items():
-        if rank:
-            store.close()
-
-
-@pytest.fixture
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    name = getattr(request, "param", "embedded")
-    if name == "embedded":
-        yield EmbeddedBackend()
-    elif name == "mooncake":
-        yield MooncakeBackend(request.getfixturevalue("mooncake_rank_clients"))
-    else:
-        raise AssertionError(f"no e2e backend {name!r}")
+from tests.backends import Backend
+from tests.e2e.harness import Oracle
 
 
 @pytest.fixture

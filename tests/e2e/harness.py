@@ -7,9 +7,8 @@ that nothing is left in flight (no session left, no PROCESSING object, transfer 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +21,12 @@ from layerkv.keys import block_keys
 from layerkv.messages import KVRole
 from layerkv.store.base import KVStore, ObjectKey
 from layerkv.store.checked import CheckedStore
-from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_START, FaultyStore
 from layerkv.worker import WorkerConnector
-from tests.store_probes import processing_keys
+from tests.backends import Backend
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=5)
 BLOCK_SIZE = 4
-_tags = itertools.count()
 
 
 def small_engine(**changes: int) -> EngineConfig:
@@ -46,73 +43,6 @@ def prompts_with_prefix(prefix: Sequence[int], num_tails: int, tail_tokens: int,
 def random_tokens(num_tokens: int, seed: int, vocab: int = 256) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(num_tokens)]
-
-
-# ---- store backends ------------------------------------------------------------------------
-
-
-class Backend:
-    """Raw store clients of one test; `tag` makes the test's namespace unique on a shared master."""
-
-    name = "base"
-
-    def __init__(self) -> None:
-        self.tag = f"e2e{next(_tags)}"
-
-    def client(self, rank: int = 0) -> KVStore:
-        """A client for TP rank `rank`'s connector (the scheduler's: rank 0)."""
-        raise NotImplementedError
-
-    def processing_keys(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        """Keys that are PROCESSING (a get start answers -703)."""
-        return processing_keys(self.client(), keys)
-
-    def exists(self, keys: Sequence[ObjectKey]) -> list[int]:
-        return list(self.client().batch_is_exist(list(keys)))
-
-    def remove(self, keys: Sequence[ObjectKey]) -> None:
-        if keys:
-            self.client().batch_remove(list(keys))
-
-    def close(self, written: Sequence[ObjectKey]) -> None:
-        pass
-
-
-class EmbeddedBackend(Backend):
-    name = "embedded"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.root = EmbeddedStore(64 << 20, lease_ttl_s=10.0)
-        self._clients: list[EmbeddedStore] = []
-
-    def client(self, rank: int = 0) -> KVStore:
-        client = self.root.client()
-        self._clients.append(client)
-        return client
-
-    def close(self, written: Sequence[ObjectKey]) -> None:
-        for client in self._clients:
-            client.close()
-        self.root.close()
-
-
-class MooncakeBackend(Backend):
-    """Rank r's connectors use `clients[r]` (the session's clients, as TP ranks are processes
-    with their own client: ranks reading the same key must not share a client, or one rank's
-    session end would end the other's); objects are removed at the end."""
-
-    name = "mooncake"
-
-    def __init__(self, clients: Callable[[int], KVStore]) -> None:
-        super().__init__()
-        self._clients = clients
-
-    def client(self, rank: int = 0) -> KVStore:
-        return self._clients(rank)
-
-    def close(self, written: Sequence[ObjectKey]) -> None:
-        self.remove(sorted(set(written)))
 
 
 # ---- engines -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ schedule and then the consumer prompts: same tokens, bit-identical logits."""
 from __future__ import annotations
 
 from layerkv.store.faults import GET_RANGES, GET_START
-from tests.e2e.conftest import BOTH_BACKENDS
+from tests.backends import BOTH_BACKENDS
 from tests.e2e.harness import (
     BLOCK_SIZE,
     HIT_TOKENS,

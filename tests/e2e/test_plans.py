@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import BOTH_BACKENDS
+from tests.backends import BOTH_BACKENDS
 from tests.e2e.harness import small_engine
 from tests.e2e.harness import HIT_TOKENS, MLA_MODEL, MODEL, produce_and_consume, two_docs
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tests.e2e.conftest import BOTH_BACKENDS
+from tests.backends import BOTH_BACKENDS
 from tests.e2e.harness import MODEL
 from tests.e2e.harness import HIT_TOKENS, assert_loaded, produce_and_consume, two_docs
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from layerkv.store.base import Code
 from layerkv.store.faults import GET_RANGES, PUT_START
-from tests.e2e.conftest import BOTH_BACKENDS
+from tests.backends import BOTH_BACKENDS
 from tests.e2e.harness import assert_identical, computed_chunks, random_tokens, serve, small_engine
 
 PREFIX = random_tokens(22, seed=81)
@@ -77,8 +77,9 @@ def test_an_outage_mid_step_fences_the_sessions_opened_before_it(make_oracle, ba
     faults = consumer.rank_faults(0)
     # layer 0's read is slow; meanwhile the save's put start finds the master gone (-900 for
     # every key): the store's outage epoch moves on while the load's sessions are open
-    faults.delay(GET_RANGES, 0.5, layer_idx=0, times=1)
-    faults.delay(PUT_START, 0.2, times=1)  # after the load's get start
+    # (margins for a loaded machine: the layer-0 read must have been issued before the outage)
+    faults.delay(GET_RANGES, 1.5, layer_idx=0, times=1)
+    faults.delay(PUT_START, 0.7, times=1)  # after the load's get start and its layer-0 read
     faults.fail(PUT_START, code=int(Code.RPC_FAIL), times=1)
     got = serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
     stats = consumer.workers[0].stats()

@@ -118,11 +118,11 @@ def test_counter_deltas_turn_cumulative_core_stats_into_per_step_counters():
 def test_worker_registers_vllm_backing_buffer_once(clean_agent):
     # vLLM views every layer into one int8 buffer; the store must get that buffer, not a
     # region per layer view that starts mid-buffer and runs past its end.
-    from layerkv.worker import _memory_regions
+    from layerkv.worker_jobs import memory_regions
 
     engine = make_engine(num_blocks=32)
     rig = make_worker(engine)
     storage = rig.kv_caches[LAYERS[0]].untyped_storage()
     assert rig.kv_caches[LAYERS[1]].data_ptr() > storage.data_ptr()
-    assert _memory_regions(rig.kv_caches) == [(storage.data_ptr(), storage.nbytes())]
+    assert memory_regions(rig.kv_caches) == [(storage.data_ptr(), storage.nbytes())]
     rig.connector.shutdown()

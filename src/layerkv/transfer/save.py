@@ -122,6 +122,11 @@ class SaveJob(JobState):
             self._handed.append((layer_idx, event))
             self.cond.notify_all()
 
+    @property
+    def is_staged(self) -> bool:
+        """Staged: copies into object images on the submitting thread, store writes on the writer."""
+        return self._staged is not None
+
     def finalize(self) -> None:
         """No more layers this step."""
         with self.cond:
