@@ -79,6 +79,14 @@ def test_context_parallel_rejected(doubles, name):
         LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
 
 
+@pytest.mark.parametrize(("name", "value"), [("enable_dbo", True), ("ubatch_size", 2)])
+def test_micro_batching_rejected(doubles, name, value):
+    vllm_config = make_vllm_config()
+    object.__setattr__(vllm_config.parallel_config, name, value)
+    with pytest.raises(UnsupportedSetupError, match=r"micro-batching \(enable_dbo=.*per-layer hooks once per micro-batch"):
+        LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
+
+
 def test_hash_block_size_other_than_block_size_rejected(doubles):
     kv_cache_config = make_kv_cache_config(16)
     kv_cache_config.hash_block_size = BLOCK_SIZE // 2

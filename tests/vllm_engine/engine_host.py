@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 
+SETTLE_TOKEN = 3
+
+
 def _params(max_tokens: int) -> Any:
     from vllm import SamplingParams
 
@@ -45,6 +48,14 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     outs = llm.generate(prompts, _params(cmd.get("max_tokens", 1)), use_tqdm=False)
     wall_ms = (time.perf_counter() - start) * 1000
+    if cmd.get("settle", True):
+        # The last step's saves are committed by a later step's verdict (docs/data-safety.md);
+        # an idle engine runs no later step here (the in-process engine stops stepping when the
+        # outputs are done) or runs it after the next request was already scheduled. Two more
+        # one-token requests (no full block: nothing to save or load) make the objects readable
+        # before this returns, also with async scheduling (verdicts one step later).
+        for _ in range(2):
+            llm.generate([{"prompt_token_ids": [SETTLE_TOKEN]}], _params(1), use_tqdm=False)
     return {"wall_ms": wall_ms, "outputs": [_output(o) for o in outs]}
 
 

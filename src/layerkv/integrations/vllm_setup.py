@@ -60,6 +60,12 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         size = getattr(parallel, name, 1)
         if size > 1:
             problems.append(f"context parallel: {name}={size}; layerkv supports only 1")
+    if getattr(parallel, "use_ubatching", False):
+        problems.append(
+            f"micro-batching (enable_dbo={getattr(parallel, 'enable_dbo', False)}, ubatch_size="
+            f"{getattr(parallel, 'ubatch_size', 1)}): vLLM runs the per-layer hooks once per micro-batch and "
+            "layerkv would save a layer after the first; run without --enable-dbo / --ubatch-size"
+        )
     if vllm_config.model_config.is_encoder_decoder:
         problems.append("encoder-decoder models (cross-attention KV is not prefix-addressed)")
     if len(groups) == 1:
