@@ -23,34 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from layerkv.bench.vllm_model import native_dtype, save_random_llama, tokens
+
 SUFFIX_TOKENS = 16
-VOCAB_SIZE = 4096
-
-
-def native_dtype() -> str:
-    """bfloat16 if this CPU has bf16 matmul instructions, else float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "float32"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-
-
-def make_model(path: Path, num_layers: int, hidden_size: int, dtype: str) -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 128,
-        num_key_value_heads=hidden_size // 128, max_position_embeddings=8192,
-    )
-    transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
-
-
-def tokens(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 7919 + k * 131) % (VOCAB_SIZE - 3) + 3 for k in range(num_tokens)]
 
 
 def engine(model: Path, kv_role: str, max_len: int, dtype: str) -> Any:
@@ -145,7 +120,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="layerkv-ttft-") as tmp:
         model = Path(tmp) / "model"
-        make_model(model, args.layers, args.hidden, args.dtype)
+        save_random_llama(model, args.layers, args.hidden, args.dtype, max_positions=8192)
         deployment = None
         if not os.environ.get("MOONCAKE_CONFIG_PATH"):
             deployment = LocalMaster(segment_size="4GB")  # fp32 8x1024: 2 MiB per block

@@ -20,12 +20,14 @@ Row = dict[str, Any]
 @dataclass(frozen=True, slots=True)
 class BenchOptions:
     """What every suite gets: `quick` shrinks sweeps and repetitions; plots go to `out_dir`;
-    `mooncake=False` skips the Mooncake backends (e.g. tests or no mooncake installed)."""
+    `mooncake=False` skips the Mooncake backends (e.g. tests or no mooncake installed);
+    `engine_python`: the Python that runs vLLM engines (suite `serving`)."""
 
     quick: bool
     out_dir: Path
     mooncake: bool = True
     tiny: bool = False  # tests: the smallest configuration that still exercises every path
+    engine_python: str = ""
 
     @property
     def reps(self) -> int:

@@ -14,16 +14,18 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from layerkv.bench import SUITES
+from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult
 
 
 def run_bench(suites: Sequence[str], options: BenchOptions, *, progress: bool = True, command: str = "") -> dict[str, Any]:
-    """Run `suites` (names from SUITES, in that order), write the files, return the JSON dict."""
-    unknown = sorted(set(suites) - set(SUITES))
+    """Run `suites` (names from SUITES and OPT_IN_SUITES, in that order; none: all of SUITES),
+    write the files, return the JSON dict."""
+    known = SUITES + OPT_IN_SUITES
+    unknown = sorted(set(suites) - set(known))
     if unknown:
-        raise ValueError(f"unknown bench suite(s) {unknown}; known: {', '.join(SUITES)}")
-    chosen = [name for name in SUITES if name in suites] if suites else list(SUITES)
+        raise ValueError(f"unknown bench suite(s) {unknown}; known: {', '.join(known)}")
+    chosen = [name for name in known if name in suites] if suites else list(SUITES)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     bar = Progress(len(chosen), progress)
     results: list[SuiteResult] = []

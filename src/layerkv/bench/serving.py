@@ -1,0 +1,269 @@
+"""Suite `serving` (opt-in: `layerkv bench serving --engine-python .venv-vllm-cpu/bin/python`):
+time to first token in real vLLM engines, layerkv against vLLM's own MooncakeStoreConnector on
+one `layerkv master` pool, with recompute and vLLM's local prefix cache as floor and ceiling.
+Driver thread: this process makes the model, runs the master and drives five engine processes
+(layerkv.bench.vllm_host under the engine's Python), one request at a time.
+
+    engine             connector                                      serves
+    plain              none                                           recompute; local prefix cache (ceiling)
+    layerkv-producer   LayerKVConnector kv_producer                   fills the pool; local-cache reference
+    layerkv            LayerKVConnector kv_consumer                   pool hits (layerkv)
+    mooncake-producer  MooncakeStoreConnector kv_producer, no lookup  fills the pool; local-cache reference
+    mooncake           MooncakeStoreConnector kv_consumer             pool hits (MooncakeStoreConnector)
+
+Producers never load, so their reference run (prefix in their local cache, suffix computed) has
+exactly the pool run's schedule; consumers never save, so a pool run sees only the prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from layerkv.bench import serving_report as report
+from layerkv.bench.common import BenchOptions, Progress, SuiteResult
+from layerkv.bench.plots import bar_plot
+from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, Run, Step
+from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
+from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
+
+NAME = "serving"
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+GiB = 1 << 30
+LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
+ENGINES = ("plain", "layerkv-producer", "layerkv", "mooncake-producer", "mooncake")
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """The model and the TTFT grid. `--quick`: 2 x 2 cells; full: 3 x 3 (8,192-token prefixes)."""
+
+    prefixes: tuple[int, ...]
+    suffixes: tuple[int, ...]
+    repeats: int
+    num_layers: int = 8
+    hidden_size: int = 1024
+    dtype: str = "float32"
+
+    @classmethod
+    def for_options(cls, options: BenchOptions) -> Grid:
+        if options.quick:
+            return cls((512, 2048), (32, 512), 3, dtype=native_dtype())
+        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype())
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.prefixes) + max(self.suffixes) + BLOCK_SIZE
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.hidden_size, self.dtype)
+
+    def engine_cache_gib(self) -> int:
+        """VLLM_CPU_KVCACHE_SPACE: a cached prefix next to a whole prompt, with room to spare."""
+        return max(1, math.ceil(2 * self.max_model_len * self.kv_bytes_per_token * 1.5 / GiB))
+
+    def pool_bytes(self) -> int:
+        """Both connectors' objects: every prefix once, every reference run's suffix blocks."""
+        num_tokens = self.repeats * (sum(self.prefixes) + len(self.prefixes) * sum(self.suffixes))
+        return int(2 * num_tokens * self.kv_bytes_per_token * 1.25) + GiB
+
+
+def prefix_ids(prefix_tokens: int, repeat: int) -> list[int]:
+    return tokens(1000 * prefix_tokens + repeat + 1, prefix_tokens)
+
+
+def suffix_ids(suffix_tokens: int, repeat: int) -> list[int]:
+    """Distinct per length too: a 32-token suffix must not be the first block of the 512 one."""
+    return tokens(500_000 + 1000 * suffix_tokens + repeat, suffix_tokens)
+
+
+def omp_bind() -> str:
+    """Every CPU for vLLM's OpenMP threads in every engine (one engine computes at a time);
+    LAYERKV_BENCH_OMP_BIND overrides (e.g. "0": one core for compute)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return os.environ.get("LAYERKV_BENCH_OMP_BIND", ",".join(map(str, cpus)))
+
+
+class Rig:
+    """The model, the pool (a `layerkv master` child) and the five engines, started once."""
+
+    def __init__(self, options: BenchOptions, grid: Grid, work_dir: Path, progress: Progress) -> None:
+        from layerkv.store.local_master import LocalMaster
+
+        self.grid, self.work_dir = grid, work_dir
+        self.python = options.engine_python
+        self.pythonpath = link_layerkv(work_dir)
+        self.vllm_version = check_engine_python(self.python, engine_env(self.pythonpath, {}))
+        progress.case(f"{NAME}: model")
+        self.model = work_dir / "model"
+        made = subprocess.run([self.python, "-m", "layerkv.bench.vllm_model", str(self.model), "--layers",
+                               str(grid.num_layers), "--hidden", str(grid.hidden_size), "--dtype", grid.dtype],
+                              env=engine_env(self.pythonpath, {}), capture_output=True, text=True, timeout=600)
+        if made.returncode != 0:
+            raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
+        progress.case(f"{NAME}: pool")
+        self.master = LocalMaster(segment_size=str(grid.pool_bytes()))
+        self.engines: dict[str, EngineProcess] = {}
+        try:
+            layerkv_config = work_dir / "mooncake-layerkv.json"
+            layerkv_config.write_text(json.dumps(self.master.client_config))
+            # vLLM's connector refuses global_segment_size 0 in its "embedded" mode; "standalone-store"
+            # mounts nothing, like layerkv's clients: every object of both lives in the master's segment.
+            connector_config = work_dir / "mooncake-connector.json"
+            connector_config.write_text(json.dumps({**self.master.client_config, "mode": "standalone-store",
+                                                    "global_segment_size": 0, "local_buffer_size": 512 << 20}))
+            progress.case(f"{NAME}: starting {len(ENGINES)} vLLM engines")
+            for name in ENGINES:
+                kwargs, env = self._spec(name, layerkv_config, connector_config)
+                self.engines[name] = EngineProcess(name, self.python, kwargs, env, work_dir)
+            for engine in self.engines.values():
+                engine.ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spec(self, name: str, layerkv_config: Path, connector_config: Path) -> tuple[dict[str, Any], dict[str, str]]:
+        g = self.grid
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model), skip_tokenizer_init=True, dtype=g.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
+            max_model_len=g.max_model_len, max_num_batched_tokens=g.max_model_len, gpu_memory_utilization=0.3, seed=0,
+            disable_log_stats=False,
+        )
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
+        if name.startswith("layerkv"):
+            role = "kv_producer" if name.endswith("producer") else "kv_consumer"
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
+                "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(LAYERKV_EXTRA)}
+            env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
+        elif name.startswith("mooncake"):
+            producer = name.endswith("producer")
+            # the lookup server's IPC socket is named after lookup_rpc_port: one per engine
+            extra = {"lookup_rpc_port": os.getpid() * 4 + (1 if producer else 2)}
+            if producer:
+                extra["enable_lookup"] = False  # never loads: its reference runs are local-cache runs
+            kwargs["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector",
+                                            "kv_role": "kv_producer" if producer else "kv_consumer",
+                                            "kv_connector_extra_config": extra}
+            env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
+        return kwargs, engine_env(self.pythonpath, env)
+
+    def close(self) -> None:
+        for engine in self.engines.values():  # all shut down at once, then each is waited for
+            engine.request_stop()
+        for engine in self.engines.values():
+            engine.stop()
+        self.master.stop()
+
+
+def _run(contender: str, step: Step, reply: dict[str, Any], reference: bool = False) -> Run:
+    (out,) = reply["outputs"]
+    return Run(contender, step.cell, step.repeat, float(reply["wall_ms"]), int(out["num_cached_tokens"]),
+               tuple(out["token_ids"]), tuple(out["logprobs"]), reference, out["first_token_ms"])
+
+
+def measure(rig: Rig, step: Step) -> list[Run]:
+    """Fill the pool with the prefix (both producers), time every contender once on
+    prefix + suffix, then the producers' local-cache reference runs (after the pool runs: their
+    suffix blocks reach the pool too, and the consumers must not see them)."""
+    e = rig.engines
+    prefix = prefix_ids(step.cell[0], step.repeat)
+    prompt = prefix + suffix_ids(step.cell[1], step.repeat)
+    # A producer that already holds the prefix recomputes one block and skips existing objects.
+    e["mooncake-producer"].generate([prefix])
+    e["layerkv-producer"].generate([prefix], settle=True)  # settle: layerkv commits before returning
+    runs = []
+    for contender in step.contenders:
+        if contender == RECOMPUTE:
+            reply = e["plain"].generate([prompt], reset_prefix_cache=True)
+        elif contender == CEILING:
+            e["plain"].generate([prefix], reset_prefix_cache=True)  # untimed: the prefix into the local cache
+            reply = e["plain"].generate([prompt])
+        else:
+            reply = e["layerkv" if contender == LAYERKV else "mooncake"].generate([prompt], reset_prefix_cache=True)
+        runs.append(_run(contender, step, reply))
+    runs.append(_run(LAYERKV, step, e["layerkv-producer"].generate([prompt]), reference=True))
+    runs.append(_run(MOONCAKE, step, e["mooncake-producer"].generate([prompt]), reference=True))
+    return runs
+
+
+def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    grid = Grid.for_options(options)
+    cells = [(p, s) for p in grid.prefixes for s in grid.suffixes]
+    steps = report.schedule(grid.prefixes, grid.suffixes, grid.repeats)
+    work_dir = Path(tempfile.mkdtemp(prefix="layerkv-bench-serving-"))
+    try:
+        rig = Rig(options, grid, work_dir, progress)
+    except BaseException:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+    runs: list[Run] = []
+    try:
+        progress.case(f"{NAME}: warm-up")
+        measure(rig, Step((min(grid.prefixes), min(grid.suffixes)), -1, report.CONTENDERS))  # first calls are slow
+        for i, step in enumerate(steps):
+            progress.case(f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}")
+            runs += measure(rig, step)
+        rig.master.check_alive()  # numbers measured without a pool are not results
+    except BaseException:
+        rig.close()
+        print(f"layerkv bench serving: engine logs kept in {work_dir}")
+        raise
+    rig.close()
+    startup_s = {name: engine.startup_s for name, engine in rig.engines.items()}
+    shutil.rmtree(work_dir, ignore_errors=True)
+    result = SuiteResult(NAME)
+    result.rows, result.summary = report.suite_rows(runs, cells)
+    (options.out_dir / "serving_runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
+    result.notes += _notes(grid, rig, startup_s)
+    result.plots += _plots(options.out_dir, result, cells)
+    return result
+
+
+def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str]:
+    starts = ", ".join(f"{name} {s:.0f} s" for name, s in startup_s.items() if s is not None)
+    return [
+        f"vLLM {rig.vllm_version} (CPU), random-weight Llama {grid.num_layers} layers x {grid.hidden_size} hidden "
+        f"({grid.hidden_size // 128} KV heads x 128), {grid.dtype}, block {BLOCK_SIZE} tokens, "
+        f"{grid.kv_bytes_per_token // 1024} KiB of KV per token; {grid.repeats} repeats per cell, every prompt new.",
+        "TTFT = wall time of one `generate` with max_tokens=1 in the engine's front-end process, one request at a "
+        "time; vLLM's local prefix cache is reset before every pool and recompute run, so a hit comes from the pool.",
+        f"one `layerkv master` pool (Mooncake over TCP loopback, one {grid.pool_bytes() >> 20} MiB segment in the "
+        "master's process); both connectors' clients mount nothing (MooncakeStoreConnector in its standalone-store "
+        "mode), so every load crosses a process boundary.",
+        f"layerkv: kv_consumer with defaults plus {json.dumps(LAYERKV_EXTRA)} (transfer_plan auto, prefetch 2). "
+        "MooncakeStoreConnector: kv_consumer with its defaults (whole-block objects loaded before the forward pass, "
+        "load_async). Producers: kv_producer engines of the same connector that computed the prefix.",
+        f"VLLM_CPU_KVCACHE_SPACE={grid.engine_cache_gib()} GiB and VLLM_CPU_OMP_THREADS_BIND={omp_bind()} in every "
+        f"engine; engine start-up (all five at once): {starts}.",
+        "x_recompute / x_ceiling / x_mooncake_connector: this row's median TTFT over that contender's median in the "
+        "same cell (< 1: faster). runs_cache_as_expected: runs whose num_cached_tokens was the whole prefix (0 for "
+        "recompute); a pool miss recomputes, and its time stays in the median.",
+        "tokens_equal_recompute: the first token equals recompute's. bits_equal_local_cache_run: token and logprob "
+        "bits equal the same connector's producer serving the prefix from its local cache (same schedule); not "
+        "compared with recompute, whose numerics differ without a connector. All runs: serving_runs.json.",
+    ]
+
+
+def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> list[str]:
+    labels = [f"prefix {p}, suffix {s}" for p, s in cells]
+    rows = {(r["prefix_tokens"], r["suffix_tokens"], r["contender"]): r for r in result.rows}
+
+    def series(contender: str, key: str) -> list[float]:
+        return [rows[(p, s, contender)][key] if (p, s, contender) in rows else math.nan for p, s in cells]
+
+    ttft = bar_plot(out_dir / "serving_ttft.png", labels, {c: series(c, "ttft_ms_median") for c in report.CONTENDERS},
+                    title="TTFT in vLLM (median)", ylabel="ms", logy=True)
+    ratios = {f"{LAYERKV} / {MOONCAKE}": series(LAYERKV, "x_mooncake_connector"),
+              f"{LAYERKV} / ceiling": series(LAYERKV, "x_ceiling"), f"{MOONCAKE} / ceiling": series(MOONCAKE, "x_ceiling")}
+    ratio = bar_plot(out_dir / "serving_ratio.png", labels, ratios,
+                     title="TTFT ratios (median / median; < 1: the first is faster)", ylabel="ratio")
+    return [ttft, ratio]

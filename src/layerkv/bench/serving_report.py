@@ -1,0 +1,152 @@
+"""Pure logic of suite `serving`: the order in which contenders run, and the table built from the
+runs (medians, spread, ratios side by side, the correctness columns). No engine, no I/O: the
+suite (layerkv.bench.serving) feeds it `Run`s. Driver thread only.
+
+Correctness: a pool contender's first token must equal recompute's (same prompt), and its
+token and logprob bits must equal the same connector's run served from vLLM's local prefix
+cache (the producer engine, same schedule: prefix cached, suffix computed). Logprobs are not
+compared with recompute: a connector changes the CPU numerics of a run (what layerkv's
+real-engine tier found), so a connector run is compared with a connector run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from layerkv.bench.common import Row, ratio
+
+RECOMPUTE = "recompute"
+CEILING = "vLLM local prefix cache"
+LAYERKV = "layerkv"
+MOONCAKE = "MooncakeStoreConnector"
+CONTENDERS: tuple[str, ...] = (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
+POOL_CONTENDERS: tuple[str, ...] = (LAYERKV, MOONCAKE)
+Cell = tuple[int, int]  # (prefix tokens, suffix tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One timed request (max_tokens=1) of one contender, or a reference run (`reference`:
+    the connector's producer engine serving the prefix from its local cache)."""
+
+    contender: str
+    cell: Cell
+    repeat: int
+    ttft_ms: float
+    cached_tokens: int  # vLLM's num_cached_tokens: local + pool hits
+    token_ids: tuple[int, ...]
+    logprobs: tuple[str, ...]  # float.hex() of each chosen token's logprob
+    reference: bool = False
+    engine_ttft_ms: float | None = None  # vLLM's own arrival -> first token (RequestStateStats)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What the suite does next: measure `contenders` (in this order) for one cell and repeat."""
+
+    cell: Cell
+    repeat: int
+    contenders: tuple[str, ...]
+
+
+def schedule(prefixes: Sequence[int], suffixes: Sequence[int], repeats: int,
+             contenders: Sequence[str] = CONTENDERS) -> list[Step]:
+    """Repeats outermost (each cell's repeats spread over the whole run), every contender of a
+    cell back to back, their order rotated by one per repeat and cell, so that slow phases of
+    this shared machine hit every contender alike and none is always first."""
+    steps = []
+    for r in range(repeats):
+        for i, cell in enumerate((p, s) for p in prefixes for s in suffixes):
+            k = (r + i) % len(contenders)
+            steps.append(Step(cell, r, tuple(contenders[k:]) + tuple(contenders[:k])))
+    return steps
+
+
+def expected_cached_tokens(contender: str, prefix_tokens: int) -> int:
+    """What vLLM must report as cached: nothing for recompute, the whole prefix otherwise (the
+    ceiling from its local cache, pool contenders from the pool, references locally)."""
+    return 0 if contender == RECOMPUTE else prefix_tokens
+
+
+@dataclass(slots=True)
+class CellReport:
+    """Rows of one cell, one per contender, plus its headline ratios."""
+
+    rows: list[Row] = field(default_factory=list)
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+def _same_bits(a: Run, b: Run) -> bool:
+    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def correctness(runs: Sequence[Run], contender: str, cell: Cell) -> tuple[bool | None, bool | None]:
+    """(tokens equal recompute's, tokens + logprobs bit-identical to the connector's local-cache
+    reference) over the repeats of `cell`; None where there is nothing to compare (recompute
+    itself; no reference for a non-pool contender; a repeat whose runs are missing, or whose
+    reference was not served from the local cache: its schedule differs)."""
+    mine = {r.repeat: r for r in runs if r.contender == contender and r.cell == cell and not r.reference}
+    if contender == RECOMPUTE or not mine:
+        return None, None
+    recompute = {r.repeat: r for r in runs if r.contender == RECOMPUTE and r.cell == cell and not r.reference}
+    tokens_equal: bool | None = None
+    if set(mine) <= set(recompute):
+        tokens_equal = all(mine[k].token_ids == recompute[k].token_ids for k in mine)
+    if contender not in POOL_CONTENDERS:
+        return tokens_equal, None
+    refs = {r.repeat: r for r in runs if r.contender == contender and r.cell == cell and r.reference}
+    if not set(mine) <= set(refs) or any(refs[k].cached_tokens != cell[0] for k in mine):
+        return tokens_equal, None
+    return tokens_equal, all(_same_bits(mine[k], refs[k]) for k in mine)
+
+
+def cell_report(runs: Sequence[Run], cell: Cell) -> CellReport:
+    """One row per contender that ran in `cell`: median / min / max TTFT, how many runs hit the
+    cache as expected, ratios of medians against recompute, the ceiling and MooncakeStoreConnector,
+    and the correctness columns. Summary: the same ratios keyed `p{prefix} s{suffix} a/b`."""
+    timed = [r for r in runs if r.cell == cell and not r.reference]
+    medians = {c: statistics.median(r.ttft_ms for r in timed if r.contender == c)
+               for c in CONTENDERS if any(r.contender == c for r in timed)}
+    report = CellReport()
+    for contender, median_ms in medians.items():
+        mine = [r for r in timed if r.contender == contender]
+        tokens_equal, bits_equal = correctness(runs, contender, cell)
+        expected = expected_cached_tokens(contender, cell[0])
+        report.rows.append({
+            "prefix_tokens": cell[0], "suffix_tokens": cell[1], "contender": contender,
+            "ttft_ms_median": median_ms, "ttft_ms_min": min(r.ttft_ms for r in mine), "ttft_ms_max": max(r.ttft_ms for r in mine),
+            "runs": len(mine), "runs_cache_as_expected": sum(r.cached_tokens == expected for r in mine),
+            "x_recompute": ratio(median_ms, medians.get(RECOMPUTE, 0.0)),
+            "x_ceiling": ratio(median_ms, medians.get(CEILING, 0.0)),
+            "x_mooncake_connector": ratio(median_ms, medians.get(MOONCAKE, 0.0)),
+            "tokens_equal_recompute": tokens_equal,
+            "bits_equal_local_cache_run": bits_equal,
+        })
+    tag = f"p{cell[0]} s{cell[1]}"
+    for num, den in ((LAYERKV, MOONCAKE), (LAYERKV, CEILING), (MOONCAKE, CEILING), (LAYERKV, RECOMPUTE), (MOONCAKE, RECOMPUTE)):
+        if num in medians and den in medians:
+            report.summary[f"{tag} {num} / {den}"] = ratio(medians[num], medians[den])
+    return report
+
+
+def suite_rows(runs: Sequence[Run], cells: Sequence[Cell]) -> tuple[list[Row], dict[str, float]]:
+    """Every cell's rows and summary, plus overall flags: 1.0 / 0.0 whether every compared
+    token and logprob matched (a missing comparison counts as not matched), and in how many
+    cells layerkv's median TTFT was below MooncakeStoreConnector's."""
+    rows: list[Row] = []
+    summary: dict[str, float] = {}
+    wins = 0
+    for cell in cells:
+        report = cell_report(runs, cell)
+        rows += report.rows
+        summary.update(report.summary)
+        wins += report.summary.get(f"p{cell[0]} s{cell[1]} {LAYERKV} / {MOONCAKE}", float("inf")) < 1.0
+    pool_rows = [r for r in rows if r["contender"] in POOL_CONTENDERS]
+    summary["all tokens equal recompute"] = float(all(r["tokens_equal_recompute"] is True for r in rows if r["contender"] != RECOMPUTE))
+    summary["all pool runs bit-identical to local-cache runs"] = float(bool(pool_rows) and all(r["bits_equal_local_cache_run"] is True for r in pool_rows))
+    summary["all runs hit the cache as expected"] = float(all(r["runs_cache_as_expected"] == r["runs"] for r in rows))
+    summary[f"cells where {LAYERKV} beats {MOONCAKE}"] = float(wins)
+    summary["cells"] = float(len(cells))
+    return rows, summary

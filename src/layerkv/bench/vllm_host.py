@@ -1,0 +1,92 @@
+"""One real vLLM engine (offline `LLM`) in its own process, run under the engine's Python (the
+vLLM venv) and driven by `layerkv bench serving` (layerkv.bench.vllm_engines): JSON commands on
+stdin, one JSON reply per command on the file descriptor given as argv[2]; stdout / stderr
+carry vLLM's logs to a file. vLLM spawns its engine core and workers from here. Main thread only.
+
+    python -m layerkv.bench.vllm_host '<spec json>' <reply fd>
+    spec: {"llm": {LLM keyword arguments}}
+    commands: {"op": "generate", "prompts": [[ids]], "max_tokens": 1, "reset_prefix_cache": bool,
+               "settle": bool}, {"op": "shutdown"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+SETTLE_TOKEN = 3  # a one-token prompt: no full block, nothing to save or load
+
+
+def _params(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True)
+
+
+def _output(out: Any) -> dict[str, Any]:
+    completion = out.outputs[0]
+    chosen = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs or [])]
+    metrics = getattr(out, "metrics", None)
+    first_token_s = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [float(lp).hex() for lp in chosen],  # exact: compared bit for bit
+        "num_cached_tokens": int(out.num_cached_tokens or 0),
+        "first_token_ms": first_token_s * 1000 if first_token_s else None,  # engine's arrival -> first token
+    }
+
+
+def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Generate greedily for every prompt (one batch); `reset_prefix_cache` first drops vLLM's
+    local prefix cache (not the connector's pool), so prefix hits can only come from the pool.
+    `settle`: two one-token requests afterwards, so that layerkv commits the last step's saves
+    (a later step carries the verdict, docs/data-safety.md) before this returns."""
+    if cmd.get("reset_prefix_cache") and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+    prompts = [{"prompt_token_ids": ids} for ids in cmd["prompts"]]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, _params(cmd.get("max_tokens", 1)), use_tqdm=False)
+    wall_ms = (time.perf_counter() - start) * 1000
+    if cmd.get("settle"):
+        for _ in range(2):
+            llm.generate([{"prompt_token_ids": [SETTLE_TOKEN]}], _params(1), use_tqdm=False)
+    return {"wall_ms": wall_ms, "outputs": [_output(o) for o in outs]}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    reply = os.fdopen(int(sys.argv[2]), "w", buffering=1)
+
+    def send(message: dict[str, Any]) -> None:
+        reply.write(json.dumps(message) + "\n")
+
+    from vllm import LLM
+
+    try:
+        start = time.monotonic()
+        llm = LLM(**spec["llm"])
+    except BaseException as exc:  # reported to the driver with the traceback, then exit
+        send({"ready": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        return 1
+    send({"ready": True, "startup_s": time.monotonic() - start})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "shutdown":
+            break
+        try:
+            if cmd["op"] != "generate":
+                raise ValueError(f"unknown op {cmd['op']!r}; known: generate, shutdown")
+            send({"ok": True, **generate(llm, cmd)})
+        except Exception as exc:
+            send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    llm.llm_engine.engine_core.shutdown()  # engine core and workers stop now, before the pool's master
+    send({"stopped": True})
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the guard keeps them from re-running main
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The model and prompts the real-vLLM benchmarks serve: a random-weight Llama saved with
+transformers' save_pretrained (no download), and deterministic token ids. Runs in whatever
+process calls it (imports torch / transformers only inside `save_random_llama`).
+
+    python -m layerkv.bench.vllm_model PATH [--layers 8] [--hidden 1024] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+VOCAB_SIZE = 4096
+
+
+def native_dtype() -> str:
+    """bfloat16 if this CPU multiplies bf16 natively (AVX512-BF16 / AMX), else float32: without
+    them torch runs bf16 matmuls at ~1 GFLOPS (fp32: ~130 here), so bf16 would measure that
+    fallback, not the KV transfer."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
+def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str, max_positions: int = 16384) -> Path:
+    """A random-weight Llama (head_dim 128, as many KV heads as heads) saved into `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 128,
+        num_key_value_heads=hidden_size // 128, max_position_embeddings=max_positions,
+    )
+    transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+def kv_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
+    """K and V of every layer for one token (head_dim x KV heads = hidden_size here)."""
+    return num_layers * 2 * hidden_size * (2 if dtype in ("bfloat16", "float16") else 4)
+
+
+def tokens(seed: int, num_tokens: int) -> list[int]:
+    """Deterministic token ids in [3, VOCAB_SIZE): different seeds give different prompts."""
+    return [(seed * 7919 + k * 131) % (VOCAB_SIZE - 3) + 3 for k in range(num_tokens)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="save a random-weight Llama for the real-vLLM benchmarks")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--dtype", default=native_dtype())
+    parser.add_argument("--max-positions", type=int, default=16384)
+    args = parser.parse_args()
+    save_random_llama(args.path, args.layers, args.hidden, args.dtype, args.max_positions)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

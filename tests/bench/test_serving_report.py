@@ -1,0 +1,176 @@
+"""Suite `serving` without vLLM: the run order, the table built from runs (medians, spread,
+ratios, cache-hit counts) and the correctness columns, the markdown it renders, and the
+opt-in wiring of the CLI. Times are made up here; nothing is timed."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from layerkv.bench import OPT_IN_SUITES, SUITES
+from layerkv.bench.common import SuiteResult
+from layerkv.bench.runner import markdown
+from layerkv.bench.serving import Grid, prefix_ids, suffix_ids
+from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, MOONCAKE, RECOMPUTE, Run, cell_report,
+                                          correctness, schedule, suite_rows)
+from layerkv.cli import main
+
+CELL = (2048, 32)
+TOKENS = (7,)
+BITS = ("-0x1.8p-3",)
+
+
+def _run(contender: str, repeat: int, ttft_ms: float, *, cell: tuple[int, int] = CELL, cached: int | None = None,
+         token_ids: tuple[int, ...] = TOKENS, logprobs: tuple[str, ...] = BITS, reference: bool = False) -> Run:
+    if cached is None:
+        cached = 0 if contender == RECOMPUTE else cell[0]
+    return Run(contender, cell, repeat, ttft_ms, cached, token_ids, logprobs, reference)
+
+
+def _cell_runs(cell: tuple[int, int] = CELL) -> list[Run]:
+    """3 repeats; recompute 1000-1200 ms, ceiling 40-60, layerkv 110-130, Mooncake 60-80, and
+    each connector's local-cache reference run (same bits)."""
+    runs = []
+    for r in range(3):
+        runs += [_run(RECOMPUTE, r, 1000 + 100 * r, cell=cell, logprobs=("-0x1.9p-3",)),  # other numerics: no connector
+                 _run(CEILING, r, 60 - 10 * r, cell=cell),
+                 _run(LAYERKV, r, 110 + 10 * r, cell=cell), _run(MOONCAKE, r, 80 - 10 * r, cell=cell),
+                 _run(LAYERKV, r, 45, cell=cell, reference=True), _run(MOONCAKE, r, 45, cell=cell, reference=True)]
+    return runs
+
+
+def _rows(runs: list[Run]) -> dict[str, dict]:
+    return {row["contender"]: row for row in cell_report(runs, CELL).rows}
+
+
+def test_schedule_runs_every_contender_once_per_cell_and_repeat_and_rotates_the_order() -> None:
+    steps = schedule((512, 2048), (32, 512), 3)
+    assert len(steps) == 4 * 3
+    assert Counter((s.cell, s.repeat) for s in steps) == {((p, s), r): 1 for p in (512, 2048) for s in (32, 512) for r in range(3)}
+    assert [s.repeat for s in steps] == [0] * 4 + [1] * 4 + [2] * 4  # repeats outermost
+    for step in steps:
+        assert sorted(step.contenders) == sorted(CONTENDERS)
+    firsts = Counter(s.contenders[0] for s in steps)
+    assert set(firsts) == set(CONTENDERS) and max(firsts.values()) - min(firsts.values()) <= 1
+    cell_firsts = {s.contenders[0] for s in steps if s.cell == (512, 32)}
+    assert len(cell_firsts) == 3  # one cell's repeats start with different contenders
+
+
+def test_rows_hold_median_spread_and_ratios_of_medians() -> None:
+    rows = _rows(_cell_runs())
+    assert list(rows) == list(CONTENDERS)
+    lk, mc = rows[LAYERKV], rows[MOONCAKE]
+    assert (lk["ttft_ms_median"], lk["ttft_ms_min"], lk["ttft_ms_max"], lk["runs"]) == (120, 110, 130, 3)
+    assert (mc["ttft_ms_median"], mc["ttft_ms_min"], mc["ttft_ms_max"]) == (70, 60, 80)
+    assert lk["x_mooncake_connector"] == pytest.approx(120 / 70)
+    assert lk["x_ceiling"] == pytest.approx(120 / 50)
+    assert lk["x_recompute"] == pytest.approx(120 / 1100)
+    assert rows[RECOMPUTE]["x_recompute"] == pytest.approx(1.0)
+    summary = cell_report(_cell_runs(), CELL).summary
+    assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == pytest.approx(120 / 70)
+    assert summary["p2048 s32 MooncakeStoreConnector / vLLM local prefix cache"] == pytest.approx(70 / 50)
+
+
+def test_reference_runs_are_not_timed_rows() -> None:
+    runs = _cell_runs() + [_run(LAYERKV, 0, 1e6, reference=True)]
+    assert _rows(runs)[LAYERKV]["ttft_ms_max"] == 130
+
+
+def test_cache_hits_are_counted_against_what_each_contender_must_get() -> None:
+    runs = _cell_runs()
+    runs[2] = _run(LAYERKV, 0, 900, cached=0)  # a pool miss: recomputed, its time stays in
+    runs[0] = _run(RECOMPUTE, 0, 1000, cached=2048)  # recompute that hit a cache
+    rows = _rows(runs)
+    assert rows[LAYERKV]["runs_cache_as_expected"] == 2 and rows[LAYERKV]["ttft_ms_max"] == 900
+    assert rows[RECOMPUTE]["runs_cache_as_expected"] == 2
+    assert rows[MOONCAKE]["runs_cache_as_expected"] == 3 and rows[CEILING]["runs_cache_as_expected"] == 3
+
+
+def test_correctness_tokens_against_recompute_bits_against_the_connectors_local_run() -> None:
+    runs = _cell_runs()
+    assert correctness(runs, LAYERKV, CELL) == (True, True)  # recompute's logprob bits differ: not compared
+    assert correctness(runs, CEILING, CELL) == (True, None)
+    assert correctness(runs, RECOMPUTE, CELL) == (None, None)
+    other_token = [_run(MOONCAKE, 1, 70, token_ids=(8,)) if (r.contender, r.repeat, r.reference) == (MOONCAKE, 1, False) else r
+                   for r in runs]
+    assert correctness(other_token, MOONCAKE, CELL) == (False, False)
+    other_bits = [_run(LAYERKV, 2, 45, logprobs=("-0x1.8000000000001p-3",), reference=True)
+                  if (r.contender, r.repeat, r.reference) == (LAYERKV, 2, True) else r for r in runs]
+    assert correctness(other_bits, LAYERKV, CELL) == (True, False)
+    assert correctness(other_bits, MOONCAKE, CELL) == (True, True)
+
+
+def test_bits_are_not_compared_when_a_reference_was_not_served_from_the_local_cache() -> None:
+    runs = [_run(LAYERKV, 1, 45, cached=0, reference=True) if (r.contender, r.repeat, r.reference) == (LAYERKV, 1, True) else r
+            for r in _cell_runs()]
+    assert correctness(runs, LAYERKV, CELL) == (True, None)
+    missing = [r for r in _cell_runs() if not (r.contender == MOONCAKE and r.reference and r.repeat == 0)]
+    assert correctness(missing, MOONCAKE, CELL) == (True, None)
+    no_recompute = [r for r in _cell_runs() if not (r.contender == RECOMPUTE and r.repeat == 2)]
+    assert correctness(no_recompute, LAYERKV, CELL)[0] is None
+
+
+def test_suite_summary_flags_and_wins() -> None:
+    cells = [CELL, (512, 512)]
+    fast = [_run(c, r.repeat, r.ttft_ms / 10 if c == LAYERKV else r.ttft_ms, cell=(512, 512), reference=r.reference)
+            for r in _cell_runs((512, 512)) for c in [r.contender]]
+    rows, summary = suite_rows(_cell_runs() + fast, cells)
+    assert [(r["prefix_tokens"], r["suffix_tokens"]) for r in rows] == [CELL] * 4 + [(512, 512)] * 4
+    assert summary["cells where layerkv beats MooncakeStoreConnector"] == 1.0 and summary["cells"] == 2.0
+    assert summary["all tokens equal recompute"] == 1.0
+    assert summary["all pool runs bit-identical to local-cache runs"] == 1.0
+    assert summary["all runs hit the cache as expected"] == 1.0
+    broken = [_run(LAYERKV, 0, 120, token_ids=(9,)) if (r.contender, r.repeat, r.reference) == (LAYERKV, 0, False) else r
+              for r in _cell_runs()]
+    _, summary = suite_rows(broken, [CELL])
+    assert summary["all tokens equal recompute"] == 0.0
+    assert summary["all pool runs bit-identical to local-cache runs"] == 0.0
+    _, summary = suite_rows([r for r in _cell_runs() if not r.reference], [CELL])
+    assert summary["all pool runs bit-identical to local-cache runs"] == 0.0  # nothing compared is not a pass
+    _, summary = suite_rows([r for r in _cell_runs() if r.contender in (RECOMPUTE, CEILING)], [CELL])
+    assert summary["all pool runs bit-identical to local-cache runs"] == 0.0  # no pool run at all
+    tie = [_run(LAYERKV, r.repeat, 80 - 10 * r.repeat) if (r.contender, r.reference) == (LAYERKV, False) else r
+           for r in _cell_runs()]
+    _, summary = suite_rows(tie, [CELL])
+    assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == 1.0
+    assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0  # a tie is no win
+
+
+def test_results_render_as_markdown_and_json(tmp_path: Path) -> None:
+    result = SuiteResult("serving", notes=["how"])
+    result.rows, result.summary = suite_rows(_cell_runs(), [CELL])
+    doc = {"command": "layerkv bench serving --quick", "machine": {"cpus": 2, "python": "3.11", "platform": "linux"},
+           "total_seconds": 1.0, "suites": {"serving": asdict(result)}}
+    md = markdown(json.loads(json.dumps(doc)))
+    assert "| prefix_tokens | suffix_tokens | contender | ttft_ms_median |" in md
+    assert "| 2048 | 32 | layerkv | 120 | 110 | 130 | 3 | 3 |" in md
+    assert "| p2048 s32 layerkv / MooncakeStoreConnector | 1.71 |" in md
+
+
+def test_prompts_are_distinct_across_cells_and_repeats() -> None:
+    prefixes = {tuple(prefix_ids(p, r)) for p in (512, 2048) for r in range(-1, 3)}
+    assert len(prefixes) == 8 and all(len(p) in (512, 2048) for p in prefixes)
+    short, long = suffix_ids(32, 0), suffix_ids(512, 0)
+    assert long[:32] != short  # the 32-token suffix is not the 512 one's first block
+    assert prefix_ids(512, 0) != prefix_ids(2048, 0)[:512]
+
+
+def test_grid_sizes_the_engines_and_the_pool() -> None:
+    grid = Grid((512, 2048), (32, 512), 3)
+    assert grid.max_model_len == 2048 + 512 + 32
+    assert grid.kv_bytes_per_token == 8 * 2 * 1024 * 4
+    assert grid.engine_cache_gib() == 1
+    per_connector = 3 * (512 + 2048 + 2 * (32 + 512)) * grid.kv_bytes_per_token
+    assert grid.pool_bytes() >= 2 * per_connector
+    assert Grid((8192,), (2048,), 3).engine_cache_gib() == 2
+
+
+def test_serving_is_opt_in_and_checks_the_engine_python(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "serving" in OPT_IN_SUITES and "serving" not in SUITES
+    assert main(["bench", "serving", "--no-progress", "--engine-python", str(tmp_path / "no-python"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--engine-python" in err and "no-python" in err and "make test-env" in err
