@@ -15,8 +15,8 @@ from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import SuiteResult
 from layerkv.bench.runner import markdown
 from layerkv.bench.serving import Grid, prefix_ids, suffix_ids
-from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, MOONCAKE, RECOMPUTE, Run, cell_report,
-                                          correctness, schedule, suite_rows)
+from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
+                                          correctness, load_rows, percentile, schedule, suite_rows)
 from layerkv.cli import main
 
 CELL = (2048, 32)
@@ -174,3 +174,40 @@ def test_serving_is_opt_in_and_checks_the_engine_python(tmp_path: Path, capsys: 
     assert main(["bench", "serving", "--no-progress", "--engine-python", str(tmp_path / "no-python"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--engine-python" in err and "no-python" in err and "make test-env" in err
+
+
+def _load(contender: str, repeat: int, wall_ms: float, ttft_ms: tuple[float, ...], tokens: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4)),
+          cached: tuple[int, ...] = (0, 2048)) -> LoadRun:
+    return LoadRun(contender, repeat, wall_ms, 2, ttft_ms, cached, tokens)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile(list(range(1, 11)), 90) == 9 and percentile(list(range(1, 21)), 90) == 18
+    assert percentile([5.0], 90) == 5.0 and percentile([3, 1, 2], 100) == 3
+
+
+def test_load_rows_rates_ttft_and_tokens_against_recompute() -> None:
+    runs = [_load(RECOMPUTE, 0, 4000, (100, 300)), _load(RECOMPUTE, 1, 2000, (200, 400)),
+            _load(LAYERKV, 0, 1000, (10, 30)), _load(LAYERKV, 1, 3000, (20, 40), tokens=((1, 2), (3, 5))),
+            _load(LAYERKV, 2, 9000, (50, 60)),  # no recompute run of repeat 2: its tokens are not compared
+            _load(MOONCAKE, 0, 500, (5, 7), cached=(2048, 2048))]
+    rows = {r["contender"]: r for r in load_rows(runs)}
+    assert list(rows) == [RECOMPUTE, LAYERKV, MOONCAKE]  # contenders that ran, in CONTENDERS order
+    lk = rows[LAYERKV]
+    assert (lk["requests"], lk["repeats"], lk["batch_ms_median"]) == (2, 3, 3000)
+    assert lk["requests_per_s"] == pytest.approx(2 / 3) and lk["tokens_per_s"] == pytest.approx(4 / 3)
+    assert lk["ttft_ms_mean"] == pytest.approx(35) and lk["ttft_ms_p90"] == 60
+    assert (lk["requests_tokens_equal_recompute"], lk["requests_compared"]) == (3, 4)
+    assert lk["requests_with_cache_hit"] == 3
+    assert rows[MOONCAKE]["requests_with_cache_hit"] == 2 and rows[MOONCAKE]["requests_compared"] == 2
+    assert rows[RECOMPUTE]["requests_tokens_equal_recompute"] is None
+
+
+def test_extra_tables_render_under_their_title() -> None:
+    result = SuiteResult("serving")
+    result.tables["Throughput under load"] = load_rows([_load(RECOMPUTE, 0, 4000, (100, 300))])
+    doc = {"command": "", "machine": {"cpus": 2, "python": "3.11", "platform": "linux"}, "total_seconds": 1.0,
+           "suites": {"serving": asdict(result)}}
+    md = markdown(doc)
+    assert "### Throughput under load\n\n| contender | requests | repeats | batch_ms_median |" in md
+    assert "| recompute | 2 | 1 | 4000 | 0.5 | 1.00 | 200 | 300 | 1 | - | - |" in md

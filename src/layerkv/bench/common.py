@@ -37,7 +37,8 @@ class BenchOptions:
 @dataclass(slots=True)
 class SuiteResult:
     """One suite's output: table rows (flat dicts of str / int / float), headline numbers,
-    notes (how it was measured) and the PNG files it wrote (relative to out_dir)."""
+    notes (how it was measured), the PNG files it wrote (relative to out_dir) and further
+    tables under a title each."""
 
     name: str
     rows: list[Row] = field(default_factory=list)
@@ -45,6 +46,7 @@ class SuiteResult:
     notes: list[str] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    tables: dict[str, list[Row]] = field(default_factory=dict)
 
 
 class Progress:

@@ -86,6 +86,8 @@ def markdown(doc: dict[str, Any]) -> str:
             lines += [f"| {k} | {_fmt(v)} |" for k, v in suite["summary"].items()]
             lines.append("")
         lines += table(suite["rows"])
+        for title, rows in suite.get("tables", {}).items():
+            lines += [f"### {title}", ""] + table(rows)
         lines += [f"![{p}]({p})" for p in suite["plots"]]
         lines.append("")
     return "\n".join(lines) + "\n"

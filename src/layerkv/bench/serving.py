@@ -30,7 +30,7 @@ from typing import Any
 from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, Run, Step
+from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, LoadRun, Run, Step
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
 from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
 
@@ -39,6 +39,7 @@ BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
 ENGINES = ("plain", "layerkv-producer", "layerkv", "mooncake-producer", "mooncake")
+LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,14 @@ class Grid:
     num_layers: int = 8
     hidden_size: int = 1024
     dtype: str = "float32"
+    load_requests: int = 16  # throughput under load: concurrent requests over LOAD_PREFIXES prefixes
+    load_repeats: int = 2
 
     @classmethod
     def for_options(cls, options: BenchOptions) -> Grid:
         if options.quick:
             return cls((512, 2048), (32, 512), 3, dtype=native_dtype())
-        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype())
+        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=32, load_repeats=3)
 
     @property
     def max_model_len(self) -> int:
@@ -67,12 +70,16 @@ class Grid:
         return kv_bytes_per_token(self.num_layers, self.hidden_size, self.dtype)
 
     def engine_cache_gib(self) -> int:
-        """VLLM_CPU_KVCACHE_SPACE: a cached prefix next to a whole prompt, with room to spare."""
-        return max(1, math.ceil(2 * self.max_model_len * self.kv_bytes_per_token * 1.5 / GiB))
+        """VLLM_CPU_KVCACHE_SPACE: a cached prefix next to a whole prompt, or the load batch,
+        with room to spare."""
+        load_tokens = LOAD_PREFIXES * LOAD_PREFIX_TOKENS + self.load_requests * (LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS)
+        return max(1, math.ceil(max(2 * self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.5 / GiB))
 
     def pool_bytes(self) -> int:
-        """Both connectors' objects: every prefix once, every reference run's suffix blocks."""
+        """Both connectors' objects: every prefix once, every reference run's suffix blocks,
+        the load prefixes."""
         num_tokens = self.repeats * (sum(self.prefixes) + len(self.prefixes) * sum(self.suffixes))
+        num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS
         return int(2 * num_tokens * self.kv_bytes_per_token * 1.25) + GiB
 
 
@@ -195,6 +202,48 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     return runs
 
 
+def load_prompts(num_requests: int, repeat: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(the shared prefixes, one prompt per request: prefix i % LOAD_PREFIXES + its own suffix)."""
+    prefixes = [tokens(900_000 + 100 * repeat + k, LOAD_PREFIX_TOKENS) for k in range(LOAD_PREFIXES)]
+    return prefixes, [prefixes[i % LOAD_PREFIXES] + tokens(800_000 + 1000 * repeat + i, LOAD_SUFFIX_TOKENS)
+                      for i in range(num_requests)]
+
+
+def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[LoadRun]:
+    """The producers save the shared prefixes; then each contender serves every request in one
+    batch (submitted at once), its local prefix cache reset first (the ceiling: filled with the
+    prefixes first)."""
+    e = rig.engines
+    prefixes, prompts = load_prompts(rig.grid.load_requests, repeat)
+    e["mooncake-producer"].generate(prefixes)
+    e["layerkv-producer"].generate(prefixes, settle=True)
+    runs = []
+    for contender in contenders:
+        engine = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", MOONCAKE: "mooncake"}[contender]
+        if contender == CEILING:
+            e["plain"].generate(prefixes, reset_prefix_cache=True)
+        reply = e[engine].generate(prompts, reset_prefix_cache=contender != CEILING, max_tokens=LOAD_MAX_TOKENS)
+        outs = reply["outputs"]
+        runs.append(LoadRun(contender, repeat, float(reply["wall_ms"]), LOAD_MAX_TOKENS,
+                            tuple(o["first_token_ms"] for o in outs if o["first_token_ms"] is not None),
+                            tuple(o["num_cached_tokens"] for o in outs), tuple(tuple(o["token_ids"]) for o in outs)))
+    return runs
+
+
+def _measure_loads(rig: Rig, progress: Progress, load_runs: list[LoadRun]) -> str:
+    """Every repeat of the load batch (contender order rotated); returns the error that ended
+    it early ("" if none): the TTFT grid is kept either way."""
+    grid = rig.grid
+    try:
+        for r in range(grid.load_repeats):
+            progress.case(f"{NAME} load {r + 1}/{grid.load_repeats}: {grid.load_requests} concurrent requests")
+            k = r % len(report.CONTENDERS)
+            load_runs += measure_load(rig, r, report.CONTENDERS[k:] + report.CONTENDERS[:k])
+    except (RuntimeError, TimeoutError) as exc:
+        return str(exc).splitlines()[0]
+    return ""
+
+
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     grid = Grid.for_options(options)
     cells = [(p, s) for p in grid.prefixes for s in grid.suffixes]
@@ -206,24 +255,35 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         shutil.rmtree(work_dir, ignore_errors=True)
         raise
     runs: list[Run] = []
+    load_runs: list[LoadRun] = []
     try:
         progress.case(f"{NAME}: warm-up")
         measure(rig, Step((min(grid.prefixes), min(grid.suffixes)), -1, report.CONTENDERS))  # first calls are slow
         for i, step in enumerate(steps):
             progress.case(f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}")
             runs += measure(rig, step)
+        load_error = _measure_loads(rig, progress, load_runs)
         rig.master.check_alive()  # numbers measured without a pool are not results
     except BaseException:
         rig.close()
-        print(f"layerkv bench serving: engine logs kept in {work_dir}")
+        (options.out_dir / "serving_runs.partial.json").write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
+        print(f"layerkv bench serving: engine logs kept in {work_dir}; runs so far in "
+              f"{options.out_dir / 'serving_runs.partial.json'}")
         raise
     rig.close()
     startup_s = {name: engine.startup_s for name, engine in rig.engines.items()}
     shutil.rmtree(work_dir, ignore_errors=True)
     result = SuiteResult(NAME)
     result.rows, result.summary = report.suite_rows(runs, cells)
-    (options.out_dir / "serving_runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
+    if load_runs:
+        result.tables[f"Throughput under load: {grid.load_requests} concurrent requests over {LOAD_PREFIXES} shared "
+                      f"{LOAD_PREFIX_TOKENS}-token prefixes, {LOAD_SUFFIX_TOKENS} own tokens each, "
+                      f"{LOAD_MAX_TOKENS} generated"] = report.load_rows(load_runs)
+    raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs]}
+    (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
     result.notes += _notes(grid, rig, startup_s)
+    if load_error:
+        result.notes.append(f"throughput under load FAILED (the TTFT grid above is complete): {load_error}")
     result.plots += _plots(options.out_dir, result, cells)
     return result
 
@@ -250,6 +310,10 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         "tokens_equal_recompute: the first token equals recompute's. bits_equal_local_cache_run: token and logprob "
         "bits equal the same connector's producer serving the prefix from its local cache (same schedule); not "
         "compared with recompute, whose numerics differ without a connector. All runs: serving_runs.json.",
+        f"Throughput under load: {grid.load_requests} requests in one `generate` (submitted at once) per contender, "
+        f"{grid.load_repeats} repeats; batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
+        "first token per request (its RequestStateStats), mean and p90 over all requests; requests sharing a prefix "
+        "also share vLLM's local prefix cache within the batch, in every contender.",
     ]
 
 

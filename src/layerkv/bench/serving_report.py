@@ -150,3 +150,47 @@ def suite_rows(runs: Sequence[Run], cells: Sequence[Cell]) -> tuple[list[Row], d
     summary[f"cells where {LAYERKV} beats {MOONCAKE}"] = float(wins)
     summary["cells"] = float(len(cells))
     return rows, summary
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRun:
+    """One batch of concurrent requests (all submitted at once) served by one contender."""
+
+    contender: str
+    repeat: int
+    wall_ms: float
+    max_tokens: int
+    ttft_ms: tuple[float, ...]  # per request: vLLM's arrival -> first token
+    cached_tokens: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+
+def percentile(values: Sequence[float], q: int) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, -(-len(ordered) * q // 100) - 1))] if ordered else float("nan")
+
+
+def load_rows(runs: Sequence[LoadRun]) -> list[Row]:
+    """One row per contender: median batch wall time over repeats, requests/s and generated
+    tokens/s from it, mean / p90 TTFT over every request of every repeat, requests that hit a
+    cache, requests whose tokens equal recompute's (same repeat, same request)."""
+    recompute = {r.repeat: r for r in runs if r.contender == RECOMPUTE}
+    rows: list[Row] = []
+    for contender in CONTENDERS:
+        mine = [r for r in runs if r.contender == contender]
+        if not mine:
+            continue
+        wall_ms = statistics.median(r.wall_ms for r in mine)
+        num_requests = len(mine[0].token_ids)
+        ttfts = [t for r in mine for t in r.ttft_ms]
+        compared = [(a, b) for r in mine if r.repeat in recompute for a, b in zip(r.token_ids, recompute[r.repeat].token_ids)]
+        rows.append({
+            "contender": contender, "requests": num_requests, "repeats": len(mine), "batch_ms_median": wall_ms,
+            "requests_per_s": num_requests / wall_ms * 1000, "tokens_per_s": num_requests * mine[0].max_tokens / wall_ms * 1000,
+            "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else float("nan"), "ttft_ms_p90": percentile(ttfts, 90),
+            "requests_with_cache_hit": sum(c > 0 for r in mine for c in r.cached_tokens),
+            "requests_tokens_equal_recompute": sum(a == b for a, b in compared) if contender != RECOMPUTE else None,
+            "requests_compared": len(compared) if contender != RECOMPUTE else None,
+        })
+    return rows
