@@ -263,6 +263,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             progress.case(f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}")
             runs += measure(rig, step)
         load_error = _measure_loads(rig, progress, load_runs)
+        counters = _counters(rig)
         rig.master.check_alive()  # numbers measured without a pool are not results
     except BaseException:
         rig.close()
@@ -279,9 +280,11 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         result.tables[f"Throughput under load: {grid.load_requests} concurrent requests over {LOAD_PREFIXES} shared "
                       f"{LOAD_PREFIX_TOKENS}-token prefixes, {LOAD_SUFFIX_TOKENS} own tokens each, "
                       f"{LOAD_MAX_TOKENS} generated"] = report.load_rows(load_runs)
-    raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs]}
+    raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs], "counters": counters}
     (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
     result.notes += _notes(grid, rig, startup_s)
+    result.notes += [f"{name} engine's connector counters at the end (non-zero): " + _counters_text(values)
+                     for name, values in counters.items()]
     if load_error:
         result.notes.append(f"throughput under load FAILED (the TTFT grid above is complete): {load_error}")
     result.plots += _plots(options.out_dir, result, cells)
@@ -315,6 +318,37 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         "first token per request (its RequestStateStats), mean and p90 over all requests; requests sharing a prefix "
         "also share vLLM's local prefix cache within the batch, in every contender.",
     ]
+
+
+def _counters(rig: Rig) -> dict[str, dict[str, Any]]:
+    """Each connector engine's counters; an engine that cannot tell reports {"error": ...}
+    (the measurements stand without them)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in ENGINES[1:]:
+        try:
+            out[name] = rig.engines[name].call("counters", timeout_s=60)["counters"]
+        except (RuntimeError, TimeoutError) as exc:
+            out[name] = {"error": str(exc).splitlines()[0]}
+    return out
+
+
+def _counters_text(values: dict[str, Any]) -> str:
+    """`vllm:layerkv_total{counter=load_blocks}` -> `load_blocks`, Mooncake's
+    `vllm:mooncake_store_operation_keys_total{operation=get,status=ok}` -> `operation_keys{get,ok}`."""
+    if "error" in values:
+        return f"unavailable ({values['error']})"
+    shown = []
+    for key, value in sorted(values.items()):
+        name, _, labels = key.partition("{")
+        labels = labels.rstrip("}")
+        if name.startswith("vllm:layerkv"):
+            label = labels.removeprefix("counter=")
+        else:
+            label = name.removeprefix("vllm:mooncake_store_").removesuffix("_total") + "{" + ",".join(
+                part.partition("=")[2] for part in labels.split(",") if part) + "}"
+        if value:
+            shown.append(f"{label}={value:g}")
+    return ", ".join(shown) or "none"
 
 
 def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> list[str]:

@@ -110,19 +110,22 @@ class EngineProcess:
             self.startup_s = float(reply["startup_s"])
         return self
 
-    def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, settle: bool = False,
-                 max_tokens: int = 1, timeout_s: float = 600) -> dict[str, Any]:
-        """{"wall_ms": ..., "outputs": [{"token_ids", "logprobs", "num_cached_tokens", ...}]}."""
+    def call(self, op: str, timeout_s: float = 600, **args: Any) -> dict[str, Any]:
+        """Send one command, wait for its reply; RuntimeError with the host's traceback if it failed."""
         self.ready()
         assert self._popen.stdin is not None
-        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-               "reset_prefix_cache": reset_prefix_cache, "settle": settle}
-        self._popen.stdin.write(json.dumps(cmd) + "\n")
+        self._popen.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self._popen.stdin.flush()
         reply = self._next_reply(timeout_s)
         if not reply.get("ok"):
-            raise RuntimeError(f"engine {self.name} generate failed: {reply.get('error')}\n{reply.get('traceback')}")
+            raise RuntimeError(f"engine {self.name} {op} failed: {reply.get('error')}\n{reply.get('traceback')}")
         return reply
+
+    def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, settle: bool = False,
+                 max_tokens: int = 1) -> dict[str, Any]:
+        """{"wall_ms": ..., "outputs": [{"token_ids", "logprobs", "num_cached_tokens", ...}]}."""
+        return self.call("generate", prompts=prompts, max_tokens=max_tokens, reset_prefix_cache=reset_prefix_cache,
+                         settle=settle)
 
     def request_stop(self) -> None:
         """Ask the host to shut vLLM down (returns at once; `stop` waits)."""

@@ -6,7 +6,7 @@ carry vLLM's logs to a file. vLLM spawns its engine core and workers from here. 
     python -m layerkv.bench.vllm_host '<spec json>' <reply fd>
     spec: {"llm": {LLM keyword arguments}}
     commands: {"op": "generate", "prompts": [[ids]], "max_tokens": 1, "reset_prefix_cache": bool,
-               "settle": bool}, {"op": "shutdown"}
+               "settle": bool}, {"op": "counters"}, {"op": "shutdown"}
 """
 
 from __future__ import annotations
@@ -57,6 +57,24 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"wall_ms": wall_ms, "outputs": [_output(o) for o in outs]}
 
 
+def counters(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """The connectors' Prometheus counters in this (front-end) process, summed per name and
+    labels: layerkv's `vllm:layerkv_total{counter=...}`, MooncakeStoreConnector's
+    `vllm:mooncake_store_operation_*_total{operation=...,status=...}`."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)  # counters and gauges; histograms have none
+        if value is None or not metric.name.startswith(("vllm:layerkv", "vllm:mooncake_store")):
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ("engine", "model_name"))
+        key = f"{metric.name}{{{labels}}}"
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return {"counters": totals}
+
+
+HANDLERS = {"generate": generate, "counters": counters}
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     reply = os.fdopen(int(sys.argv[2]), "w", buffering=1)
@@ -78,9 +96,9 @@ def main() -> int:
         if cmd["op"] == "shutdown":
             break
         try:
-            if cmd["op"] != "generate":
-                raise ValueError(f"unknown op {cmd['op']!r}; known: generate, shutdown")
-            send({"ok": True, **generate(llm, cmd)})
+            if cmd["op"] not in HANDLERS:
+                raise ValueError(f"unknown op {cmd['op']!r}; known: {', '.join(HANDLERS)}, shutdown")
+            send({"ok": True, **HANDLERS[cmd["op"]](llm, cmd)})
         except Exception as exc:
             send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
     llm.llm_engine.engine_core.shutdown()  # engine core and workers stop now, before the pool's master
