@@ -163,10 +163,11 @@ def test_grid_sizes_the_engines_and_the_pool() -> None:
     grid = Grid((512, 2048), (32, 512), 3)
     assert grid.max_model_len == 2048 + 512 + 32
     assert grid.kv_bytes_per_token == 8 * 2 * 1024 * 4
-    assert grid.engine_cache_gib() == 1
-    per_connector = 3 * (512 + 2048 + 2 * (32 + 512)) * grid.kv_bytes_per_token
-    assert grid.pool_bytes() >= 2 * per_connector
-    assert Grid((8192,), (2048,), 3).engine_cache_gib() == 2
+    assert grid.engine_cache_gib() == 1  # 4 x 2048 shared + 16 x 144 tokens of the load batch, 64 KiB each
+    per_connector = (3 * (512 + 2048 + 2 * (32 + 512)) + 2 * 4 * 2048) * grid.kv_bytes_per_token
+    assert 2 * per_connector < grid.pool_bytes() < 3 * per_connector
+    assert Grid((8192,), (2048,), 3, load_requests=24).engine_cache_gib() == 1
+    assert Grid((16384,), (2048,), 3).engine_cache_gib() == 2
 
 
 def test_serving_is_opt_in_and_checks_the_engine_python(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

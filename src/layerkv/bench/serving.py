@@ -59,7 +59,7 @@ class Grid:
     def for_options(cls, options: BenchOptions) -> Grid:
         if options.quick:
             return cls((512, 2048), (32, 512), 3, dtype=native_dtype())
-        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=32, load_repeats=3)
+        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=24)
 
     @property
     def max_model_len(self) -> int:
@@ -70,17 +70,18 @@ class Grid:
         return kv_bytes_per_token(self.num_layers, self.hidden_size, self.dtype)
 
     def engine_cache_gib(self) -> int:
-        """VLLM_CPU_KVCACHE_SPACE: a cached prefix next to a whole prompt, or the load batch,
-        with room to spare."""
+        """VLLM_CPU_KVCACHE_SPACE: the longest prompt (its prefix blocks are the cached ones) or
+        the load batch (shared prefixes once), with a quarter to spare. Every GiB is allocated
+        and zeroed in each of the five engines."""
         load_tokens = LOAD_PREFIXES * LOAD_PREFIX_TOKENS + self.load_requests * (LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS)
-        return max(1, math.ceil(max(2 * self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.5 / GiB))
+        return max(1, math.ceil(max(self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.25 / GiB))
 
     def pool_bytes(self) -> int:
         """Both connectors' objects: every prefix once, every reference run's suffix blocks,
-        the load prefixes."""
+        the load prefixes, the warm-up; nothing has to be evicted."""
         num_tokens = self.repeats * (sum(self.prefixes) + len(self.prefixes) * sum(self.suffixes))
-        num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS
-        return int(2 * num_tokens * self.kv_bytes_per_token * 1.25) + GiB
+        num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS + min(self.prefixes) + min(self.suffixes)
+        return int(2 * num_tokens * self.kv_bytes_per_token * 1.15) + GiB // 2
 
 
 def prefix_ids(prefix_tokens: int, repeat: int) -> list[int]:
