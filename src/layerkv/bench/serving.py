@@ -253,7 +253,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     try:
         rig = Rig(options, grid, work_dir, progress)
     except BaseException:
-        shutil.rmtree(work_dir, ignore_errors=True)
+        print(f"layerkv bench serving: engine logs kept in {work_dir}")
         raise
     runs: list[Run] = []
     load_runs: list[LoadRun] = []
