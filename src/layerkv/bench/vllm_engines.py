@@ -25,7 +25,10 @@ QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": 
 def check_engine_python(python: str) -> str:
     """The vLLM version `python` runs; UnsupportedSetupError (with the fix) if it cannot run an
     engine with Mooncake."""
-    probe = "import importlib.util, vllm, mooncake.store; assert importlib.util.find_spec('vllm._C'); print(vllm.__version__)"
+    probe = ("import importlib.util, sys, vllm, mooncake.store\n"
+             "if importlib.util.find_spec('vllm._C') is None:\n"
+             "    sys.exit(f'vllm {vllm.__version__} here has no compiled kernels (vllm._C): not an engine build')\n"
+             "print(vllm.__version__)")
     try:
         done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
                               env={**os.environ, **QUIET_ENV})
