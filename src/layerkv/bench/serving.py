@@ -107,7 +107,7 @@ class Rig:
         from layerkv.store.local_master import LocalMaster
 
         self.grid, self.work_dir = grid, work_dir
-        self.python, self.vllm_version = options.engine_python, vllm_version
+        self.python, self.vllm_version = os.path.abspath(options.engine_python), vllm_version  # engines run in work_dir
         self.pythonpath = link_layerkv(work_dir)
         progress.case(f"{NAME}: model")
         self.model = work_dir / "model"
