@@ -44,8 +44,9 @@ from layerkv.worker_jobs import CacheMemory, JobFactory, check_block_size, fold
 log = logging.getLogger(__name__)
 # Save jobs of earlier steps still writing in the background (each holds its own staging images);
 # with this many, a step's saves are skipped: a write that does not return (a stalled segment
-# holder) must not make every later step queue a job and allocate new images.
-MAX_SAVES_IN_FLIGHT = 2
+# holder) must not make every later step queue a job and allocate new images. 2 dropped saves
+# of healthy steps on a loaded machine (writes a little slower than steps); 4 absorbs that.
+MAX_SAVES_IN_FLIGHT = 4
 
 
 class WorkerConnector:
