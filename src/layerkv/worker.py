@@ -44,8 +44,9 @@ from layerkv.worker_jobs import CacheMemory, JobFactory, check_block_size, fold
 log = logging.getLogger(__name__)
 # Save jobs of earlier steps still writing in the background (each holds its own staging images);
 # with this many, a step's saves are skipped: a write that does not return (a stalled segment
-# holder) must not make every later step queue a job and allocate new images.
-MAX_SAVES_IN_FLIGHT = 2
+# holder) must not make every later step queue a job and allocate new images. 2 dropped saves
+# of healthy steps on a loaded machine (writes a little slower than steps); 4 absorbs that.
+MAX_SAVES_IN_FLIGHT = 4
 
 
 class WorkerConnector:
@@ -83,6 +84,7 @@ class WorkerConnector:
         self._save: SaveJob | None = None
         self._settle: SettleJob | None = None
         self._late_settle: SettleJob | None = None  # a verdict-only step's commits that outlived their wait
+        self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
         self._collect_later: list[Any] = []  # jobs of ended steps still running: folded in when they finish
         self._folded: set[int] = set()  # ids of current-step jobs already folded into _stats
         self._invalid_block_ids: set[int] = set()
@@ -160,8 +162,12 @@ class WorkerConnector:
         self._invalid_block_ids |= plan.reinvalidate  # the engine recomputes them (see StepPlan)
         if self.layout is None and (plan.loads or plan.saves):
             raise TransferError("layerkv: start_load_kv before register_kv_caches")
-        if plan.verdicts:
-            self._settle = SettleJob(plan.verdicts, store=self.store, pending=self.pending)
+        # only verdicts on steps this worker started saves in: the others have nothing pending
+        # (a stalled store skips every step's saves; its verdicts must not each queue a job)
+        verdicts = tuple(v for v in plan.verdicts if v.step_seq in self._saved_steps)
+        if verdicts:
+            self._saved_steps -= {v.step_seq for v in verdicts}
+            self._settle = SettleJob(verdicts, store=self.store, pending=self.pending)
             self._write.submit(self._settle)
         if not (plan.loads or plan.saves):
             return
@@ -182,6 +188,8 @@ class WorkerConnector:
                 self._stats.save_skipped_steps += 1
             else:
                 self._save = self._start_saves(plan.step_seq, plan.saves)
+                if self._save is not None:
+                    self._saved_steps.add(plan.step_seq)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.layout is None:
@@ -383,17 +391,18 @@ class WorkerConnector:
     def _collect(self) -> None:
         """Fold every finished job's outcome into the counters, once (compute thread)."""
         still = []
-        for job in (*self._collect_later, self._load, self._save, self._settle):
-            if job is None or id(job) in self._folded:
-                continue
+        for job in self._collect_later:  # jobs of ended steps: never folded yet
             if job.finished:
                 fold(self._stats, job)
-                self._folded.add(id(job))
-            elif job in self._collect_later:
+            else:
                 still.append(job)
-        current = {id(j) for j in (self._load, self._save, self._settle) if j is not None}
-        self._folded &= current  # ids of jobs that are gone can be reused
         self._collect_later = still
+        current = [j for j in (self._load, self._save, self._settle) if j is not None]
+        for job in current:
+            if job.finished and id(job) not in self._folded:
+                fold(self._stats, job)
+                self._folded.add(id(job))
+        self._folded &= {id(j) for j in current}  # ids of jobs that are gone can be reused
 
     def _expire_pending(self) -> None:
         """Send thread, when idle: revoke puts whose verdict never came."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from layerkv.header import Header
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
@@ -110,7 +111,9 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     req = Req("a", tokens)
     keys, hashes = rig.keys(req), req.hashes
     # plant key 2's object with block 3's header before the rig saves (its put then skips key 2)
-    layout, header = rig.workers[0].layout, rig.workers[0]._header
+    worker = rig.workers[0]
+    layout = worker.layout
+    header = Header(worker.namespace.digest, layout.digest, layout.num_layers, layout.object_nbytes)
     planted = np.zeros((1, layout.object_nbytes), dtype=np.uint8)
     header.encode_into(planted, np.arange(1), [hashes[3]])
     client = backend.client()

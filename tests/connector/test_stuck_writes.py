@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from layerkv.store.faults import PUT_RANGES
+from layerkv.worker import MAX_SAVES_IN_FLIGHT
 from tests.connector.rig import BLOCK_SIZE, Req
 
 
@@ -34,6 +35,8 @@ def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
         _serve(rig, Req(f"r{i}", _tokens(4, base=100 * i)))
     assert worker._staging.nbytes() <= held, f"staging grew from {held} to {worker._staging.nbytes()} bytes"
     assert worker.stats().save_skipped_steps >= 20
+    # held behind the write: the saves in flight and their settle jobs, not one job per step
+    assert worker.open_sessions()["running_jobs"] <= 2 * MAX_SAVES_IN_FLIGHT, worker.open_sessions()
     # the six verdict-only steps: the first waits save_timeout_s for its commits (stuck behind
     # the write), the others see that wait is still unfinished and do not wait again
     bound = rig.config.save_timeout_s

@@ -91,7 +91,7 @@ def _release_after_the_give_up(faults: FaultyStore, rule: Any, load_timeout_s: f
 
     def release() -> None:
         deadline = time.monotonic() + 120
-        while not faults.fired(rule) and time.monotonic() < deadline:
+        while faults.armed(rule) and time.monotonic() < deadline:  # until the stalled call entered
             time.sleep(0.02)
         time.sleep(load_timeout_s + 2.0)
         faults.release()

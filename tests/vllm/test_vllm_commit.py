@@ -18,16 +18,6 @@ from layerkv.store.base import Code  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(params=["embedded", "mooncake"])
-def pool(request, tmp_path, clean_agent):
-    master = request.getfixturevalue("mooncake_master") if request.param == "mooncake" else None
-    nodes = PoolNodes(request.param, tmp_path, master)
-    try:
-        yield nodes
-    finally:
-        nodes.shutdown()
-
-
 def _produce(pool: PoolNodes, tokens: list[int], **node_kwargs) -> None:
     producer = pool.node(**node_kwargs)
     producer.add("p", tokens)

@@ -13,22 +13,12 @@ from vllm_harness import BLOCK_SIZE, LAYERS, require_vllm
 require_vllm()
 
 import torch  # noqa: E402
-from pool_rig import PoolNodes, expected_block, prompt  # noqa: E402
+from pool_rig import expected_block, prompt  # noqa: E402
 
 from layerkv.integrations.vllm import LayerKVConnector, LayerKVStats  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(params=["embedded", "mooncake"])
-def pool(request, tmp_path, clean_agent):
-    master = request.getfixturevalue("mooncake_master") if request.param == "mooncake" else None
-    nodes = PoolNodes(request.param, tmp_path, master)
-    try:
-        yield nodes
-    finally:
-        nodes.shutdown()
 
 
 def produce(pool, req_id: str, tokens: list[int], **node_kwargs):

@@ -157,6 +157,10 @@ class Fleet:
                     engine_env(mooncake, faults, VLLM_CPU_OMP_THREADS_BIND="0|1"))
         if name == "embedded":  # one process: engine core + uni executor in the host process
             transfer = layerkv_transfer("kv_both", backend="embedded")
+            # its tests run while the other engines start (each busy-waits on its OMP threads):
+            # one step of this engine can then take > 20 s, and a verdict that slow would revoke
+            # the step's saves (commit_timeout_s; no 30 s put-start discard in the embedded store)
+            transfer["kv_connector_extra_config"]["commit_timeout_s"] = 300
             return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni"),
                     engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
         if name == "embedded-mp":  # the embedded store under the multiprocess executor: refused

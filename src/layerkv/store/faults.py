@@ -138,8 +138,14 @@ class FaultyStore:
         """End every current and future delay now (teardown of a stall test)."""
         self._released.set()
 
+    def armed(self, rule: Fault) -> bool:
+        """`rule` can still fire (a one-shot rule stops being armed when its call enters, before
+        a delay it adds has passed)."""
+        with self._lock:
+            return rule in self._rules
+
     def fired(self, rule: Fault) -> int:
-        """How many calls `rule` fired on so far."""
+        """How many completed calls `rule` fired on so far."""
         with self._lock:
             return sum(1 for c in self._calls if rule.name in c.fired)
 
