@@ -30,14 +30,14 @@ def _exists(node, hashes) -> list[int]:
     return side.store.batch_is_exist(block_keys(side.namespace, hashes, 0))
 
 
-def test_a_request_sharing_a_block_whose_load_failed_has_its_saves_revoked(pool, monkeypatch):
+def _faulty_stores(monkeypatch) -> list:
+    """Every store the vLLM facade opens from now on, wrapped in a FaultyStore (in opening order:
+    the scheduler's, then the worker's)."""
     import layerkv.integrations.vllm as facade
     from layerkv.store.checked import CheckedStore
     from layerkv.store.factory import open_store
-    from layerkv.store.faults import GET_RANGES, FaultyStore
+    from layerkv.store.faults import FaultyStore
 
-    prefix = prompt(8, 48)  # 3 full blocks
-    _produce(pool, prefix + [3])
     faulty: list[FaultyStore] = []
 
     def open_faulty_store(config):
@@ -45,6 +45,15 @@ def test_a_request_sharing_a_block_whose_load_failed_has_its_saves_revoked(pool,
         return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
 
     monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
+    return faulty
+
+
+def test_a_request_sharing_a_block_whose_load_failed_has_its_saves_revoked(pool, monkeypatch):
+    from layerkv.store.faults import GET_RANGES
+
+    prefix = prompt(8, 48)  # 3 full blocks
+    _produce(pool, prefix + [3])
+    faulty = _faulty_stores(monkeypatch)
     consumer = pool.node(max_num_batched_tokens=256, extra={"transfer_plan": "layers"})  # the fault is on layer 1's read
     _, worker_faults = faulty  # scheduler, worker
     a = consumer.add("a", prefix + prompt(9, 40))  # loads blocks 0-2, computes 2 new full blocks
@@ -121,23 +130,14 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
     cache, counting on the loading request to recompute it. If that request is aborted first, a
     later request hits the bad block locally: layerkv reports it invalid again in that step, so
     vLLM recomputes it, and the step's saves over it are revoked."""
-    import layerkv.integrations.vllm as facade
     from pool_rig import LAYERS, expected_block
     from vllm.v1.request import RequestStatus
 
-    from layerkv.store.checked import CheckedStore
-    from layerkv.store.factory import open_store
-    from layerkv.store.faults import GET_RANGES, FaultyStore
+    from layerkv.store.faults import GET_RANGES
 
     prefix = prompt(8, 48)  # 3 full blocks
     _produce(pool, prefix + [3])
-    faulty: list[FaultyStore] = []
-
-    def open_faulty_store(config):
-        faulty.append(FaultyStore(open_store(config)))
-        return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
-
-    monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
+    faulty = _faulty_stores(monkeypatch)
     consumer = pool.node(max_num_batched_tokens=256, extra={"transfer_plan": "layers"})
     _, worker_faults = faulty
     a = consumer.add("a", prefix + prompt(9, 40))
