@@ -76,10 +76,11 @@ def test_an_outage_mid_step_fences_the_sessions_opened_before_it(make_oracle, ba
     consumer = oracle.pooled()
     faults = consumer.rank_faults(0)
     # layer 0's read is slow; meanwhile the save's put start finds the master gone (-900 for
-    # every key): the store's outage epoch moves on while the load's sessions are open
-    # (margins for a loaded machine: the layer-0 read must have been issued before the outage)
-    faults.delay(GET_RANGES, 1.5, layer_idx=0, times=1)
-    faults.delay(PUT_START, 0.7, times=1)  # after the load's get start and its layer-0 read
+    # every key): the store's outage epoch moves on while the load's sessions are open. The put
+    # start waits for the layer-0 read to have entered the store (an order, not a timer: on a
+    # loaded machine a fixed delay let the outage come before the read was issued)
+    slow_read = faults.delay(GET_RANGES, 1.5, layer_idx=0, times=1)
+    faults.delay(PUT_START, 30.0, times=1, after=slow_read)
     faults.fail(PUT_START, code=int(Code.RPC_FAIL), times=1)
     got = serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
     stats = consumer.workers[0].stats()

@@ -116,6 +116,20 @@ def test_delay_is_cut_short_by_release(faulty) -> None:
     thread.join(5.0)
 
 
+def test_delay_after_waits_for_the_other_rule_s_call_to_enter(faulty) -> None:
+    gate = faulty.delay(GET_START, 0.5, times=1)  # its call enters, then sleeps 0.5 s
+    faulty.delay(IS_EXIST, 30.0, times=1, after=gate)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (faulty.batch_is_exist(["a"]), done.set()), name="test-after")
+    waiter.start()
+    assert not done.wait(0.3)  # the gate's call has not entered yet
+    faulty.batch_get_session_start(["a"])
+    assert done.wait(5.0)
+    waiter.join(5.0)
+    exist, start = faulty.calls(IS_EXIST)[0], faulty.calls(GET_START)[0]
+    assert start.enter_seq < exist.exit_seq < start.exit_seq  # released on entry, not on exit
+
+
 def test_unknown_method_is_rejected(faulty) -> None:
     with pytest.raises(ValueError, match="unknown \\['batch_nope'\\]"):
         faulty.fail("batch_nope")

@@ -26,7 +26,8 @@ class BoundedCaller:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []  # guarded by _lock
-        self._idle = 0  # guarded by _lock: threads waiting for work
+        self._idle = 0  # guarded by _lock: threads waiting for work that no queued call has claimed
+        self._backlog = 0  # guarded by _lock: queued calls that no thread has claimed (pool at its cap)
         self._closed = False  # guarded by _lock
 
     def call(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> tuple[bool, Any]:
@@ -51,14 +52,21 @@ class BoundedCaller:
             self._queue.put(None)
 
     def _submit(self, job: _Call) -> None:
+        """Queue `job` for a thread of its own: an idle thread is reserved for it (counted at
+        submit time, not when the thread takes it: two calls submitted at once never share one
+        idle thread, so a stuck call cannot hold a quick one in the queue), else a new thread
+        starts, else (at the cap) it waits for the first thread that frees up."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name} store call pool is closed")
-            if self._idle == 0 and len(self._threads) < _MAX_THREADS:
+            if self._idle > 0:
+                self._idle -= 1
+            elif len(self._threads) < _MAX_THREADS:
                 thread = threading.Thread(target=self._loop, name=f"layerkv-{self._name}-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
-                self._idle += 1
                 thread.start()
+            else:
+                self._backlog += 1
         self._queue.put(job)
 
     def _loop(self) -> None:
@@ -66,13 +74,14 @@ class BoundedCaller:
             job = self._queue.get()
             if job is None:
                 return
-            with self._lock:
-                self._idle -= 1
             try:
                 job.run()
             finally:
-                with self._lock:
-                    self._idle += 1
+                with self._lock:  # the next queued job without a thread is this thread's, else idle
+                    if self._backlog > 0:
+                        self._backlog -= 1
+                    else:
+                        self._idle += 1
 
 
 class _Call:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -31,7 +32,7 @@ class FaultKind(Enum):
     EXPIRE = "expire"  # get ranges: matching keys get -707 and lose their session (as Mooncake)
     MALFORMED = "malformed"  # the whole call answers `result` (wrong count, bool, None, ...)
     RAISE = "raise"  # the whole call raises `exc`
-    DELAY = "delay"  # the call waits `delay_s` (cut short by `release()`) and then proceeds
+    DELAY = "delay"  # the call waits `delay_s` (or until rule `after` fired; cut short by `release()`)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -52,6 +53,8 @@ class Fault:
     forward: bool = False
     times: int | None = None
     name: str = ""
+    after: Fault | None = None  # DELAY: wait until this rule fired (delay_s bounds the wait)
+    entered: threading.Event = field(default_factory=threading.Event)  # set when a call it fires on enters
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +95,8 @@ class FaultyStore:
             raise ValueError(f"fault rule methods {sorted(rule.methods)}: unknown {unknown}; known: {ALL_METHODS}")
         if rule.times is not None and rule.times < 1:
             raise ValueError(f"fault rule times={rule.times} must be >= 1 or None (persistent)")
-        rule = dataclasses.replace(rule, name=f"{rule.name or rule.kind.value}#{next(_rule_ids)}")
+        rule = dataclasses.replace(rule, name=f"{rule.name or rule.kind.value}#{next(_rule_ids)}",
+                                   entered=threading.Event())
         with self._lock:
             self._rules[rule] = rule.times
         return rule
@@ -121,10 +125,12 @@ class FaultyStore:
                               forward=forward, times=times, name=f"raise {_label(methods)}"))
 
     def delay(self, methods: str | Sequence[str], delay_s: float, keys: KeyMatch = None, *,
-              layer_idx: int | None = None, times: int | None = None) -> Fault:
-        """Matching calls wait `delay_s` before running (`release()` ends every wait at once)."""
+              layer_idx: int | None = None, times: int | None = None, after: Fault | None = None) -> Fault:
+        """Matching calls wait `delay_s` before running (`release()` ends every wait at once);
+        with `after`, they wait only until a call that rule fires on has entered (an order
+        between threads that no machine load can swap), `delay_s` bounding the wait."""
         return self.add(Fault(FaultKind.DELAY, _methods(methods), _match(keys), layer_idx, delay_s=delay_s,
-                              times=times, name=f"delay {_label(methods)}"))
+                              times=times, after=after, name=f"delay {_label(methods)}"))
 
     def remove(self, rule: Fault) -> None:
         with self._lock:
@@ -240,6 +246,7 @@ class FaultyStore:
             if rule.keys is not None and not any(rule.keys(k) for k in keys):
                 continue
             fired.append(rule)
+            rule.entered.set()
             if left is not None:
                 if left <= 1:
                     del self._rules[rule]
@@ -250,7 +257,9 @@ class FaultyStore:
     def _apply(self, rules: list[Fault], method: str, keys: list[ObjectKey], per_key: tuple[Sequence[Any], ...],
                extra: tuple[Any, ...], layer_idx: int | None) -> object:
         for rule in rules:
-            if rule.kind is FaultKind.DELAY:
+            if rule.kind is FaultKind.DELAY and rule.after is not None:
+                _first_set(rule.after.entered, self._released, rule.delay_s)
+            elif rule.kind is FaultKind.DELAY:
                 self._released.wait(rule.delay_s)
         whole = next((r for r in rules if r.kind in (FaultKind.MALFORMED, FaultKind.RAISE)), None)
         if whole is not None and not whole.forward:
@@ -287,6 +296,16 @@ class FaultyStore:
         sub_args = [[arg[i] for i in rows] for arg in per_key] if len(rows) != len(keys) else list(per_key)
         kwargs = {"layer_idx": layer_idx} if self._inner_layer and layer_idx is not None else {}
         return getattr(self.inner, method)(sub_keys, *sub_args, *extra, **kwargs)
+
+
+def _first_set(event: threading.Event, released: threading.Event, timeout_s: float) -> None:
+    """Wait until `event` or `released` is set, at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (event.is_set() or released.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        event.wait(min(left, 0.01))
 
 
 def _whole_call_fault(rule: Fault, method: str, keys: list[ObjectKey]) -> object:
