@@ -39,7 +39,7 @@ from layerkv.transfer.staged import StagedLayers
 from layerkv.transfer.staging import StagingPool
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
-from layerkv.worker_jobs import CacheMemory, JobFactory, check_block_size, fold
+from layerkv.worker_jobs import CacheMemory, JobFactory, JobLedger, check_block_size
 
 log = logging.getLogger(__name__)
 # Save jobs of earlier steps still writing in the background (each holds its own staging images);
@@ -85,8 +85,7 @@ class WorkerConnector:
         self._settle: SettleJob | None = None
         self._late_settle: SettleJob | None = None  # a verdict-only step's commits that outlived their wait
         self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
-        self._collect_later: list[Any] = []  # jobs of ended steps still running: folded in when they finish
-        self._folded: set[int] = set()  # ids of current-step jobs already folded into _stats
+        self._ledger = JobLedger(self._stats)  # jobs whose outcomes are not counted yet
         self._invalid_block_ids: set[int] = set()
         self._reported_steps: list[int] = []
         self._saved_names: dict[int, int] = {}  # layer -> names saved this step
@@ -178,13 +177,13 @@ class WorkerConnector:
                 self._invalid_block_ids |= {b for spec in plan.loads for b in spec.block_ids}
             return
         if plan.loads and self.deployment.role.loads:
-            if self._stuck(LoadJob):  # an earlier load is still inside the store: recompute, don't queue
+            if self._ledger.stuck(LoadJob):  # an earlier load is still inside the store: recompute, don't queue
                 self._invalid_block_ids |= {b for spec in plan.loads for b in spec.block_ids}
                 self._stats.load_skipped_stuck += 1
             else:
                 self._load = self._start_loads(plan.loads, plan.num_tokens)
         if plan.saves and self.deployment.role.saves and self.storage_role.writes:
-            if self._stuck(SaveJob) or self.store.is_down() or self._saves_in_flight() >= MAX_SAVES_IN_FLIGHT:
+            if self._ledger.stuck(SaveJob) or self.store.is_down() or self._ledger.saves_in_flight() >= MAX_SAVES_IN_FLIGHT:
                 self._stats.save_skipped_steps += 1
             else:
                 self._save = self._start_saves(plan.step_seq, plan.saves)
@@ -268,7 +267,7 @@ class WorkerConnector:
         commits included); True if it did within `timeout_s` (default save_timeout_s). The
         reference engine calls it when `generate` returns, so its saves are readable then."""
         deadline = time.monotonic() + (self.config.save_timeout_s if timeout_s is None else timeout_s)
-        jobs = [j for j in (self._load, self._save, self._settle, *self._collect_later) if j is not None]
+        jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]
         return all(job.wait_finished(max(0.0, deadline - time.monotonic())) for job in jobs)
 
     def report_steps(self) -> tuple[int, ...]:
@@ -302,13 +301,13 @@ class WorkerConnector:
             # (it is cancelled); wait for it within save_timeout_s, then drain once more
             self.flush()
             self._stats.revoked_on_shutdown += revoke_all(self.store, self.pending.pop_all(), "shutdown")
-            self._collect()
+            self._ledger.collect(self._current())
             for error in self._staging.close():
                 log.warning("layerkv: %s", error)
             self._memory.unregister()
 
     def stats(self) -> WorkerStats:
-        self._collect()
+        self._ledger.collect(self._current())
         snapshot = WorkerStats()
         snapshot.add(self._stats)
         with self._lock:
@@ -323,13 +322,13 @@ class WorkerConnector:
         """No put session waits for a verdict and no job is running (after a drained engine);
         waits up to `timeout_s` for running jobs to finish."""
         deadline = time.monotonic() + timeout_s
-        for job in [j for j in (self._load, self._save, self._settle, *self._collect_later) if j is not None]:
+        for job in [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]:
             job.wait_finished(max(0.0, deadline - time.monotonic()))
         return self.open_sessions() == {"pending_puts": 0, "running_jobs": 0}
 
     def open_sessions(self) -> dict[str, int]:
         """Sessions this worker holds now: put sessions waiting for a verdict, jobs running."""
-        jobs = [j for j in (self._load, self._save, self._settle, *self._collect_later) if j is not None]
+        jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]
         return {"pending_puts": self.pending.num_keys(), "running_jobs": sum(1 for j in jobs if not j.finished)}
 
     # -- internals ------------------------------------------------------------------------
@@ -365,44 +364,19 @@ class WorkerConnector:
         for earlier in sorted(l for l in self._saved_names if l < layer_idx):
             self._hand_layer(earlier)
 
-    def _stuck(self, kind: type[LoadJob] | type[SaveJob]) -> bool:
-        """A job of `kind` from an earlier step was given up (timed out) and has not returned."""
-        return any(isinstance(j, kind) and j.cancelled and not j.finished for j in self._collect_later)
-
-    def _saves_in_flight(self) -> int:
-        """Save jobs of earlier steps that have not finished (their writes and images)."""
-        return sum(1 for j in self._collect_later if isinstance(j, SaveJob) and not j.finished)
+    def _current(self) -> list[worker_jobs.Job]:
+        return [j for j in (self._load, self._save, self._settle) if j is not None]
 
     def _end_step(self) -> None:
-        """Forget this step's jobs (collecting what they did); a job still running is collected
-        when it finishes. A step abandoned before wait_for_save cancels its jobs: its loads are
-        not used, its saves are revoked."""
+        """Forget this step's jobs (a job still running is collected when it finishes). A step
+        abandoned before wait_for_save cancels its jobs: its loads are not used, its saves are
+        revoked."""
         if self._load is not None and not self._load.finished:
             self._load.give_up("the step ended before its loads finished")
         if self._save is not None and not self._save.released:
             self._save.cancel()
-        self._collect()
-        for job in (self._load, self._save, self._settle):
-            if job is not None and id(job) not in self._folded:
-                self._collect_later.append(job)
+        self._ledger.end_step(self._current())
         self._load = self._save = self._settle = None
-        self._folded.clear()
-
-    def _collect(self) -> None:
-        """Fold every finished job's outcome into the counters, once (compute thread)."""
-        still = []
-        for job in self._collect_later:  # jobs of ended steps: never folded yet
-            if job.finished:
-                fold(self._stats, job)
-            else:
-                still.append(job)
-        self._collect_later = still
-        current = [j for j in (self._load, self._save, self._settle) if j is not None]
-        for job in current:
-            if job.finished and id(job) not in self._folded:
-                fold(self._stats, job)
-                self._folded.add(id(job))
-        self._folded &= {id(j) for j in current}  # ids of jobs that are gone can be reused
 
     def _expire_pending(self) -> None:
         """Send thread, when idle: revoke puts whose verdict never came."""

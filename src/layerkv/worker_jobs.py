@@ -170,6 +170,49 @@ def fold(stats: WorkerStats, job: LoadJob | SaveJob | SettleJob) -> None:
         stats.transfer_errors += t.error is not None
 
 
+Job = LoadJob | SaveJob | SettleJob
+
+
+class JobLedger:
+    """Jobs whose outcome is not in the worker's counters yet: the current step's (passed in)
+    and those of ended steps that are still running; each is folded in once, when it finished.
+    Compute thread only."""
+
+    def __init__(self, stats: WorkerStats) -> None:
+        self.stats = stats
+        self.later: list[Job] = []  # jobs of ended steps still running: folded in when they finish
+        self._folded: set[int] = set()  # ids of current-step jobs already folded
+
+    def collect(self, current: list[Job]) -> None:
+        """Fold every finished job's outcome into the counters, once."""
+        still = []
+        for job in self.later:  # jobs of ended steps: never folded yet
+            if job.finished:
+                fold(self.stats, job)
+            else:
+                still.append(job)
+        self.later = still
+        for job in current:
+            if job.finished and id(job) not in self._folded:
+                fold(self.stats, job)
+                self._folded.add(id(job))
+        self._folded &= {id(j) for j in current}  # ids of jobs that are gone can be reused
+
+    def end_step(self, current: list[Job]) -> None:
+        """The step of `current` ended: what is still running is collected when it finishes."""
+        self.collect(current)
+        self.later.extend(j for j in current if id(j) not in self._folded)
+        self._folded.clear()
+
+    def stuck(self, kind: type[LoadJob] | type[SaveJob]) -> bool:
+        """A job of `kind` from an earlier step was given up (timed out) and has not returned."""
+        return any(isinstance(j, kind) and j.cancelled and not j.finished for j in self.later)
+
+    def saves_in_flight(self) -> int:
+        """Save jobs of earlier steps that have not finished (their writes and images)."""
+        return sum(1 for j in self.later if isinstance(j, SaveJob) and not j.finished)
+
+
 def check_block_size(layout: CacheLayout, block_size: int) -> None:
     """Every registered cache must hold `block_size` tokens per block (one of its per-block dims)."""
     for layer in layout.layers:

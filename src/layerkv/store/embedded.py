@@ -11,9 +11,10 @@ its own put/get sessions, as a second Mooncake client would have.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from layerkv.errors import ConfigError, StoreError
@@ -113,16 +114,21 @@ class EmbeddedStore:
             if table.num_handles == 0:
                 table.close()
 
-    def _check_open(self) -> None:  # under lock
-        if self._closed or self._table.closed:
-            raise StoreError(f"embedded store {self.name!r} is closed")
+    @contextlib.contextmanager
+    def _open_table(self, reclaim: bool = True) -> Iterator[ObjectTable]:
+        """The table under its lock, after checking this handle is open and (`reclaim`)
+        dropping put sessions older than put_timeout_s (Mooncake's put-start discard)."""
+        table = self._table
+        with table.lock:
+            if self._closed or table.closed:
+                raise StoreError(f"embedded store {self.name!r} is closed")
+            if reclaim:
+                table.reclaim_stale_puts(self.put_timeout_s)
+            yield table
 
     # ---- exists / put sessions ---------------------------------------------------------------
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
-        table = self._table
-        with table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             return [1 if (o := table.objects.get(k)) is not None and o.state is ObjectState.COMPLETE else 0 for k in keys]
 
     def batch_put_session_start(
@@ -132,9 +138,7 @@ class EmbeddedStore:
         another client holds it; -200 no space even after evicting unleased committed objects."""
         if len(sizes) != len(keys):
             return [_INVALID] * len(keys)
-        with self._table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             return [self._start_put(key, nbytes) for key, nbytes in zip(keys, sizes)]
 
     def _start_put(self, key: ObjectKey, nbytes: int) -> int:  # under lock
@@ -168,10 +172,7 @@ class EmbeddedStore:
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Commit: 0, or -600 when this client holds no put session on the key."""
-        table = self._table
-        with table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             results = []
             for key in keys:
                 obj = self._own_put(key)
@@ -186,9 +187,7 @@ class EmbeddedStore:
 
     def batch_put_session_revoke(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Abandon: 0, or -600 when this client holds no put session on the key."""
-        with self._table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             results = []
             for key in keys:
                 obj = self._own_put(key)
@@ -206,10 +205,7 @@ class EmbeddedStore:
     # ---- get sessions ------------------------------------------------------------------------
     def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
         """0 and a lease of lease_ttl_s; -704 missing; -703 still PROCESSING."""
-        table = self._table
-        with table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             now = table.clock()
             sessions = table.get_sessions[self._client_id]
             results = []
@@ -244,9 +240,7 @@ class EmbeddedStore:
 
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
         """Drop this client's get sessions on `keys`; 0 (also for keys without a session)."""
-        table = self._table
-        with table.lock:
-            self._check_open()
+        with self._open_table(reclaim=False) as table:
             sessions = table.get_sessions[self._client_id]
             for key in keys:
                 session = sessions.pop(key, None)
@@ -266,10 +260,7 @@ class EmbeddedStore:
     ) -> list[int]:
         if not len(keys) == len(ptrs) == len(sizes) == len(offsets):
             return [_INVALID] * len(keys)
-        table = self._table
-        with table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             base = table.arena.base_ptr
             results: list[int] = []
             host: list[int] = []
@@ -321,10 +312,7 @@ class EmbeddedStore:
         """Start, write and commit each object in one step: 0 or the put start error."""
         if not len(keys) == len(ptrs) == len(sizes):
             return [_INVALID] * len(keys)
-        table = self._table
-        with table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             results = []
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
                 code = _INVALID if not ptr else self._start_put(key, nbytes)
@@ -340,10 +328,7 @@ class EmbeddedStore:
         """Bytes read per key; -704 missing, -703 PROCESSING, -600 buffer smaller than the object."""
         if not len(keys) == len(ptrs) == len(sizes):
             return [_INVALID] * len(keys)
-        table = self._table
-        with table.lock:
-            self._check_open()
-            self._table.reclaim_stale_puts(self.put_timeout_s)
+        with self._open_table() as table:
             results = []
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
                 obj = table.objects.get(key)
@@ -362,9 +347,7 @@ class EmbeddedStore:
     def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Remove committed objects (leases notwithstanding, like Mooncake's force remove):
         0, -704 missing, -703 PROCESSING (revoke it instead)."""
-        table = self._table
-        with table.lock:
-            self._check_open()
+        with self._open_table(reclaim=False) as table:
             results = []
             for key in keys:
                 obj = table.objects.get(key)

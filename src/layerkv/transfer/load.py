@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from layerkv.errors import HeaderError, LayoutError
+from layerkv.errors import LayoutError
 from layerkv.header import Header
 from layerkv.layout import CacheLayout
 from layerkv.messages import BlockHash
 from layerkv.ranges import RangeLists
 from layerkv.store.base import UNCERTAIN_CODES, ObjectKey
 from layerkv.store.checked import CheckedStore
+from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.lanes import Lanes, split_rows
 from layerkv.transfer.planner import LAYERS, WHOLE, Costs, LoadPlan
 from layerkv.transfer.rows import KeyRows
@@ -91,7 +92,6 @@ class LoadJob(JobState):
         self.keys = keys
         self._store = store
         self._layout = layout
-        self._header = header
         self._staging = staging
         self._views = views
         self.plan = plan
@@ -100,7 +100,6 @@ class LoadJob(JobState):
         self._renew_after_s = renew_after_s
         self._staged = staged
         self._costs = costs
-        self._verify_checksums = verify_checksums
         if plan.mode != LAYERS and staged is None:
             raise LayoutError(f"a {plan.mode} load plan needs host staging")
         self._rows = KeyRows([k.block_id for k in keys], layout, staging)
@@ -114,9 +113,8 @@ class LoadJob(JobState):
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.outcome = LoadOutcome()  # receive thread; read after finished
         self._open = np.zeros(len(keys), dtype=bool)  # receive thread: sessions started, not ended
-        self._checksums = np.zeros((len(keys), layout.num_layers), dtype=np.uint64)  # receive thread
-        self._verify = np.zeros(len(keys), dtype=bool)  # receive thread: header carried checksums
-        self._bad_objects = np.zeros(len(keys), dtype=bool)  # receive thread: remove after ending
+        self._checks = ObjectChecks(header, [k.key for k in keys], [k.block_hash for k in keys], layout.num_layers,
+                                    verify_checksums)  # receive thread
         self._epoch = 0
         self._session_start_s = 0.0
 
@@ -208,11 +206,13 @@ class LoadJob(JobState):
         return bool(ok.any())
 
     def _end_sessions(self) -> None:
+        self.outcome.header_failures = self._checks.header_failures
+        self.outcome.checksum_failures = self._checks.checksum_failures
         rows = np.flatnonzero(self._open)
         self._open[:] = False
         if rows.size:
             self._store.batch_get_session_end([self.keys[i].key for i in rows])
-        bad = [self.keys[i].key for i in np.flatnonzero(self._bad_objects).tolist()]
+        bad = [self.keys[i].key for i in np.flatnonzero(self._checks.bad).tolist()]
         if bad:  # never fail every later hit on the same bad bytes
             self._store.batch_remove(bad)
             self.outcome.removed_keys.extend(bad)
@@ -264,7 +264,7 @@ class LoadJob(JobState):
         good = self._get_concurrently(active, ranges, layer_idx, f"layer {layer_idx}")
         if layer_idx == 0:
             good = good[self._verify_headers(good, good)]
-        if self._views.on_host and self._verify_checksums:
+        if self._views.on_host and self._checks.enabled:
             good = good[self._verify_blocks(layer_idx, good)]
         fan = np.isin(self._extra_rows, good)
         with self._cache_writes:
@@ -297,7 +297,7 @@ class LoadJob(JobState):
             if group.first_layer == 0:
                 checked = self._verify_headers(good, good_slots)
                 good, good_slots = good[checked], good_slots[checked]
-            if self._verify_checksums:
+            if self._checks.enabled:
                 sums = staged.checksums(group, staging, good_slots)  # [good, layers of group]
                 checked = self._verify_sums(group.first_layer, good, sums)
                 good, good_slots = good[checked], good_slots[checked]
@@ -365,26 +365,10 @@ class LoadJob(JobState):
         return rows[ok]
 
     def _verify_headers(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Mask of `rows` whose header (in staging slot `slots[i]`) matches; keeps each row's
-        layer checksums. A bad header fails the row and marks the object for removal."""
-        if rows.size == 0:
-            return np.ones(0, dtype=bool)
-        headers = self._staging[slots, : self._layout.header_nbytes]
-        ok, has_sums, sums = self._header.verify_many(headers, [self.keys[r].block_hash for r in rows.tolist()])
-        for i in np.flatnonzero(~ok).tolist():
-            row = int(rows[i])
-            try:
-                self._header.verify(headers[i], self.keys[row].block_hash)
-                reason = "header mismatch"
-            except HeaderError as exc:
-                reason = str(exc)
-            self.outcome.header_failures += 1
-            self._bad_objects[row] = True
+        """Mask of `rows` whose header (in staging slot `slots[i]`) matches; the others fail."""
+        ok, failures = self._checks.headers(rows, self._staging[slots, : self._layout.header_nbytes])
+        for row, reason in failures:
             self._fail(np.array([row]), reason)
-        keep = ok & has_sums
-        if self._verify_checksums and keep.any():
-            self._verify[rows[keep]] = True
-            self._checksums[rows[keep]] = sums[keep]
         return ok
 
     def _verify_blocks(self, layer_idx: int, rows: np.ndarray) -> np.ndarray:
@@ -395,20 +379,10 @@ class LoadJob(JobState):
         return self._verify_sums(layer_idx, rows, sums)
 
     def _verify_sums(self, first_layer: int, rows: np.ndarray, sums: np.ndarray) -> np.ndarray:
-        """`sums[i, j]`: checksum of layer first_layer + j as read for row rows[i]. Rows whose
-        header carried checksums must match them; mismatches fail and are removed later."""
-        if rows.size == 0:
-            return np.ones(0, dtype=bool)
-        want = self._checksums[rows, first_layer : first_layer + sums.shape[1]]
-        bad = self._verify[rows] & (want != sums).any(axis=1)
-        for row, j in zip(rows[bad].tolist(), np.argmax(want[bad] != sums[bad], axis=1).tolist()):
-            log.warning("layerkv: checksum mismatch: key %s layer %d; the block is recomputed and the object removed",
-                        self.keys[row].key, first_layer + j)
-        if bad.any():
-            self.outcome.checksum_failures += int(bad.sum())
-            self._bad_objects[rows[bad]] = True
-            self._fail(rows[bad], "layer checksum mismatch")
-        return ~bad
+        ok = self._checks.layers(first_layer, rows, sums)
+        if not ok.all():
+            self._fail(rows[~ok], "layer checksum mismatch")
+        return ok
 
     def _fail(self, rows: np.ndarray, reason: str) -> None:
         """Publish failed rows before waking the compute thread."""
