@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_doubles import CopyScheduler, CopyWorker, RecordingScheduler, RecordingWorker
+from tests.engine.engine_doubles import CopyScheduler, CopyWorker, RecordingScheduler, RecordingWorker
 
 from layerkv.engine import Engine, EngineConfig, ModelConfig, block_hashes
 from layerkv.errors import ConfigError

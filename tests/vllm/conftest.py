@@ -2,12 +2,12 @@
 on the embedded store and on the real Mooncake master (a module may define its own `pool`)."""
 
 import pytest
-from vllm_harness import clean_agent, doubles  # noqa: F401  (fixtures)
+from tests.vllm.vllm_harness import clean_agent, doubles  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(params=["embedded", "mooncake"])
 def pool(request, tmp_path, clean_agent):  # noqa: F811  (clean_agent: the fixture above)
-    from pool_rig import PoolNodes  # needs vLLM: imported only by the tests that use it
+    from tests.vllm.pool_rig import PoolNodes  # needs vLLM: imported only by the tests that use it
 
     master = request.getfixturevalue("mooncake_master") if request.param == "mooncake" else None
     nodes = PoolNodes(request.param, tmp_path, master)

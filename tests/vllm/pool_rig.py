@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm_harness import BLOCK_SIZE, LAYERS, Engine, WorkerRig, make_engine, make_request, make_worker, runner_output
+from tests.vllm.vllm_harness import BLOCK_SIZE, LAYERS, Engine, WorkerRig, make_engine, make_request, make_worker, runner_output
 
 SAMPLED_TOKEN = 7  # what runner_output samples for every request
 _tenants = itertools.count()
@@ -176,3 +176,36 @@ class PoolNodes:
         assert not alive, f"transfer threads still alive after shutdown: {alive}"
         if self.backend == "embedded":
             close_shared_stores()
+
+
+def produce(pool, req_id: str, tokens: list[int], **node_kwargs):
+    """A producer node computes `tokens` to completion; returns its per-block bytes (by hash)."""
+    producer = pool.node(**node_kwargs)
+    request = producer.add(req_id, tokens)
+    saved: dict[bytes, dict[str, torch.Tensor]] = {}
+
+    def keep_blocks(_name: str) -> None:
+        ids = producer.block_ids(req_id) if req_id in producer.scheduler.requests else []
+        for i, block_hash in enumerate(request.block_hashes[: len(ids)]):
+            saved.setdefault(block_hash, {})
+            for name in LAYERS:
+                saved[block_hash][name] = producer.block(name, ids[i])
+
+    producer.step()
+    keep_blocks("")
+    while producer.scheduler.has_requests():  # what vLLM's EngineCore busy loop checks
+        producer.step()
+        keep_blocks("")
+    assert producer.core_worker.flush(5.0)  # background writes and commits done: the pool serves them
+    return producer, request, saved
+
+
+def assert_blocks(node, req_id: str, tokens: list[int], num_blocks: int, saved=None, request=None) -> None:
+    ids = node.block_ids(req_id)
+    for name in LAYERS:
+        for b in range(num_blocks):
+            got = node.block(name, ids[b])
+            want = expected_block(LAYERS.index(name), tokens, b, got)
+            assert torch.equal(got, want), f"{name} block {b}: cache differs from the stand-in model"
+            if saved is not None:
+                assert torch.equal(got, saved[request.block_hashes[b]][name]), f"{name} block {b} differs from the producer"

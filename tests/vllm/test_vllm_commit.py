@@ -6,11 +6,11 @@ of the same step), and deployments whose weights or KV-shaping settings differ n
 from __future__ import annotations
 
 import pytest
-from vllm_harness import BLOCK_SIZE, require_vllm
+from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 
 require_vllm()
 
-from pool_rig import PoolNodes, prompt  # noqa: E402
+from tests.vllm.pool_rig import PoolNodes, prompt  # noqa: E402
 
 from layerkv.keys import block_keys  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
@@ -113,7 +113,7 @@ def test_quantization_changes_the_namespace():
     compressed_tensors, not installed), so this swaps in an fp8 ModelConfig and compares what
     both roles put in the namespace."""
     from vllm.config import ModelConfig
-    from vllm_harness import TINY_LLAMA, make_vllm_config
+    from tests.vllm.vllm_harness import TINY_LLAMA, make_vllm_config
 
     from layerkv.integrations.vllm_setup import model_fingerprint_of, model_settings_of
 
@@ -130,7 +130,7 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
     cache, counting on the loading request to recompute it. If that request is aborted first, a
     later request hits the bad block locally: layerkv reports it invalid again in that step, so
     vLLM recomputes it, and the step's saves over it are revoked."""
-    from pool_rig import LAYERS, expected_block
+    from tests.vllm.pool_rig import LAYERS, expected_block
     from vllm.v1.request import RequestStatus
 
     from layerkv.store.faults import GET_RANGES
@@ -171,7 +171,7 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
 def _step_with_report_held(node, held: list):
     """One engine step whose worker report (the step numbers it ran) is held back, as when a
     worker reports a step late; `held` gets the report, or gives the held one to this step."""
-    from vllm_harness import runner_output
+    from tests.vllm.vllm_harness import runner_output
 
     out = node.scheduler.schedule()
     node.model.begin_step(out)
@@ -220,6 +220,6 @@ def test_a_step_never_reported_stops_holding_the_engine_after_commit_timeout(poo
 
 
 def _hashes(node, tokens: list[int]) -> list[bytes]:
-    from vllm_harness import make_request
+    from tests.vllm.vllm_harness import make_request
 
     return list(make_request("h", tokens).block_hashes[:3])

@@ -9,13 +9,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from vllm_harness import LAYERS, make_engine, make_vllm_config, make_worker, require_vllm
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_vllm_config, make_worker, require_vllm
 
 require_vllm()
 
 import torch  # noqa: E402
-from pool_rig import PoolNodes, expected_block, prompt  # noqa: E402
-from test_vllm_pool import assert_blocks, produce  # noqa: E402
+from tests.vllm.pool_rig import PoolNodes, assert_blocks, expected_block, produce, prompt  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from layerkv.errors import LayoutError, UnsupportedSetupError  # noqa: E402
@@ -77,7 +76,7 @@ def test_scattered_layouts_are_refused_at_startup_with_the_fix(layout):
 def test_scattered_layouts_cannot_be_described_from_vllm_allocation(layout):
     # Below the facade: the layout of vLLM's real views is refused, never mis-described.
     from vllm.v1.worker.utils import allocate_kv_cache
-    from vllm_harness import make_kv_cache_config
+    from tests.vllm.vllm_harness import make_kv_cache_config
 
     vllm_config = make_vllm_config(max_model_len=256)
     kv_cache_config = make_kv_cache_config(32, vllm_config=vllm_config, layout=layout)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from vllm_harness import LAYERS, make_engine, make_worker, require_vllm
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_worker, require_vllm
 
 require_vllm()
 
-from pool_rig import Node, StandInModel, expected_block, prompt  # noqa: E402
+from tests.vllm.pool_rig import Node, StandInModel, expected_block, prompt  # noqa: E402
 
 from layerkv.integrations import vllm_plugin  # noqa: E402
 

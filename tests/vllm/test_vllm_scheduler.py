@@ -4,7 +4,7 @@ SchedulerOutput translated into RequestView / block ids / SchedulerStep."""
 from __future__ import annotations
 
 import pytest
-from vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
+from tests.vllm.vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
 
 require_vllm()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from vllm_harness import BLOCK_SIZE, TINY_LLAMA, make_kv_cache_config, make_vllm_config, require_vllm
+from tests.vllm.vllm_harness import BLOCK_SIZE, TINY_LLAMA, make_kv_cache_config, make_vllm_config, require_vllm
 
 require_vllm()
 

@@ -5,7 +5,7 @@ vLLM's real Scheduler, and the stats / Prometheus hooks."""
 from __future__ import annotations
 
 import pytest
-from vllm_harness import LAYERS, make_engine, make_request, make_worker, require_vllm, runner_output
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, make_worker, require_vllm, runner_output
 
 require_vllm()
 

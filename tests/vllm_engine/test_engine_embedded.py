@@ -7,8 +7,8 @@ executor), the connector refuses to start and says what to do instead."""
 from __future__ import annotations
 
 import pytest
-from conftest import BLOCK_SIZE, same_bits
-from tiny_model import prompt
+from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("embedded", "embedded-mp")]
 

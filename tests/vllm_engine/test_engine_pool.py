@@ -12,8 +12,8 @@ prefill in chunks of 64 tokens.
 from __future__ import annotations
 
 import pytest
-from conftest import BLOCK_SIZE, same_bits
-from tiny_model import prompt
+from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("producer", "consumer")]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import BLOCK_SIZE, same_bits
-from fault_control import arm, worker_state
-from tiny_model import prompt
+from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.fault_control import arm, worker_state
+from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("tp2")]
 

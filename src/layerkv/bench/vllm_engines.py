@@ -72,13 +72,15 @@ class EngineProcess:
     """One `python -m layerkv.bench.vllm_host` child running `LLM(**llm_kwargs)` with `env`; it
     leads its own process group (vLLM's engine core and workers are in it)."""
 
-    def __init__(self, name: str, python: str, llm_kwargs: dict[str, Any], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, python: str, llm_kwargs: dict[str, Any], env: dict[str, str], log_dir: Path,
+                 host: str = "layerkv.bench.vllm_host") -> None:
+        """`host`: the module the child runs (`python -m host`); the tests' host adds commands."""
         self.name = name
         self.log_path = log_dir / f"engine-{name}.log"
         read_fd, write_fd = os.pipe()
         with open(self.log_path, "wb") as log:
             self._popen = subprocess.Popen(
-                [python, "-m", "layerkv.bench.vllm_host", json.dumps({"llm": llm_kwargs}), str(write_fd)],
+                [python, "-m", host, json.dumps({"llm": llm_kwargs}), str(write_fd)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
                 env=env, cwd=log_dir, text=True, start_new_session=True,
             )
@@ -86,6 +88,7 @@ class EngineProcess:
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(read_fd,), name=f"engine-{name}-replies", daemon=True)
         self._reader.start()
+        self._startup: dict[str, Any] | None = None
         self.startup_s: float | None = None
 
     def _read(self, fd: int) -> None:
@@ -105,13 +108,18 @@ class EngineProcess:
                                f"{log_tail(self.log_path)}")
         return reply
 
+    def startup(self, timeout_s: float = 600) -> dict[str, Any]:
+        """The host's first reply: {"ready": True, "startup_s"} or {"ready": False, "error", "traceback"}."""
+        if self._startup is None:
+            self._startup = self._next_reply(timeout_s)
+        return self._startup
+
     def ready(self, timeout_s: float = 600) -> EngineProcess:
-        if self.startup_s is None:
-            reply = self._next_reply(timeout_s)
-            if not reply["ready"]:
-                raise RuntimeError(f"engine {self.name} failed to start: {reply['error']}\n{reply['traceback']}\n"
-                                   f"log {self.log_path}:\n{log_tail(self.log_path)}")
-            self.startup_s = float(reply["startup_s"])
+        reply = self.startup(timeout_s)
+        if not reply["ready"]:
+            raise RuntimeError(f"engine {self.name} failed to start: {reply['error']}\n{reply['traceback']}\n"
+                               f"log {self.log_path}:\n{log_tail(self.log_path)}")
+        self.startup_s = float(reply["startup_s"])
         return self
 
     def call(self, op: str, timeout_s: float = 600, **args: Any) -> dict[str, Any]:
@@ -146,14 +154,22 @@ class EngineProcess:
         try:
             self._popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self._popen.pid, signal.SIGTERM)
-            try:
-                self._popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # children that outlived the leader
-            os.killpg(self._popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
             pass
-        self._popen.wait(10)
+        stop_group(self._popen, 10)
         self._reader.join(10)
+
+
+def stop_group(popen: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM a child that leads its own process group, SIGKILL it after `timeout_s`, then
+    SIGKILL whatever of its group outlived it (vLLM's engine core and workers)."""
+    if popen.poll() is None:
+        os.killpg(popen.pid, signal.SIGTERM)
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(10)
+    try:  # children that outlived the leader
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -3,7 +3,7 @@ vLLM venv) and driven by `layerkv bench serving` (layerkv.bench.vllm_engines): J
 stdin, one JSON reply per command on the file descriptor given as argv[2]; stdout / stderr
 carry vLLM's logs to a file. vLLM spawns its engine core and workers from here. Main thread only.
 
-    python -m layerkv.bench.vllm_host '<spec json>' <reply fd>
+    python -m layerkv.bench.vllm_host '<spec json>' <reply fd>   (tests: tests.vllm_engine.engine_host)
     spec: {"llm": {LLM keyword arguments}}
     commands: {"op": "generate", "prompts": [[ids]], "max_tokens": 1, "reset_prefix_cache": bool,
                "settle": bool}, {"op": "counters"}, {"op": "shutdown"}
@@ -33,6 +33,8 @@ def _output(out: Any) -> dict[str, Any]:
     metrics = getattr(out, "metrics", None)
     first_token_s = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
     return {
+        "request_id": out.request_id,
+        "finish_reason": completion.finish_reason,
         "token_ids": list(completion.token_ids),
         "logprobs": [float(lp).hex() for lp in chosen],  # exact: compared bit for bit
         "num_cached_tokens": int(out.num_cached_tokens or 0),
@@ -75,7 +77,8 @@ def counters(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 HANDLERS = {"generate": generate, "counters": counters}
 
 
-def main() -> int:
+def main(handlers: dict[str, Any] = HANDLERS) -> int:
+    """Serve commands with `handlers` (op -> handler(llm, cmd) -> reply fields) until shutdown."""
     spec = json.loads(sys.argv[1])
     reply = os.fdopen(int(sys.argv[2]), "w", buffering=1)
 
@@ -96,9 +99,9 @@ def main() -> int:
         if cmd["op"] == "shutdown":
             break
         try:
-            if cmd["op"] not in HANDLERS:
-                raise ValueError(f"unknown op {cmd['op']!r}; known: {', '.join(HANDLERS)}, shutdown")
-            send({"ok": True, **HANDLERS[cmd["op"]](llm, cmd)})
+            if cmd["op"] not in handlers:
+                raise ValueError(f"unknown op {cmd['op']!r}; known: {', '.join(handlers)}, shutdown")
+            send({"ok": True, **handlers[cmd["op"]](llm, cmd)})
         except Exception as exc:
             send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
     llm.llm_engine.engine_core.shutdown()  # engine core and workers stop now, before the pool's master
