@@ -9,6 +9,7 @@ the probes leak checks use. It is embedded unless parametrised: `@BOTH_BACKENDS`
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,17 +46,27 @@ class Backend:
     def remove(self, keys: Sequence[ObjectKey]) -> list[int]:
         return list(self.client().batch_remove(list(keys))) if keys else []
 
+    def let_time_pass(self, seconds: float) -> None:
+        """At least `seconds` pass for the store's leases (a real master: its wall clock)."""
+        time.sleep(seconds)
+
     def close(self, written: Sequence[ObjectKey] = ()) -> None:
         """End of the test; `written`: objects it wrote (removed from a shared master)."""
 
 
 class EmbeddedBackend(Backend):
+    """A fresh embedded store whose clock `let_time_pass` moves forward (no sleeping)."""
+
     name = "embedded"
 
     def __init__(self, capacity: int = 64 << 20, lease_ttl_s: float = 10.0) -> None:
         super().__init__()
-        self.root = EmbeddedStore(capacity, lease_ttl_s=lease_ttl_s)
+        self._skew_s = 0.0
+        self.root = EmbeddedStore(capacity, lease_ttl_s=lease_ttl_s, clock=lambda: time.monotonic() + self._skew_s)
         self._clients: list[EmbeddedStore] = []
+
+    def let_time_pass(self, seconds: float) -> None:
+        self._skew_s += seconds
 
     def client(self, rank: int = 0) -> KVStore:
         client = self.root.client()

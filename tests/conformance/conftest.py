@@ -1,5 +1,7 @@
-"""The backend harnesses the store contract suite runs against. Each harness owns the stores it
-makes and closes them; `params` lists every backend (a "mooncake" harness starts a real master)."""
+"""The store contract suite's view of the test's `backend` (tests/backends.py, parametrised over
+both backends for every test here): a `StoreHarness` adds a second client, a fresh store with
+its own capacity and lease, and registered buffers; it closes what it made. A "mooncake" harness
+prefixes the test's keys on the shared master and starts a fresh master for `make_store`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from layerkv.store.base import STORE_CALLS, KVStore
-from layerkv.store.embedded import EmbeddedStore
+from tests.backends import BACKENDS, Backend, EmbeddedBackend
 
 MiB = 1 << 20
 
@@ -62,28 +64,28 @@ class StoreHarness:
 
 
 class EmbeddedHarness(StoreHarness):
-    """Embedded store whose clock can be moved forward, so lease tests do not sleep."""
+    """An EmbeddedBackend: its clock moves forward, so lease tests do not sleep."""
 
-    def __init__(self, capacity_bytes: int = 64 * MiB, lease_ttl_s: float = 10.0) -> None:
+    def __init__(self, backend: EmbeddedBackend) -> None:
         super().__init__()
-        self._skew_s = 0.0
-        self.lease_ttl_s = lease_ttl_s
-        self.store = EmbeddedStore(capacity_bytes, lease_ttl_s, clock=lambda: time.monotonic() + self._skew_s)
-        self._stores.append(self.store)
+        self.backend = backend
+        self.lease_ttl_s = backend.root.lease_ttl_s
+        self.store = backend.client()
 
     def new_client(self) -> KVStore:
-        assert isinstance(self.store, EmbeddedStore)
-        client = self.store.client()
-        self._stores.append(client)
-        return client
+        return self.backend.client()
 
     def make_store(self, capacity_bytes: int = 64 * MiB, lease_ttl_s: float = 10.0) -> StoreHarness:
-        child = EmbeddedHarness(capacity_bytes, lease_ttl_s)
+        child = EmbeddedHarness(EmbeddedBackend(capacity_bytes, lease_ttl_s))
         self._children.append(child)
         return child
 
     def let_time_pass(self, seconds: float) -> None:
-        self._skew_s += seconds
+        self.backend.let_time_pass(seconds)
+
+    def close(self) -> None:
+        super().close()
+        self.backend.close()
 
 
 class PrefixedKeys:
@@ -125,13 +127,18 @@ class MooncakeContractHarness(StoreHarness):
         return child
 
 
-@pytest.fixture(params=["embedded", "mooncake"])
-def harness(request: pytest.FixtureRequest) -> Iterator[StoreHarness]:
-    if request.param == "embedded":
-        h: StoreHarness = EmbeddedHarness()
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "harness" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
+
+
+@pytest.fixture
+def harness(request: pytest.FixtureRequest, backend: Backend) -> Iterator[StoreHarness]:
+    if isinstance(backend, EmbeddedBackend):
+        h: StoreHarness = EmbeddedHarness(backend)
     else:
         inner = request.getfixturevalue("mooncake_harness")
-        h = MooncakeContractHarness(inner, f"{request.node.name}-{uuid.uuid4().hex[:8]}-")
+        h = MooncakeContractHarness(inner, f"{backend.tag}-{uuid.uuid4().hex[:8]}-")
     try:
         yield h
     finally:
