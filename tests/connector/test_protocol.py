@@ -167,6 +167,9 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
             worker.register_kv_caches(caches, 8)
         with pytest.raises(ConfigError, match=r"num_blocks=0 must be a positive int"):
             worker.register_kv_caches(caches, 0)
+        on_device = {"model.layers.0.attn": torch.zeros(2, 8, 16, 2, 8, device="meta")}  # not host memory
+        with pytest.raises(ConfigError, match=r"backend='embedded' needs host memory; the KV caches live on meta"):
+            worker.register_kv_caches(on_device, 8)
     finally:
         worker.shutdown()
     import layerkv.worker_jobs

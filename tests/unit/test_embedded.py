@@ -13,7 +13,7 @@ from layerkv.config import LayerKVConfig
 from layerkv.errors import StoreError
 from layerkv.store.arena import ALIGN_BYTES, Arena, copy_ranges
 from layerkv.store.base import Code, KVStore
-from layerkv.store.embedded import EmbeddedStore, check_host
+from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.factory import close_shared_stores, open_store
 
 MiB = 1 << 20
@@ -136,20 +136,6 @@ def test_closing_a_client_revokes_its_puts_and_drops_its_sessions() -> None:
     root.close()
     with pytest.raises(StoreError, match="is closed"):
         root.client()
-
-
-def test_check_host_rejects_device_tensors() -> None:
-    check_host(torch.zeros(4))
-    check_host(np.zeros(4))
-
-    class DeviceTensor:
-        device = torch.device("cuda:0")
-        shape = (2, 16)
-
-    with pytest.raises(StoreError, match=r"embedded store needs host memory; got device cuda:0 \(tensor shape \(2, 16\)\)"):
-        check_host(DeviceTensor())
-    with pytest.raises(StoreError, match="got device meta"):
-        check_host(torch.empty(4, device="meta"))
 
 
 def test_open_store_shares_objects_between_clients_of_one_process() -> None:

@@ -15,7 +15,7 @@ import contextlib
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from layerkv.errors import ConfigError, StoreError
 from layerkv.store.arena import copy_ranges
@@ -38,7 +38,7 @@ _EXPIRED = int(Code.LEASE_EXPIRED)
 class EmbeddedStore:
     """In-process `KVStore`. Every batch call returns one int per key (Mooncake's codes), except
     `batch_get_session_end` (one int). Pointers are raw host addresses; device memory cannot
-    be detected from an int, so callers holding tensors should call `check_host` first.
+    be detected from an int (the worker refuses device caches with this backend).
 
     Calls on a closed handle raise `StoreError`.
     """
@@ -379,17 +379,3 @@ def _check_ranges(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[i
             return _INVALID
         total += nbytes
     return total
-
-
-def check_host(tensor: Any) -> None:
-    """Raise StoreError unless `tensor` (torch tensor or numpy array) lives in host memory: the
-    embedded store copies with memmove and cannot read device memory."""
-    device = getattr(tensor, "device", None)
-    device_type = getattr(device, "type", device)
-    if device is None or device_type == "cpu":
-        return
-    shape = tuple(getattr(tensor, "shape", ()))
-    raise StoreError(
-        f"embedded store needs host memory; got device {device} (tensor shape {shape}); "
-        "use backend=mooncake or stage through a host buffer"
-    )
