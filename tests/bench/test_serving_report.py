@@ -14,8 +14,8 @@ import pytest
 from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import SuiteResult
 from layerkv.bench.runner import markdown
-from layerkv.bench.serving import Grid, prefix_ids, suffix_ids
-from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
+from layerkv.bench.serving import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
+from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, LAYERKV_GROUPS, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
                                           correctness, load_rows, percentile, schedule, suite_rows)
 from layerkv.cli import main
 
@@ -32,13 +32,14 @@ def _run(contender: str, repeat: int, ttft_ms: float, *, cell: tuple[int, int] =
 
 
 def _cell_runs(cell: tuple[int, int] = CELL) -> list[Run]:
-    """3 repeats; recompute 1000-1200 ms, ceiling 40-60, layerkv 110-130, Mooncake 60-80, and
-    each connector's local-cache reference run (same bits)."""
+    """3 repeats; recompute 1000-1200 ms, ceiling 40-60, layerkv 110-130, layerkv groups 90,
+    Mooncake 60-80, and each connector's local-cache reference run (same bits)."""
     runs = []
     for r in range(3):
         runs += [_run(RECOMPUTE, r, 1000 + 100 * r, cell=cell, logprobs=("-0x1.9p-3",)),  # other numerics: no connector
                  _run(CEILING, r, 60 - 10 * r, cell=cell),
-                 _run(LAYERKV, r, 110 + 10 * r, cell=cell), _run(MOONCAKE, r, 80 - 10 * r, cell=cell),
+                 _run(LAYERKV, r, 110 + 10 * r, cell=cell), _run(LAYERKV_GROUPS, r, 90, cell=cell),
+                 _run(MOONCAKE, r, 80 - 10 * r, cell=cell),
                  _run(LAYERKV, r, 45, cell=cell, reference=True), _run(MOONCAKE, r, 45, cell=cell, reference=True)]
     return runs
 
@@ -73,6 +74,7 @@ def test_rows_hold_median_spread_and_ratios_of_medians() -> None:
     summary = cell_report(_cell_runs(), CELL).summary
     assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == pytest.approx(120 / 70)
     assert summary["p2048 s32 MooncakeStoreConnector / vLLM local prefix cache"] == pytest.approx(70 / 50)
+    assert summary["p2048 s32 layerkv groups of 4 / MooncakeStoreConnector"] == pytest.approx(90 / 70)
 
 
 def test_reference_runs_are_not_timed_rows() -> None:
@@ -101,6 +103,7 @@ def test_correctness_tokens_against_recompute_bits_against_the_connectors_local_
     other_bits = [_run(LAYERKV, 2, 45, logprobs=("-0x1.8000000000001p-3",), reference=True)
                   if (r.contender, r.repeat, r.reference) == (LAYERKV, 2, True) else r for r in runs]
     assert correctness(other_bits, LAYERKV, CELL) == (True, False)
+    assert correctness(other_bits, LAYERKV_GROUPS, CELL) == (True, False)  # same producer, same reference
     assert correctness(other_bits, MOONCAKE, CELL) == (True, True)
 
 
@@ -119,8 +122,9 @@ def test_suite_summary_flags_and_wins() -> None:
     fast = [_run(c, r.repeat, r.ttft_ms / 10 if c == LAYERKV else r.ttft_ms, cell=(512, 512), reference=r.reference)
             for r in _cell_runs((512, 512)) for c in [r.contender]]
     rows, summary = suite_rows(_cell_runs() + fast, cells)
-    assert [(r["prefix_tokens"], r["suffix_tokens"]) for r in rows] == [CELL] * 4 + [(512, 512)] * 4
+    assert [(r["prefix_tokens"], r["suffix_tokens"]) for r in rows] == [CELL] * 5 + [(512, 512)] * 5
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 1.0 and summary["cells"] == 2.0
+    assert summary["cells where layerkv or layerkv groups of 4 beats MooncakeStoreConnector"] == 1.0
     assert summary["all tokens equal recompute"] == 1.0
     assert summary["all pool runs bit-identical to local-cache runs"] == 1.0
     assert summary["all runs hit the cache as expected"] == 1.0
@@ -138,6 +142,11 @@ def test_suite_summary_flags_and_wins() -> None:
     _, summary = suite_rows(tie, [CELL])
     assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == 1.0
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0  # a tie is no win
+    grouped = [_run(LAYERKV_GROUPS, r.repeat, 50) if (r.contender, r.reference) == (LAYERKV_GROUPS, False) else r
+               for r in tie]
+    _, summary = suite_rows(grouped, [CELL])
+    assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0
+    assert summary["cells where layerkv or layerkv groups of 4 beats MooncakeStoreConnector"] == 1.0
 
 
 def test_results_render_as_markdown_and_json(tmp_path: Path) -> None:
@@ -157,16 +166,22 @@ def test_prompts_are_distinct_across_cells_and_repeats() -> None:
     short, long = suffix_ids(32, 0), suffix_ids(512, 0)
     assert long[:32] != short  # the 32-token suffix is not the 512 one's first block
     assert prefix_ids(512, 0) != prefix_ids(2048, 0)[:512]
+    shared, prompts = load_prompts(10, 0)
+    heads = [tuple(p[:LOAD_PREFIX_TOKENS]) for p in prompts]
+    hits = [h in {tuple(s) for s in shared} for h in heads]
+    assert hits == [True, True, True, True, False] * 2  # 80 % share a saved prefix
+    assert len(set(heads)) == len(shared) + 2 and len({tuple(p) for p in prompts}) == 10
 
 
 def test_grid_sizes_the_engines_and_the_pool() -> None:
-    grid = Grid((512, 2048), (32, 512), 3)
+    grid = Grid((512, 2048), (32, 512), 3, load_requests=8)
     assert grid.max_model_len == 2048 + 512 + 32
     assert grid.kv_bytes_per_token == 8 * 2 * 1024 * 4
-    assert grid.engine_cache_gib() == 1  # 4 x 2048 shared + 16 x 144 tokens of the load batch, 64 KiB each
+    assert grid.engine_cache_gib() == 1  # (4 shared + 1 own) x 2048 + 8 x 144 tokens of the load batch, 64 KiB each
+    assert Grid((512, 2048), (32, 512), 3, load_requests=16).engine_cache_gib() == 2  # 3 own prefixes more
     per_connector = (3 * (512 + 2048 + 2 * (32 + 512)) + 2 * 4 * 2048) * grid.kv_bytes_per_token
     assert 2 * per_connector < grid.pool_bytes() < 3 * per_connector
-    assert Grid((8192,), (2048,), 3, load_requests=24).engine_cache_gib() == 1
+    assert Grid((8192,), (2048,), 3, load_requests=8).engine_cache_gib() == 1
     assert Grid((16384,), (2048,), 3).engine_cache_gib() == 2
 
 

