@@ -217,6 +217,11 @@ def test_load_rows_rates_ttft_and_tokens_against_recompute() -> None:
     assert lk["requests_with_cache_hit"] == 3
     assert rows[MOONCAKE]["requests_with_cache_hit"] == 2 and rows[MOONCAKE]["requests_compared"] == 2
     assert rows[RECOMPUTE]["requests_tokens_equal_recompute"] is None
+    assert lk["requests_tokens_equal_ceiling"] == 0  # no ceiling run: nothing compared
+    with_ceiling = runs + [_load(CEILING, 1, 800, (5, 6), tokens=((1, 2), (3, 4)))]
+    rows = {r["contender"]: r for r in load_rows(with_ceiling)}
+    assert rows[LAYERKV]["requests_tokens_equal_ceiling"] == 1  # repeat 1: (1, 2) equal, (3, 5) not
+    assert rows[RECOMPUTE]["requests_tokens_equal_ceiling"] == 2 and rows[CEILING]["requests_tokens_equal_ceiling"] is None
 
 
 def test_extra_tables_render_under_their_title() -> None:
@@ -226,4 +231,4 @@ def test_extra_tables_render_under_their_title() -> None:
            "suites": {"serving": asdict(result)}}
     md = markdown(doc)
     assert "### Throughput under load\n\n| contender | requests | repeats | batch_ms_median |" in md
-    assert "| recompute | 2 | 1 | 4000 | 0.5 | 1.00 | 200 | 300 | 1 | - | - |" in md
+    assert "| recompute | 2 | 1 | 4000 | 0.5 | 1.00 | 200 | 300 | 1 | - | - | 0 |" in md

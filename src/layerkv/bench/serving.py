@@ -336,7 +336,10 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         f"Throughput under load: {grid.load_requests} requests in one `generate` (submitted at once) per contender, "
         f"{grid.load_repeats} repeats; every {LOAD_MISS_EVERY}th request's prefix is its own (a pool miss); batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
         "first token per request (its RequestStateStats), mean and p90 over all requests; requests sharing a prefix "
-        "also share vLLM's local prefix cache within the batch, in every contender.",
+        "also share vLLM's local prefix cache within the batch, in every contender. Tokens (16 per request, greedy, "
+        "random weights) are compared per request with recompute's and with the local-prefix-cache ceiling's: under "
+        "batching a request whose prefix was cached and one whose prefix was computed may differ in vLLM's numerics "
+        "(every cached contender alike), so the ceiling is the comparison for pool hits.",
     ]
 
 
