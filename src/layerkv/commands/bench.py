@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("suites", nargs="*", metavar="SUITE",
                    help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
                         f"{', '.join(OPT_IN_SUITES)} (real vLLM engines, see --engine-python)")
-    p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: ~15 min)")
+    p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
