@@ -178,7 +178,8 @@ def test_grid_sizes_the_engines_and_the_pool() -> None:
     assert grid.max_model_len == 2048 + 512 + 32
     assert grid.kv_bytes_per_token == 8 * 2 * 1024 * 4
     assert grid.engine_cache_gib() == 1  # (4 shared + 1 own) x 2048 + 8 x 144 tokens of the load batch, 64 KiB each
-    assert Grid((512, 2048), (32, 512), 3, load_requests=16).engine_cache_gib() == 2  # 3 own prefixes more
+    assert Grid((512, 2048), (32, 512), 3, load_requests=12).engine_cache_gib() == 1  # (4 + 2) x 2048 + 12 x 144
+    assert Grid((512, 2048), (32, 512), 3, load_requests=16).engine_cache_gib() == 2  # 3 own prefixes: 1.04 GiB
     per_connector = (3 * (512 + 2048 + 2 * (32 + 512)) + 2 * 4 * 2048) * grid.kv_bytes_per_token
     assert 2 * per_connector < grid.pool_bytes() < 3 * per_connector
     assert Grid((8192,), (2048,), 3, load_requests=8).engine_cache_gib() == 1
