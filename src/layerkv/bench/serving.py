@@ -89,9 +89,10 @@ class Grid:
 
     def pool_bytes(self) -> int:
         """Both connectors' objects: every prefix once, every reference run's suffix blocks,
-        the load prefixes, the warm-up; nothing has to be evicted."""
+        the load prefixes, the warm-up (one step per prefix size); nothing has to be evicted."""
         num_tokens = self.repeats * (sum(self.prefixes) + len(self.prefixes) * sum(self.suffixes))
-        num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS + min(self.prefixes) + min(self.suffixes)
+        num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS
+        num_tokens += sum(self.prefixes) + len(self.prefixes) * min(self.suffixes)  # the warm-up
         return int(2 * num_tokens * self.kv_bytes_per_token * 1.15) + GiB // 2
 
 
@@ -277,8 +278,11 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     runs: list[Run] = []
     load_runs: list[LoadRun] = []
     try:
-        progress.case(f"{NAME}: warm-up")
-        measure(rig, Step((min(grid.prefixes), min(grid.suffixes)), -1, report.CONTENDERS))  # first calls are slow
+        # first calls are slow, and first loads of a size (buffers, plans, connections) more so:
+        # one untimed step per prefix size, every contender alike
+        for k, prefix in enumerate(grid.prefixes):
+            progress.case(f"{NAME}: warm-up, prefix {prefix}")
+            measure(rig, Step((prefix, min(grid.suffixes)), -1 - k, report.CONTENDERS))
         for i, step in enumerate(steps):
             progress.case(f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}")
             runs += measure(rig, step)
@@ -319,7 +323,9 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         f"({grid.hidden_size // 128} KV heads x 128), {grid.dtype}, block {BLOCK_SIZE} tokens, "
         f"{grid.kv_bytes_per_token // 1024} KiB of KV per token; {grid.repeats} repeats per cell, every prompt new.",
         "TTFT = wall time of one `generate` with max_tokens=1 in the engine's front-end process, one request at a "
-        "time; vLLM's local prefix cache is reset before every pool and recompute run, so a hit comes from the pool.",
+        "time; vLLM's local prefix cache is reset before every pool and recompute run, so a hit comes from the pool. "
+        "Before the timed steps, one untimed step per prefix size for every contender (first loads of a size "
+        "allocate buffers and open connections).",
         f"one `layerkv master` pool (Mooncake over TCP loopback, one {grid.pool_bytes() >> 20} MiB segment in the "
         "master's process); both connectors' clients mount nothing (MooncakeStoreConnector in its standalone-store "
         "mode), so every load crosses a process boundary.",
