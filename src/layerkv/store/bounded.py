@@ -27,7 +27,6 @@ class BoundedCaller:
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []  # guarded by _lock
         self._idle = 0  # guarded by _lock: threads waiting for work that no queued call has claimed
-        self._backlog = 0  # guarded by _lock: queued calls that no thread has claimed (pool at its cap)
         self._closed = False  # guarded by _lock
 
     def call(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> tuple[bool, Any]:
@@ -65,8 +64,8 @@ class BoundedCaller:
                 thread = threading.Thread(target=self._loop, name=f"layerkv-{self._name}-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
                 thread.start()
-            else:
-                self._backlog += 1
+            # else: at the cap the call waits for the first thread that frees up (threads never
+            # end, so from here on `_idle` only has to say "none free": it may run ahead)
         self._queue.put(job)
 
     def _loop(self) -> None:
@@ -77,11 +76,8 @@ class BoundedCaller:
             try:
                 job.run()
             finally:
-                with self._lock:  # the next queued job without a thread is this thread's, else idle
-                    if self._backlog > 0:
-                        self._backlog -= 1
-                    else:
-                        self._idle += 1
+                with self._lock:
+                    self._idle += 1
 
 
 class _Call:
