@@ -49,6 +49,7 @@ class WorkerStats:
     load_plans_layers: int = 0  # steps whose load plan read layer by layer straight into the cache
     load_plans_groups: int = 0  # ... groups of layers through staging
     load_plans_whole: int = 0  # ... whole objects through staging
+    load_plans_explored: int = 0  # auto plans made to measure the mode least recently used
     # saves
     save_keys: int = 0  # put sessions started
     saved_bytes: int = 0

@@ -134,6 +134,7 @@ class WorkerConnector:
         self._jobs = JobFactory(self.config, self.store, self.namespace, self.storage_role.storage_rank, self.layout,
                                 header, views, staged, self._staging, self.costs, self._load_lanes, self._save_lanes,
                                 self.pending, self._write, self._stats)
+        self._jobs.prepare_staging()
         self._memory.register(kv_caches)
         log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
                  self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self.namespace.name)

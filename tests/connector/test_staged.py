@@ -45,8 +45,10 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
     producer.run(Req("p", prefix + [1]))
     loaded = {}
     for name, layers_per_range in (("direct", 1), ("staged", k)):
+        bound = max_rows * producer.workers[0].layout.object_nbytes
+        monkeypatch.setattr(layerkv.worker_jobs, "MAX_STAGING_NBYTES", bound)
+        monkeypatch.setattr(layerkv.worker_jobs, "PREPARED_STAGING_NBYTES", bound)  # start-up staging within it too
         rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range)
-        monkeypatch.setattr(layerkv.worker_jobs, "MAX_STAGING_NBYTES", max_rows * rig.workers[0].layout.object_nbytes)
         a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
         (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
         assert ext_a == ext_b == 6 * BLOCK_SIZE
@@ -133,3 +135,20 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     assert keys[2] not in later and keys[3] in later
     rig.step([rig.chunk(b)])
     assert rig.wrong_blocks(b, range(6)) == []
+
+
+def test_staging_is_allocated_at_start_up(make_rig) -> None:
+    """The staging rows of a full step's staged loads and saves exist (pages mapped) once the
+    KV caches are registered, so the first staged load allocates nothing inside its transfer."""
+    producer = make_rig()
+    prefix = _tokens(6, extra=0)
+    producer.run(Req("p", prefix + [1]))
+    rig = make_rig(role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
+    staging = rig.workers[0]._staging
+    prepared = {b.kind: b.array for b in staging._buffers}
+    assert set(prepared) == {"groups", "save-images"}
+    assert all(a.shape[0] == rig.workers[0].config.max_transfer_blocks for a in prepared.values())
+    ext, invalid = rig.run(Req("a", prefix + _tokens(1, base=100)))
+    assert ext == 6 * BLOCK_SIZE and invalid == set()
+    assert [b.array for b in staging._buffers] == list(prepared.values())  # nothing allocated since
+    assert make_rig(role=KVRole.CONSUMER, transfer_plan="layers").workers[0]._staging._buffers == []

@@ -294,6 +294,7 @@ class LoadJob(JobState):
             else:
                 good = self._get_concurrently(wave, ranges, group.first_layer, group.label)
             good_slots = np.array([slot_of[int(r)] for r in good.tolist()], dtype=np.int64)
+            copy_start = time.perf_counter()  # header / checksum checks and the scatter
             if group.first_layer == 0:
                 checked = self._verify_headers(good, good_slots)
                 good, good_slots = good[checked], good_slots[checked]
@@ -309,6 +310,8 @@ class LoadJob(JobState):
                 if self.cancelled:
                     return
                 staged.scatter(group, staging, sources, targets)
+            if self._costs is not None:
+                self._costs.observe_copy(time.perf_counter() - copy_start, int(good.size) * group.span_nbytes)
             slot_of_row[wave] = -1
 
     def _get_concurrently(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int,

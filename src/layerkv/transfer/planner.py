@@ -3,7 +3,9 @@ through host staging, or whole objects) and how many concurrent range calls it s
 into, chosen from measured costs by simulating the step. Pure functions of their inputs (the
 tests pin the choices); `Costs` holds the running estimates the worker keeps. Any thread.
 
-    model:  read(group of k layers) = call_s + ceil(N / lanes) * range_s + N * k * layer_nbytes / bytes_per_s
+    model:  read(group of k layers) = lanes * call_s + ceil(N / lanes) * r * range_s + N * r * range_cpu_s
+                                      + N * k * layer_nbytes / bytes_per_s        (+ staging copy)
+            (N keys, r ranges per key: 1 for a staged group, K/V segments for a layer read)
             compute(layer)         = compute_per_layer_s (this step's tokens)
             layer l may compute when its group has arrived and layer l-1 is done
     choose: the plan whose simulated finish time is lowest (ties: fewer calls)
@@ -18,6 +20,8 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+
+import numpy as np
 
 WHOLE = "whole"  # one whole-object read per key into staging, then scatter (no session)
 GROUPS = "groups"  # layer groups, one range per key per group, through staging
@@ -42,6 +46,7 @@ class LoadPlan:
     group_ends: tuple[int, ...]  # exclusive end layer of each group (WHOLE: (num_layers,))
     lanes: int  # concurrent range calls per group read
     predicted_s: float = 0.0  # simulated time until the last layer is computed
+    explored: bool = False  # chosen to measure a mode whose estimates were the oldest (Exploration)
 
     @property
     def label(self) -> str:
@@ -49,55 +54,96 @@ class LoadPlan:
         return f"{self.mode}:{'+'.join(map(str, sizes))}x{self.lanes}"
 
 
+class _Fit:
+    """seconds ~ m . components, where the components are what the defaults predict for each
+    term (fixed, per range or per key, per byte) of one call: exponentially forgetting least
+    squares on the *relative* error, pulled towards m = 1 (the defaults) by a small ridge (a
+    fraction of each term's own weight in the data, so a term the defaults think small can still
+    grow to what is measured; a term the data never exercise stays at its default). Relative
+    error makes one stalled call nearly weightless (its error stays ~-1 whatever m is) and lets
+    calls of different shapes (few large ranges, many small ones) separate the per-range cost
+    from the bandwidth, which one scale factor per sample cannot."""
+
+    def __init__(self, size: int, forget: float, ridge: float = 0.05) -> None:
+        self.forget = forget
+        self.ridge = ridge
+        self.gram = np.zeros((size, size))
+        self.rhs = np.zeros(size)
+
+    def update(self, components: np.ndarray, seconds: float) -> np.ndarray:
+        row = components / seconds
+        self.gram = self.forget * self.gram + np.outer(row, row)
+        self.rhs = self.forget * self.rhs + row
+        ridge = self.ridge * np.diag(self.gram) + 1e-9  # relative to each term's weight in the data
+        m = np.linalg.solve(self.gram + np.diag(ridge), self.rhs + ridge)
+        return np.clip(m, 1 / 50, 50)
+
+
 @dataclass(slots=True)
 class Costs:
-    """Running estimates (exponentially weighted) of the store's per-call and per-range cost,
-    its bandwidth, the local copy bandwidth and the compute time per layer per token. Starts
-    from values measured on Mooncake over TCP loopback; updated by every transfer."""
+    """Running estimates of the store's per-call and per-range cost, its bandwidth, the local copy
+    bandwidth and the compute time per layer per token. Starts from values measured on Mooncake
+    over TCP loopback; every transfer refits them (`_Fit`), so plans follow what this machine
+    and transport do."""
 
-    call_s: float = 100e-6  # fixed cost of one range call
+    call_s: float = 100e-6  # fixed cost of one range call (concurrent calls each pay it)
     range_s: float = 40e-6  # cost of each range within a call (serial in Mooncake's TCP transport)
+    range_cpu_s: float = 5e-6  # cost of each range that concurrent calls do not overlap (CPU-bound hosts)
     bytes_per_s: float = 1.5e9  # range payload bandwidth
     whole_call_s: float = 150e-6  # fixed cost of one whole-object read call (includes the master lookup)
     whole_key_s: float = 20e-6  # per object of a whole-object read
     whole_bytes_per_s: float = 2.0e9
     copy_bytes_per_s: float = 5.0e9  # staging scatter + checksum (host memory)
     compute_per_layer_token_s: float = 2e-6  # compute of one layer for one token
-    weight: float = 0.2  # weight of each new sample
+    weight: float = 0.2  # weight of each new sample (the fits forget old samples at 1 - weight)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _fits: dict[str, tuple[_Fit, tuple[float, ...]]] = field(default_factory=dict, repr=False, compare=False)
 
     def snapshot(self) -> Costs:
         with self._lock:
-            return Costs(self.call_s, self.range_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
+            return Costs(self.call_s, self.range_s, self.range_cpu_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
                          self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s, self.weight)
 
     def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
-        """One (possibly concurrent) range read or write: `num_calls` calls of
+        """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
         `ranges_per_call` ranges moving `nbytes` in all took `seconds`."""
         if seconds <= 0 or ranges_per_call <= 0:
             return
         with self._lock:
-            predicted = self.call_s + ranges_per_call * self.range_s + nbytes / self.bytes_per_s
-            scale = _clamp(seconds / predicted)  # one factor for latency and bandwidth alike
-            self.range_s = _mix(self.range_s, self.range_s * scale, self.weight)
-            self.call_s = _mix(self.call_s, self.call_s * scale, self.weight)
-            self.bytes_per_s = _mix(self.bytes_per_s, self.bytes_per_s / scale, self.weight)
+            self.call_s, self.range_s, self.range_cpu_s, per_byte = self._refit(
+                "ranges", (self.call_s, self.range_s, self.range_cpu_s, 1 / self.bytes_per_s),
+                (num_calls, ranges_per_call, num_calls * ranges_per_call, nbytes), seconds)
+            self.bytes_per_s = 1 / per_byte
 
     def observe_whole(self, seconds: float, keys_per_call: int, nbytes: int) -> None:
         if seconds <= 0 or keys_per_call <= 0:
             return
         with self._lock:
-            predicted = self.whole_call_s + keys_per_call * self.whole_key_s + nbytes / self.whole_bytes_per_s
-            scale = _clamp(seconds / predicted)
-            self.whole_key_s = _mix(self.whole_key_s, self.whole_key_s * scale, self.weight)
-            self.whole_call_s = _mix(self.whole_call_s, self.whole_call_s * scale, self.weight)
-            self.whole_bytes_per_s = _mix(self.whole_bytes_per_s, self.whole_bytes_per_s / scale, self.weight)
+            self.whole_call_s, self.whole_key_s, per_byte = self._refit(
+                "whole", (self.whole_call_s, self.whole_key_s, 1 / self.whole_bytes_per_s), (1, keys_per_call, nbytes), seconds)
+            self.whole_bytes_per_s = 1 / per_byte
+
+    def observe_copy(self, seconds: float, nbytes: int) -> None:
+        """A staging scatter (and its checksums) of `nbytes`."""
+        if seconds <= 0 or nbytes <= 0:
+            return
+        with self._lock:
+            self.copy_bytes_per_s = _mix(self.copy_bytes_per_s, nbytes / seconds, self.weight)
 
     def observe_compute(self, seconds: float, num_layers: int, num_tokens: int) -> None:
         if seconds <= 0 or num_layers <= 0 or num_tokens <= 0:
             return
         with self._lock:
             self.compute_per_layer_token_s = _mix(self.compute_per_layer_token_s, seconds / (num_layers * num_tokens), self.weight)
+
+    def _refit(self, name: str, current: tuple[float, ...], counts: tuple[float, ...], seconds: float) -> list[float]:
+        """New per-unit costs of `name` (fixed, per range or key, ..., per byte) after one
+        (possibly concurrent) call of `counts` units took `seconds`."""
+        if name not in self._fits:  # the estimates when the first sample comes are the prior
+            self._fits[name] = (_Fit(len(current), 1 - self.weight), current)
+        fit, prior = self._fits[name]
+        m = fit.update(np.array(prior) * np.array(counts, dtype=float), seconds)
+        return [float(x) for x in np.array(prior) * m]
 
 
 def choose_lanes(num_keys: int, max_lanes: int, min_keys_per_lane: int = 8) -> int:
@@ -106,25 +152,29 @@ def choose_lanes(num_keys: int, max_lanes: int, min_keys_per_lane: int = 8) -> i
     return max(1, min(max_lanes, num_keys // min_keys_per_lane))
 
 
-def candidates(shape: StepShape, max_lanes: int) -> list[LoadPlan]:
+def candidates(shape: StepShape, max_lanes: int, lanes: int | None = None) -> list[LoadPlan]:
     """Plans worth simulating: per layer; layer 0 then groups of 1, 2, 4, ... layers (first
-    group 1 or 2 layers); whole objects."""
+    group 1 or 2 layers); whole objects; each on one lane and on `choose_lanes` lanes (or on
+    exactly `lanes`)."""
     L = shape.num_layers
-    lanes = choose_lanes(shape.num_keys, max_lanes)
-    plans = [LoadPlan(LAYERS, tuple(range(1, L + 1)), lanes)]
-    if not shape.staging_ok:
-        return plans
-    sizes = sorted({1 << i for i in range(max(1, math.ceil(math.log2(max(L, 1)))) + 1)} | {L})
-    for first in (1, 2):
-        if first > L:
-            continue
-        for size in sizes:
-            ends = [first]
-            while ends[-1] < L:
-                ends.append(min(L, ends[-1] + size))
-            plans.append(LoadPlan(GROUPS, tuple(ends), lanes))
-    plans.append(LoadPlan(WHOLE, (L,), lanes))
-    return list({p.group_ends + (p.mode,): p for p in plans}.values())
+    ends = [tuple(range(1, L + 1))]
+    if shape.staging_ok:
+        sizes = sorted({1 << i for i in range(max(1, math.ceil(math.log2(max(L, 1)))) + 1)} | {L})
+        for first in (1, 2):
+            if first > L:
+                continue
+            for size in sizes:
+                group_ends = [first]
+                while group_ends[-1] < L:
+                    group_ends.append(min(L, group_ends[-1] + size))
+                ends.append(tuple(group_ends))
+    plans = []
+    for n in (lanes,) if lanes else sorted({1, choose_lanes(shape.num_keys, max_lanes)}):
+        plans.append(LoadPlan(LAYERS, ends[0], n))
+        plans += [LoadPlan(GROUPS, e, n) for e in ends[1:]]
+        if shape.staging_ok:
+            plans.append(LoadPlan(WHOLE, (L,), n))
+    return list({(p.mode, p.group_ends, p.lanes): p for p in plans}.values())
 
 
 def simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int) -> float:
@@ -140,7 +190,8 @@ def simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int) ->
             read = costs.whole_call_s + keys_per_lane * costs.whole_key_s + payload / costs.whole_bytes_per_s
         else:
             ranges = shape.segments_per_layer * k if plan.mode == LAYERS else 1
-            read = costs.call_s + keys_per_lane * ranges * costs.range_s + payload / costs.bytes_per_s
+            read = (lanes * costs.call_s + keys_per_lane * ranges * costs.range_s + N * ranges * costs.range_cpu_s
+                    + payload / costs.bytes_per_s)
         copy = 0.0 if plan.mode == LAYERS else payload / costs.copy_bytes_per_s
         arrived += read + copy
         for _ in range(k):
@@ -149,21 +200,53 @@ def simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int) ->
     return done
 
 
-def choose_plan(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4) -> LoadPlan:
-    """The candidate with the lowest simulated finish time (ties: fewer groups)."""
+def choose_plan(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
+                kind: tuple[str, int] | None = None, lanes: int | None = None) -> LoadPlan:
+    """The candidate with the lowest simulated finish time (ties: fewer groups, fewer lanes);
+    with `kind` (mode, lanes), the best candidate of that kind (if there is one); with `lanes`,
+    only plans on exactly that many lanes."""
+    plans = candidates(shape, max_lanes, lanes)
+    if kind is not None and any((p.mode, p.lanes) == kind for p in plans):
+        plans = [p for p in plans if (p.mode, p.lanes) == kind]
     best: LoadPlan | None = None
-    for plan in candidates(shape, max_lanes):
+    for plan in plans:
         t = simulate(plan, shape, costs, num_tokens)
         scored = LoadPlan(plan.mode, plan.group_ends, plan.lanes, t)
-        if best is None or (t, len(plan.group_ends)) < (best.predicted_s * (1 - 1e-9), len(best.group_ends)):
+        if best is None or (t, len(plan.group_ends), plan.lanes) < (best.predicted_s * (1 - 1e-9), len(best.group_ends), best.lanes):
             best = scored
     assert best is not None
     return best
+
+
+def plan_kinds(shape: StepShape, max_lanes: int, lanes: int | None = None) -> tuple[tuple[str, int], ...]:
+    """The (mode, lanes) pairs `candidates` offers, in a fixed order."""
+    return tuple(dict.fromkeys((p.mode, p.lanes) for p in candidates(shape, max_lanes, lanes)))
+
+
+class Exploration:
+    """Which kind of plan (mode, lanes) an auto plan must be: every `every`-th plan (counting
+    from the second) is the kind whose estimates are the oldest, so that no kind is judged
+    forever by a few samples (the first whole-object read of a process paid for its buffer; a
+    model fitted only on many small ranges on 4 lanes cannot tell per-range cost from bandwidth,
+    nor whether lanes overlap). Compute thread only."""
+
+    def __init__(self, every: int = 8) -> None:
+        self.every = every
+        self.plans = 0
+        self.last_used: dict[tuple[str, int], int] = {}  # kind -> number of the plan that last was one
+
+    def kind_to_try(self, kinds: tuple[tuple[str, int], ...]) -> tuple[str, int] | None:
+        """The kind the next plan must be, or None (the planner chooses freely)."""
+        if self.every <= 0 or len(kinds) < 2 or self.plans % self.every != self.every - 1:
+            return None
+        return min(kinds, key=lambda k: (self.last_used.get(k, -1), kinds.index(k)))
+
+    def used(self, kind: tuple[str, int]) -> None:
+        self.last_used[kind] = self.plans
+        self.plans += 1
 
 
 def _mix(old: float, new: float, weight: float) -> float:
     return (1 - weight) * old + weight * new
 
 
-def _clamp(scale: float) -> float:
-    return min(4.0, max(0.25, scale))  # one odd sample moves the estimate at most 4x

@@ -39,7 +39,8 @@ class StagingPool:
         largest = max((b.array.shape[0] for b in self._buffers if b.kind == kind and b.array.shape[1] == width), default=0)
         rows = max(num_rows, 2 * largest, 32 if width < 4096 else 1)
         rows = min(rows, max(num_rows, self._max_nbytes // width))
-        array = np.zeros((rows, width), dtype=np.uint8)  # [rows, width]
+        array = np.empty((rows, width), dtype=np.uint8)  # [rows, width]
+        array.fill(0)  # every page mapped now, not inside the first transfer into it
         self._store.register_buffer(array.ctypes.data, array.nbytes)
         self._buffers.append(_Buffer(kind, array))
         return array
