@@ -224,8 +224,10 @@ class WorkerConnector:
         load, save = self._load, self._save
         plan = self._plan
         if plan is not None and self.layout is not None and self._step_start_s:
-            compute_s = time.perf_counter() - self._step_start_s - self._step_wait_s
-            self.costs.observe_compute(compute_s, self.layout.num_layers, plan.num_tokens)
+            step_s = time.perf_counter() - self._step_start_s
+            self.costs.observe_compute(step_s - self._step_wait_s, self.layout.num_layers, plan.num_tokens)
+            if load is not None and not load.cancelled:  # auto plans: how far off the simulation was
+                self.costs.observe_step((load.plan.mode, load.plan.lanes), load.plan.simulated_s, step_s)
         if load is not None and not load.cancelled and not load.wait_finished(self.config.load_timeout_s):
             load.give_up(f"still running after {self.config.load_timeout_s:.1f} s")
             self._stats.load_timeouts += 1

@@ -23,8 +23,8 @@ from layerkv.store.checked import CheckedStore
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.pending import PendingPuts
-from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, choose_lanes, choose_plan,
-                                     plan_kinds)
+from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds,
+                                     choose_lanes, fastest)
 from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.settle import SettleJob
 from layerkv.transfer.staged import StagedLayers, layer_groups
@@ -125,12 +125,15 @@ class JobFactory:
             staging_ok=self.staged is not None,
         )
         costs = self.costs.snapshot()
-        fixed_lanes = lanes or None  # transfer_lanes set: only plans on that many lanes
-        trying = self.exploration.kind_to_try(plan_kinds(shape, 4, fixed_lanes))
-        plan = choose_plan(shape, costs, num_tokens, kind=trying, lanes=fixed_lanes)
+        best = best_of_kinds(shape, costs, num_tokens, lanes=lanes or None)  # transfer_lanes set: only that many
+        trying = self.exploration.kind_to_try({kind: p.predicted_s for kind, p in best.items()})
+        plan = fastest(best.values())
+        explored = trying is not None and trying != (plan.mode, plan.lanes)
+        if trying is not None:
+            plan = best[trying]
         self.exploration.used((plan.mode, plan.lanes))
-        self.stats.load_plans_explored += trying is not None
-        return LoadPlan(plan.mode, plan.group_ends, plan.lanes, plan.predicted_s, trying is not None), None
+        self.stats.load_plans_explored += explored
+        return LoadPlan(plan.mode, plan.group_ends, plan.lanes, plan.predicted_s, explored, plan.simulated_s), None
 
     def start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
         by_key: dict[ObjectKey, SaveKey] = {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, candidates, choose_lanes,
-                                     choose_plan, plan_kinds, simulate)
+from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds, candidates,
+                                     choose_lanes, choose_plan, fastest, plan_kinds, simulate)
 
 SHAPE = StepShape(num_keys=64, num_layers=8, layer_nbytes=128 << 10, header_nbytes=192, segments_per_layer=2, staging_ok=True)
 # Mooncake over TCP loopback, as measured here: ~40 us per range, ~1.5 GB/s
@@ -152,14 +152,41 @@ def test_lanes_that_do_not_overlap_are_not_used() -> None:
     assert choose_plan(SHAPE, overlapping, num_tokens=32).lanes == 4
 
 
-def test_exploration_tries_the_least_recently_used_kind_every_nth_plan() -> None:
-    kinds = ((LAYERS, 1), (GROUPS, 1), (WHOLE, 4))
-    exploring = Exploration(every=4)
+def test_exploration_tries_the_least_recently_used_plausible_kind_every_nth_plan() -> None:
+    predicted = {(LAYERS, 1): 1.0, (GROUPS, 1): 1.2, (WHOLE, 4): 1.4, (GROUPS, 4): 2.0}  # (GROUPS, 4): > 1.5x
+    exploring = Exploration(every=4, plausible=1.5)
     tried = []
     for _ in range(12):
-        kind = exploring.kind_to_try(kinds)
+        kind = exploring.kind_to_try(predicted)
         tried.append(kind)
         exploring.used(kind or (LAYERS, 1))  # the free choice is always (LAYERS, 1) here
-    assert tried == [None, None, None, (GROUPS, 1), None, None, None, (WHOLE, 4), None, None, None, (GROUPS, 1)]
-    assert Exploration(every=4).kind_to_try(((LAYERS, 1),)) is None  # nothing else to try
-    assert all(Exploration(every=0).kind_to_try(kinds) is None for _ in range(10))
+    assert tried == [(LAYERS, 1), None, None, None, (GROUPS, 1), None, None, None, (WHOLE, 4), None, None, None]
+    assert Exploration(every=4).kind_to_try({(LAYERS, 1): 1.0}) is None  # nothing else to try
+    assert all(Exploration(every=0).kind_to_try(predicted) is None for _ in range(10))
+
+
+def test_the_worker_plan_is_the_fastest_kind_unless_exploring() -> None:
+    best = best_of_kinds(SHAPE, VLLM_CPU, 32)
+    assert tuple(best) == plan_kinds(SHAPE, 4)
+    assert fastest(best.values()) == choose_plan(SHAPE, VLLM_CPU, 32)
+    assert all(p.predicted_s == pytest.approx(simulate(p, SHAPE, VLLM_CPU, 32)) for p in best.values())
+
+
+def test_a_kind_that_measures_slower_than_simulated_loses_its_place() -> None:
+    """What the model leaves out (here: per-layer reads competing with compute for the cores)
+    shows as steps of that kind taking longer than simulated; the planner then prefers the next
+    kind. One odd step moves the factor at most 4x, weighted."""
+    costs = VLLM_CPU.snapshot()
+    costs.range_s, costs.range_cpu_s, costs.copy_bytes_per_s = 0.0, 20e-6, 2e9  # per-layer reads look best
+    first = choose_plan(SHAPE, costs, 32)
+    assert first.mode == LAYERS and first.predicted_s == pytest.approx(first.simulated_s)
+    for _ in range(10):
+        for lanes in (1, 4):  # per-layer reads on any number of lanes
+            plan = choose_plan(SHAPE, costs, 32, kind=(LAYERS, lanes))
+            costs.observe_step((LAYERS, lanes), plan.simulated_s, 1.4 * plan.simulated_s)
+    assert costs.kind_factor[(first.mode, first.lanes)] == pytest.approx(1.4, rel=0.1)
+    second = choose_plan(SHAPE, costs.snapshot(), 32)
+    assert second.mode != LAYERS and second.predicted_s < 1.4 * first.simulated_s
+    one = VLLM_CPU.snapshot()
+    one.observe_step((LAYERS, 1), 0.1, 100.0)  # a stalled step
+    assert one.kind_factor[(LAYERS, 1)] == pytest.approx(0.8 + 0.2 * 4)

@@ -8,7 +8,9 @@ tests pin the choices); `Costs` holds the running estimates the worker keeps. An
             (N keys, r ranges per key: 1 for a staged group, K/V segments for a layer read)
             compute(layer)         = compute_per_layer_s (this step's tokens)
             layer l may compute when its group has arrived and layer l-1 is done
-    choose: the plan whose simulated finish time is lowest (ties: fewer calls)
+            x the kind's (mode, lanes) measured step time / simulated step time
+    choose: the plan whose predicted finish time is lowest (ties: fewer calls); every 4th plan,
+            the plausible kind measured least recently (Exploration)
 
 With little compute (a short suffix) the cheapest plan is few large reads (whole objects, or
 layer 0 then everything else); with enough compute, groups that stay ahead of it hide the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +50,7 @@ class LoadPlan:
     lanes: int  # concurrent range calls per group read
     predicted_s: float = 0.0  # simulated time until the last layer is computed
     explored: bool = False  # chosen to measure a mode whose estimates were the oldest (Exploration)
+    simulated_s: float = 0.0  # what `simulate` said, before the kind's measured correction
 
     @property
     def label(self) -> str:
@@ -96,13 +100,17 @@ class Costs:
     copy_bytes_per_s: float = 5.0e9  # staging scatter + checksum (host memory)
     compute_per_layer_token_s: float = 2e-6  # compute of one layer for one token
     weight: float = 0.2  # weight of each new sample (the fits forget old samples at 1 - weight)
+    # per plan kind (mode, lanes): measured step time / simulated step time, what the model
+    # leaves out (on a CPU-bound host the transfer competes with compute for the same cores)
+    kind_factor: dict[tuple[str, int], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _fits: dict[str, tuple[_Fit, tuple[float, ...]]] = field(default_factory=dict, repr=False, compare=False)
 
     def snapshot(self) -> Costs:
         with self._lock:
             return Costs(self.call_s, self.range_s, self.range_cpu_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
-                         self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s, self.weight)
+                         self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s, self.weight,
+                         kind_factor=dict(self.kind_factor))
 
     def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
         """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
@@ -129,6 +137,15 @@ class Costs:
             return
         with self._lock:
             self.copy_bytes_per_s = _mix(self.copy_bytes_per_s, nbytes / seconds, self.weight)
+
+    def observe_step(self, kind: tuple[str, int], simulated_s: float, seconds: float) -> None:
+        """A step whose load plan of `kind` was simulated to take `simulated_s` took `seconds`
+        from the start of its loads to the end of its forward."""
+        if seconds <= 0 or simulated_s <= 0:
+            return
+        with self._lock:
+            ratio = min(4.0, max(0.25, seconds / simulated_s))  # one odd step moves it at most this far
+            self.kind_factor[kind] = _mix(self.kind_factor.get(kind, 1.0), ratio, self.weight)
 
     def observe_compute(self, seconds: float, num_layers: int, num_tokens: int) -> None:
         if seconds <= 0 or num_layers <= 0 or num_tokens <= 0:
@@ -200,22 +217,33 @@ def simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int) ->
     return done
 
 
+def best_of_kinds(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
+                  lanes: int | None = None) -> dict[tuple[str, int], LoadPlan]:
+    """Each kind's (mode, lanes) best candidate, with its predicted finish time (simulated, times
+    the kind's measured correction; ties: fewer groups); with `lanes`, only plans on exactly
+    that many lanes. In `plan_kinds` order."""
+    best: dict[tuple[str, int], LoadPlan] = {}
+    for plan in candidates(shape, max_lanes, lanes):
+        kind = (plan.mode, plan.lanes)
+        simulated = simulate(plan, shape, costs, num_tokens)
+        t = simulated * costs.kind_factor.get(kind, 1.0)
+        old = best.get(kind)
+        if old is None or (t, len(plan.group_ends)) < (old.predicted_s * (1 - 1e-9), len(old.group_ends)):
+            best[kind] = LoadPlan(plan.mode, plan.group_ends, plan.lanes, t, simulated_s=simulated)
+    return best
+
+
+def fastest(plans: Iterable[LoadPlan]) -> LoadPlan:
+    """The plan predicted to finish first (ties: fewer groups, then fewer lanes)."""
+    return min(plans, key=lambda p: (p.predicted_s, len(p.group_ends), p.lanes))
+
+
 def choose_plan(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
                 kind: tuple[str, int] | None = None, lanes: int | None = None) -> LoadPlan:
-    """The candidate with the lowest simulated finish time (ties: fewer groups, fewer lanes);
-    with `kind` (mode, lanes), the best candidate of that kind (if there is one); with `lanes`,
-    only plans on exactly that many lanes."""
-    plans = candidates(shape, max_lanes, lanes)
-    if kind is not None and any((p.mode, p.lanes) == kind for p in plans):
-        plans = [p for p in plans if (p.mode, p.lanes) == kind]
-    best: LoadPlan | None = None
-    for plan in plans:
-        t = simulate(plan, shape, costs, num_tokens)
-        scored = LoadPlan(plan.mode, plan.group_ends, plan.lanes, t)
-        if best is None or (t, len(plan.group_ends), plan.lanes) < (best.predicted_s * (1 - 1e-9), len(best.group_ends), best.lanes):
-            best = scored
-    assert best is not None
-    return best
+    """The candidate with the lowest predicted finish time; with `kind` (mode, lanes), the best
+    candidate of that kind (if there is one); with `lanes`, only plans on that many lanes."""
+    best = best_of_kinds(shape, costs, num_tokens, max_lanes, lanes)
+    return best[kind] if kind in best else fastest(best.values())
 
 
 def plan_kinds(shape: StepShape, max_lanes: int, lanes: int | None = None) -> tuple[tuple[str, int], ...]:
@@ -225,20 +253,26 @@ def plan_kinds(shape: StepShape, max_lanes: int, lanes: int | None = None) -> tu
 
 class Exploration:
     """Which kind of plan (mode, lanes) an auto plan must be: every `every`-th plan (counting
-    from the second) is the kind whose estimates are the oldest, so that no kind is judged
-    forever by a few samples (the first whole-object read of a process paid for its buffer; a
-    model fitted only on many small ranges on 4 lanes cannot tell per-range cost from bandwidth,
-    nor whether lanes overlap). Compute thread only."""
+    from the first) is, among the kinds predicted within `plausible` x the fastest, the one
+    measured least recently, so that no kind is judged forever by a few samples (the first
+    whole-object read of a process paid for its buffer; a model fitted only on many small ranges
+    on 4 lanes cannot tell per-range cost from bandwidth, nor whether lanes overlap). Kinds
+    predicted far slower are never forced (a forced whole-object read under a long suffix would
+    give up all overlap). Compute thread only."""
 
-    def __init__(self, every: int = 8) -> None:
+    def __init__(self, every: int = 4, plausible: float = 1.5) -> None:
         self.every = every
+        self.plausible = plausible
         self.plans = 0
         self.last_used: dict[tuple[str, int], int] = {}  # kind -> number of the plan that last was one
 
-    def kind_to_try(self, kinds: tuple[tuple[str, int], ...]) -> tuple[str, int] | None:
-        """The kind the next plan must be, or None (the planner chooses freely)."""
-        if self.every <= 0 or len(kinds) < 2 or self.plans % self.every != self.every - 1:
+    def kind_to_try(self, predicted_s: Mapping[tuple[str, int], float]) -> tuple[str, int] | None:
+        """The kind the next plan must be, or None (the planner chooses freely); `predicted_s`:
+        each kind's best predicted finish time, in a fixed order."""
+        if self.every <= 0 or len(predicted_s) < 2 or self.plans % self.every != 0:
             return None
+        limit = self.plausible * min(predicted_s.values())
+        kinds = [k for k, t in predicted_s.items() if t <= limit]
         return min(kinds, key=lambda k: (self.last_used.get(k, -1), kinds.index(k)))
 
     def used(self, kind: tuple[str, int]) -> None:
