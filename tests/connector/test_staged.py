@@ -152,3 +152,21 @@ def test_staging_is_allocated_at_start_up(make_rig) -> None:
     assert ext == 6 * BLOCK_SIZE and invalid == set()
     assert [b.array for b in staging._buffers] == list(prepared.values())  # nothing allocated since
     assert make_rig(role=KVRole.CONSUMER, transfer_plan="layers").workers[0]._staging._buffers == []
+
+
+def test_auto_plans_feed_their_measurements_back(make_rig) -> None:
+    """Every auto-planned load corrects its kind's prediction with the step's measured time,
+    and the first plan of a worker measures a kind (exploration) -- the wiring the pure planner
+    tests cannot see."""
+    producer = make_rig()
+    prefix = _tokens(6, extra=0)
+    producer.run(Req("p", prefix + [1]))
+    rig = make_rig(role=KVRole.CONSUMER, transfer_plan="auto")  # the default outside this rig
+    worker = rig.workers[0]
+    assert worker.costs.kind_factor == {}
+    for i in range(3):
+        ext, invalid = rig.run(Req(f"a{i}", prefix + _tokens(1, base=100 + i)))
+        assert ext == 6 * BLOCK_SIZE and invalid == set()
+    assert worker.costs.kind_factor and all(f > 0 for f in worker.costs.kind_factor.values())
+    stats = worker.stats()
+    assert stats.load_plans_layers + stats.load_plans_groups + stats.load_plans_whole == 3
