@@ -224,13 +224,13 @@ class WorkerConnector:
         load, save = self._load, self._save
         plan = self._plan
         if plan is not None and self.layout is not None and self._step_start_s:
-            step_s = time.perf_counter() - self._step_start_s
-            self.costs.observe_compute(step_s - self._step_wait_s, self.layout.num_layers, plan.num_tokens)
-            if load is not None and not load.cancelled:  # auto plans: how far off the simulation was
-                self.costs.observe_step((load.plan.mode, load.plan.lanes), load.plan.simulated_s, step_s)
+            compute_s = time.perf_counter() - self._step_start_s - self._step_wait_s
+            self.costs.observe_compute(compute_s, self.layout.num_layers, plan.num_tokens)
         if load is not None and not load.cancelled and not load.wait_finished(self.config.load_timeout_s):
             load.give_up(f"still running after {self.config.load_timeout_s:.1f} s")
             self._stats.load_timeouts += 1
+        if load is not None and load.finished and not load.cancelled and self._jobs is not None:
+            self._jobs.observe_load(load)  # auto plans: how far off the cost model was
         if save is not None:
             if self.layout is not None:
                 self._hand_layers_before(self.layout.num_layers)

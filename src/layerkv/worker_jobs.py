@@ -24,7 +24,7 @@ from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.pending import PendingPuts
 from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds,
-                                     choose_lanes, fastest)
+                                     choose_lanes, fastest, transfer_s)
 from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.settle import SettleJob
 from layerkv.transfer.staged import StagedLayers, layer_groups
@@ -116,14 +116,7 @@ class JobFactory:
             return LoadPlan(GROUPS, ends, lanes or 1), self.config.prefetch_layers
         if mode == "whole":
             return LoadPlan(WHOLE, (L,), lanes or choose_lanes(num_keys, 4)), None
-        shape = StepShape(
-            num_keys=num_keys,
-            num_layers=self.layout.num_layers,
-            layer_nbytes=max(self.layout.layer_nbytes(l) for l in range(self.layout.num_layers)),
-            header_nbytes=self.layout.header_nbytes,
-            segments_per_layer=max(self.layout.template(l).num_segments for l in range(self.layout.num_layers)),
-            staging_ok=self.staged is not None,
-        )
+        shape = self.step_shape(num_keys)
         costs = self.costs.snapshot()
         best = best_of_kinds(shape, costs, num_tokens, lanes=lanes or None)  # transfer_lanes set: only that many
         trying = self.exploration.kind_to_try({kind: p.predicted_s for kind, p in best.items()})
@@ -133,7 +126,25 @@ class JobFactory:
             plan = best[trying]
         self.exploration.used((plan.mode, plan.lanes))
         self.stats.load_plans_explored += explored
-        return LoadPlan(plan.mode, plan.group_ends, plan.lanes, plan.predicted_s, explored, plan.simulated_s), None
+        return LoadPlan(plan.mode, plan.group_ends, plan.lanes, plan.predicted_s, explored), None
+
+    def step_shape(self, num_keys: int) -> StepShape:
+        layout = self.layout
+        return StepShape(
+            num_keys=num_keys,
+            num_layers=layout.num_layers,
+            layer_nbytes=max(layout.layer_nbytes(l) for l in range(layout.num_layers)),
+            header_nbytes=layout.header_nbytes,
+            segments_per_layer=max(layout.template(l).num_segments for l in range(layout.num_layers)),
+            staging_ok=self.staged is not None,
+        )
+
+    def observe_load(self, job: LoadJob) -> None:
+        """An auto-planned load that read every layer: its kind's correction (planner.Costs)."""
+        plan = job.plan
+        if plan.predicted_s > 0 and job.outcome.transfer_s > 0:
+            modelled = transfer_s(plan, self.step_shape(len(job.keys)), self.costs.snapshot())
+            self.costs.observe_transfer((plan.mode, plan.lanes), modelled, job.outcome.transfer_s)
 
     def start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
         by_key: dict[ObjectKey, SaveKey] = {}

@@ -155,9 +155,8 @@ def test_staging_is_allocated_at_start_up(make_rig) -> None:
 
 
 def test_auto_plans_feed_their_measurements_back(make_rig) -> None:
-    """Every auto-planned load corrects its kind's prediction with the step's measured time,
-    and the first plan of a worker measures a kind (exploration) -- the wiring the pure planner
-    tests cannot see."""
+    """Every auto-planned load corrects its kind's predicted reads with its measured transfer
+    time -- the wiring the pure planner tests cannot see."""
     producer = make_rig()
     prefix = _tokens(6, extra=0)
     producer.run(Req("p", prefix + [1]))

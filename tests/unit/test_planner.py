@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds, candidates,
-                                     choose_lanes, choose_plan, fastest, plan_kinds, simulate)
+                                     choose_lanes, choose_plan, fastest, plan_kinds, simulate, transfer_s)
 
 SHAPE = StepShape(num_keys=64, num_layers=8, layer_nbytes=128 << 10, header_nbytes=192, segments_per_layer=2, staging_ok=True)
 # Mooncake over TCP loopback, as measured here: ~40 us per range, ~1.5 GB/s
@@ -28,7 +28,7 @@ def test_lanes_need_enough_keys_each() -> None:
 def test_simulation_adds_what_cannot_overlap() -> None:
     shape = StepShape(num_keys=8, num_layers=2, layer_nbytes=1000, header_nbytes=0, segments_per_layer=1, staging_ok=True)
     costs = Costs(call_s=1.0, range_s=0.5, range_cpu_s=0.25, bytes_per_s=8000.0, copy_bytes_per_s=1e18,
-                  compute_per_layer_token_s=3.0)
+                  compute_per_layer_token_s=3.0, compute_per_layer_s=0.0)
     # per layer, 1 lane: each read = 1 + 8 * 0.5 + 8 * 0.25 + 8000 / 8000 = 8 s; layer 0 computes 8..11,
     # layer 1 arrives at 16, computes 16..19
     assert simulate(LoadPlan(LAYERS, (1, 2), 1), shape, costs, num_tokens=1) == pytest.approx(19.0)
@@ -112,8 +112,19 @@ def test_whole_object_and_copy_and_compute_estimates_follow_samples() -> None:
     predicted = costs.whole_call_s + 16 * costs.whole_key_s + (64 << 20) / costs.whole_bytes_per_s
     assert predicted == pytest.approx(0.064, rel=0.05)
     assert costs.copy_bytes_per_s == pytest.approx((8 << 20) / 0.004, rel=0.01)
-    costs.observe_compute(0.08, num_layers=8, num_tokens=1000)
-    assert costs.compute_per_layer_token_s == pytest.approx(0.8 * MOONCAKE.compute_per_layer_token_s + 0.2 * 1e-5)
+
+
+
+def test_compute_is_a_fixed_part_plus_a_part_per_token() -> None:
+    """Decode steps (1 token, 5 ms) between prefills (1,000 tokens, 80 ms): both are predicted,
+    and a decode step no longer reads as 5 ms per token (which made the next prefill's compute
+    look 60x too long)."""
+    costs = MOONCAKE.snapshot()
+    for _ in range(20):
+        costs.observe_compute(0.005, num_layers=8, num_tokens=1)
+        costs.observe_compute(0.080, num_layers=8, num_tokens=1000)
+    for tokens, seconds in ((1, 0.005), (1000, 0.080)):
+        assert 8 * (costs.compute_per_layer_s + tokens * costs.compute_per_layer_token_s) == pytest.approx(seconds, rel=0.1)
 
 
 # Costs fitted from a real vLLM CPU engine loading a 2,048-token prefix with 32 new tokens here
@@ -172,21 +183,26 @@ def test_the_worker_plan_is_the_fastest_kind_unless_exploring() -> None:
     assert all(p.predicted_s == pytest.approx(simulate(p, SHAPE, VLLM_CPU, 32)) for p in best.values())
 
 
-def test_a_kind_that_measures_slower_than_simulated_loses_its_place() -> None:
-    """What the model leaves out (here: per-layer reads competing with compute for the cores)
-    shows as steps of that kind taking longer than simulated; the planner then prefers the next
-    kind. One odd step moves the factor at most 4x, weighted."""
+def test_a_kind_whose_reads_measure_slower_than_modelled_loses_its_place() -> None:
+    """What the cost model leaves out (here: per-layer reads competing with compute for the
+    cores) shows as loads of that kind reading their last layer later than modelled; their reads
+    are then predicted that much longer and the planner prefers the next kind. Compute
+    estimates do not enter the factor. One odd load moves it at most 4x, weighted."""
     costs = VLLM_CPU.snapshot()
     costs.range_s, costs.range_cpu_s, costs.copy_bytes_per_s = 0.0, 20e-6, 2e9  # per-layer reads look best
     first = choose_plan(SHAPE, costs, 32)
-    assert first.mode == LAYERS and first.predicted_s == pytest.approx(first.simulated_s)
+    assert first.mode == LAYERS
     for _ in range(10):
         for lanes in (1, 4):  # per-layer reads on any number of lanes
             plan = choose_plan(SHAPE, costs, 32, kind=(LAYERS, lanes))
-            costs.observe_step((LAYERS, lanes), plan.simulated_s, 1.4 * plan.simulated_s)
+            modelled = transfer_s(plan, SHAPE, costs)
+            costs.observe_transfer((LAYERS, lanes), modelled, 1.4 * modelled)
     assert costs.kind_factor[(first.mode, first.lanes)] == pytest.approx(1.4, rel=0.1)
+    slower = choose_plan(SHAPE, costs, 32, kind=(first.mode, first.lanes))
+    assert transfer_s(slower, SHAPE, costs) == pytest.approx(transfer_s(first, SHAPE, costs))  # the model is unchanged
+    assert slower.predicted_s > first.predicted_s + 0.3 * transfer_s(first, SHAPE, costs)  # its reads are 1.4x as long
     second = choose_plan(SHAPE, costs.snapshot(), 32)
-    assert second.mode != LAYERS and second.predicted_s < 1.4 * first.simulated_s
+    assert second.mode != LAYERS
     one = VLLM_CPU.snapshot()
-    one.observe_step((LAYERS, 1), 0.1, 100.0)  # a stalled step
+    one.observe_transfer((LAYERS, 1), 0.1, 100.0)  # a stalled load
     assert one.kind_factor[(LAYERS, 1)] == pytest.approx(0.8 + 0.2 * 4)

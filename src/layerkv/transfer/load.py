@@ -61,6 +61,7 @@ class LoadOutcome:
     loaded_bytes: int = 0
     range_calls: int = 0  # range calls made (the store may split each into chunks)
     read_s: float = 0.0
+    transfer_s: float = 0.0  # from the start of the job to its last layer read (0: not every layer read)
     header_failures: int = 0
     checksum_failures: int = 0
     fenced_keys: int = 0  # failed because the store had an outage after their session started
@@ -158,6 +159,7 @@ class LoadJob(JobState):
 
     # -- receive thread -------------------------------------------------------------------
     def run(self) -> None:
+        start = time.perf_counter()
         try:
             whole = self.plan.mode == WHOLE  # whole-object reads need no session
             if not self.cancelled and (whole or self._start_sessions(np.arange(len(self.keys)))):
@@ -175,6 +177,8 @@ class LoadJob(JobState):
                     with self.cond:
                         self.layers_done = group.end_layer
                         self.cond.notify_all()
+                if self.layers_done == self._layout.num_layers:
+                    self.outcome.transfer_s = time.perf_counter() - start
         except BaseException as exc:  # noqa: BLE001 - published to the compute thread
             log.exception("layerkv: load thread failed; every block of this step is invalid")
             self.outcome.error = exc

@@ -6,9 +6,9 @@ tests pin the choices); `Costs` holds the running estimates the worker keeps. An
     model:  read(group of k layers) = lanes * call_s + ceil(N / lanes) * r * range_s + N * r * range_cpu_s
                                       + N * k * layer_nbytes / bytes_per_s        (+ staging copy)
             (N keys, r ranges per key: 1 for a staged group, K/V segments for a layer read)
-            compute(layer)         = compute_per_layer_s (this step's tokens)
+            compute(layer)         = compute_per_layer_s + compute_per_layer_token_s * this step's tokens
             layer l may compute when its group has arrived and layer l-1 is done
-            x the kind's (mode, lanes) measured step time / simulated step time
+            reads x the kind's (mode, lanes) measured / modelled transfer time
     choose: the plan whose predicted finish time is lowest (ties: fewer calls); every 4th plan,
             the plausible kind measured least recently (Exploration)
 
@@ -50,7 +50,6 @@ class LoadPlan:
     lanes: int  # concurrent range calls per group read
     predicted_s: float = 0.0  # simulated time until the last layer is computed
     explored: bool = False  # chosen to measure a mode whose estimates were the oldest (Exploration)
-    simulated_s: float = 0.0  # what `simulate` said, before the kind's measured correction
 
     @property
     def label(self) -> str:
@@ -99,9 +98,10 @@ class Costs:
     whole_bytes_per_s: float = 2.0e9
     copy_bytes_per_s: float = 5.0e9  # staging scatter + checksum (host memory)
     compute_per_layer_token_s: float = 2e-6  # compute of one layer for one token
+    compute_per_layer_s: float = 50e-6  # compute of one layer whatever the tokens (a decode step's floor)
     weight: float = 0.2  # weight of each new sample (the fits forget old samples at 1 - weight)
-    # per plan kind (mode, lanes): measured step time / simulated step time, what the model
-    # leaves out (on a CPU-bound host the transfer competes with compute for the same cores)
+    # per plan kind (mode, lanes): measured transfer time / modelled transfer time, what the model
+    # leaves out (on a CPU-bound host per-layer reads compete with compute for the same cores)
     kind_factor: dict[tuple[str, int], float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _fits: dict[str, tuple[_Fit, tuple[float, ...]]] = field(default_factory=dict, repr=False, compare=False)
@@ -109,8 +109,8 @@ class Costs:
     def snapshot(self) -> Costs:
         with self._lock:
             return Costs(self.call_s, self.range_s, self.range_cpu_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
-                         self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s, self.weight,
-                         kind_factor=dict(self.kind_factor))
+                         self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s,
+                         self.compute_per_layer_s, self.weight, kind_factor=dict(self.kind_factor))
 
     def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
         """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
@@ -138,20 +138,25 @@ class Costs:
         with self._lock:
             self.copy_bytes_per_s = _mix(self.copy_bytes_per_s, nbytes / seconds, self.weight)
 
-    def observe_step(self, kind: tuple[str, int], simulated_s: float, seconds: float) -> None:
-        """A step whose load plan of `kind` was simulated to take `simulated_s` took `seconds`
-        from the start of its loads to the end of its forward."""
-        if seconds <= 0 or simulated_s <= 0:
+    def observe_transfer(self, kind: tuple[str, int], modelled_s: float, seconds: float) -> None:
+        """A load of plan kind `kind` read its last layer after `seconds`, where the cost model,
+        refitted with that load's own calls, says `modelled_s` (`transfer_s`): the factor keeps
+        only what the refitted model cannot explain (counting the fit's own error twice would
+        condemn a kind for one slow first call)."""
+        if seconds <= 0 or modelled_s <= 0:
             return
         with self._lock:
-            ratio = min(4.0, max(0.25, seconds / simulated_s))  # one odd step moves it at most this far
+            ratio = min(4.0, max(0.25, seconds / modelled_s))  # one odd load moves it at most this far
             self.kind_factor[kind] = _mix(self.kind_factor.get(kind, 1.0), ratio, self.weight)
 
     def observe_compute(self, seconds: float, num_layers: int, num_tokens: int) -> None:
         if seconds <= 0 or num_layers <= 0 or num_tokens <= 0:
             return
         with self._lock:
-            self.compute_per_layer_token_s = _mix(self.compute_per_layer_token_s, seconds / (num_layers * num_tokens), self.weight)
+            # fixed + per token: a 1-token decode step's time must not read as a per-token cost
+            self.compute_per_layer_s, self.compute_per_layer_token_s = self._refit(
+                "compute", (self.compute_per_layer_s, self.compute_per_layer_token_s), (num_layers, num_layers * num_tokens),
+                seconds)
 
     def _refit(self, name: str, current: tuple[float, ...], counts: tuple[float, ...], seconds: float) -> list[float]:
         """New per-unit costs of `name` (fixed, per range or key, ..., per byte) after one
@@ -195,10 +200,23 @@ def candidates(shape: StepShape, max_lanes: int, lanes: int | None = None) -> li
 
 
 def simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int) -> float:
-    """Seconds from the start of the step until its last layer is computed under `plan`."""
+    """Seconds from the start of the step until its last layer is computed under `plan` (its
+    reads scaled by the kind's measured factor)."""
+    return _simulate(plan, shape, costs, num_tokens)[1]
+
+
+def transfer_s(plan: LoadPlan, shape: StepShape, costs: Costs) -> float:
+    """Seconds until the last layer of `plan` is read, as the cost model alone says (no factor)."""
+    return _simulate(plan, shape, costs, 1, factor=1.0)[0]
+
+
+def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, factor: float | None = None) -> tuple[float, float]:
+    """(when the last layer is read, when it is computed)."""
+    if factor is None:
+        factor = costs.kind_factor.get((plan.mode, plan.lanes), 1.0)
     N, lanes = shape.num_keys, plan.lanes
     keys_per_lane = math.ceil(N / lanes)
-    compute_s = costs.compute_per_layer_token_s * max(1, num_tokens)
+    compute_s = costs.compute_per_layer_s + costs.compute_per_layer_token_s * max(1, num_tokens)
     arrived, done, start_layer = 0.0, 0.0, 0
     for end in plan.group_ends:
         k = end - start_layer
@@ -210,26 +228,24 @@ def simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int) ->
             read = (lanes * costs.call_s + keys_per_lane * ranges * costs.range_s + N * ranges * costs.range_cpu_s
                     + payload / costs.bytes_per_s)
         copy = 0.0 if plan.mode == LAYERS else payload / costs.copy_bytes_per_s
-        arrived += read + copy
+        arrived += (read + copy) * factor
         for _ in range(k):
             done = max(done, arrived) + compute_s
         start_layer = end
-    return done
+    return arrived, done
 
 
 def best_of_kinds(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
                   lanes: int | None = None) -> dict[tuple[str, int], LoadPlan]:
-    """Each kind's (mode, lanes) best candidate, with its predicted finish time (simulated, times
-    the kind's measured correction; ties: fewer groups); with `lanes`, only plans on exactly
-    that many lanes. In `plan_kinds` order."""
+    """Each kind's (mode, lanes) best candidate, with its predicted finish time (ties: fewer
+    groups); with `lanes`, only plans on exactly that many lanes. In `plan_kinds` order."""
     best: dict[tuple[str, int], LoadPlan] = {}
     for plan in candidates(shape, max_lanes, lanes):
         kind = (plan.mode, plan.lanes)
-        simulated = simulate(plan, shape, costs, num_tokens)
-        t = simulated * costs.kind_factor.get(kind, 1.0)
+        t = simulate(plan, shape, costs, num_tokens)
         old = best.get(kind)
         if old is None or (t, len(plan.group_ends)) < (old.predicted_s * (1 - 1e-9), len(old.group_ends)):
-            best[kind] = LoadPlan(plan.mode, plan.group_ends, plan.lanes, t, simulated_s=simulated)
+            best[kind] = LoadPlan(plan.mode, plan.group_ends, plan.lanes, t)
     return best
 
 
