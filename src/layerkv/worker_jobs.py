@@ -57,6 +57,7 @@ class JobFactory:
     writer: TransferThread  # staged saves' writes go there
     stats: WorkerStats
     exploration: Exploration = field(default_factory=Exploration)  # auto plans: which mode to try
+    last_predictions: dict[str, float] = field(default_factory=dict)  # the last auto plan's best per kind (ms)
 
     def prepare_staging(self) -> None:
         """Allocate (and map) the staging rows of one full step's staged loads and saves now, at
@@ -97,7 +98,8 @@ class JobFactory:
         self.stats.count_plan(plan.mode)
         if self.store.audit is not None:
             self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
-                                  predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored)
+                                  predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored,
+                                  kinds_ms=self.last_predictions if plan.predicted_s else {})
         job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.header, staging=staging,
                       views=self.views, plan=plan, lanes=self.load_lanes, renew_after_s=self.config.lease_renew_after_s,
                       prefetch_layers=prefetch, staged=self.staged if plan.mode != LAYERS else None, costs=self.costs,
@@ -119,6 +121,7 @@ class JobFactory:
         shape = self.step_shape(num_keys)
         costs = self.costs.snapshot()
         best = best_of_kinds(shape, costs, num_tokens, lanes=lanes or None)  # transfer_lanes set: only that many
+        self.last_predictions = {f"{m}x{n}": round(p.predicted_s * 1e3, 3) for (m, n), p in best.items()}
         trying = self.exploration.kind_to_try({kind: p.predicted_s for kind, p in best.items()})
         plan = fastest(best.values())
         explored = trying is not None and trying != (plan.mode, plan.lanes)

@@ -90,8 +90,8 @@ class Costs:
     and transport do."""
 
     call_s: float = 100e-6  # fixed cost of one range call (concurrent calls each pay it)
-    range_s: float = 40e-6  # cost of each range within a call (serial in Mooncake's TCP transport)
-    range_cpu_s: float = 5e-6  # cost of each range that concurrent calls do not overlap (CPU-bound hosts)
+    range_s: float = 10e-6  # cost of each range within a call that concurrent calls overlap
+    range_cpu_s: float = 30e-6  # cost of each range that concurrent calls do not overlap (measured here: most of it)
     bytes_per_s: float = 1.5e9  # range payload bandwidth
     whole_call_s: float = 150e-6  # fixed cost of one whole-object read call (includes the master lookup)
     whole_key_s: float = 20e-6  # per object of a whole-object read
