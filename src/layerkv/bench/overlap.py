@@ -110,7 +110,9 @@ class _Rig:
 
     def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int]:
         """(TTFT, transfer-alone seconds or nan, range calls) of one fresh consumer engine."""
-        config = LayerKVConfig.from_dict({"prefetch_layers": prefetch_layers}, env={})
+        # per-layer reads: the suite measures how far ahead of compute they run (prefetch depth),
+        # with its delay injected per range read (the adaptive plan would pick undelayed whole reads)
+        config = LayerKVConfig.from_dict({"prefetch_layers": prefetch_layers, "transfer_plan": "layers"}, env={})
         faulty = FaultyStore(self.pool.client())
         if delay_s > 0:
             faulty.delay(GET_RANGES, delay_s)
