@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from layerkv.bench.vllm_model import save_random_llama, tokens
+from vllm_ttft import ttft_ms  # scripts/ is on sys.path when this file runs
 
 PLANS: dict[str, dict[str, Any]] = {
     "auto": {},
@@ -44,18 +45,6 @@ def engine(model: Path, role: str, max_len: int, extra: dict[str, Any]) -> Any:
             "kv_connector_extra_config": {"backend": "mooncake", "tenant": "plans", "load_timeout_s": 60, **extra},
         },
     )
-
-
-def ttft_ms(llm: Any, prompt: list[int]) -> tuple[float, int]:
-    import time
-
-    from vllm import SamplingParams
-
-    llm.reset_prefix_cache()  # hits can only come from the pool
-    start = time.perf_counter()
-    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, detokenize=False),
-                          use_tqdm=False)
-    return (time.perf_counter() - start) * 1000, int(out.num_cached_tokens or 0)
 
 
 def audited_steps(path: Path) -> list[dict[str, Any]]:
