@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from layerkv.config import LayerKVConfig
@@ -132,9 +133,14 @@ class JobFactory:
         return LoadPlan(plan.mode, plan.group_ends, plan.lanes, plan.predicted_s, explored), None
 
     def step_shape(self, num_keys: int) -> StepShape:
+        return replace(self._shape, num_keys=num_keys)
+
+    @cached_property
+    def _shape(self) -> StepShape:
+        """The layout's part of every step's shape (the layout never changes)."""
         layout = self.layout
         return StepShape(
-            num_keys=num_keys,
+            num_keys=0,
             num_layers=layout.num_layers,
             layer_nbytes=max(layout.layer_nbytes(l) for l in range(layout.num_layers)),
             header_nbytes=layout.header_nbytes,

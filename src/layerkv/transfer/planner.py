@@ -9,8 +9,9 @@ tests pin the choices); `Costs` holds the running estimates the worker keeps. An
             compute(layer)         = compute_per_layer_s + compute_per_layer_token_s * this step's tokens
             layer l may compute when its group has arrived and layer l-1 is done
             reads x the kind's (mode, lanes) measured / modelled transfer time
-    choose: the plan whose predicted finish time is lowest (ties: fewer calls); every 4th plan,
-            the plausible kind measured least recently (Exploration)
+    choose: the plan whose predicted finish time is lowest (ties: fewer calls); every 4th plan
+            while a plausible kind has < 2 samples, then every 16th, the plausible kind measured
+            least recently (Exploration)
 
 With little compute (a short suffix) the cheapest plan is few large reads (whole objects, or
 layer 0 then everything else); with enough compute, groups that stay ahead of it hide the
@@ -72,14 +73,29 @@ class _Fit:
         self.ridge = ridge
         self.gram = np.zeros((size, size))
         self.rhs = np.zeros(size)
+        self.dirty = False
 
-    def update(self, components: np.ndarray, seconds: float) -> np.ndarray:
+    def update(self, components: np.ndarray, seconds: float) -> None:
+        """One sample; cheap (the receive thread calls it once per range call): `solve` later."""
         row = components / seconds
         self.gram = self.forget * self.gram + np.outer(row, row)
         self.rhs = self.forget * self.rhs + row
+        self.dirty = True
+
+    def solve(self) -> np.ndarray:
         ridge = self.ridge * np.diag(self.gram) + 1e-9  # relative to each term's weight in the data
         m = np.linalg.solve(self.gram + np.diag(ridge), self.rhs + ridge)
+        self.dirty = False
         return np.clip(m, 1 / 50, 50)
+
+
+# the per-unit costs each fit of `Costs` scales, in the order of its terms (bandwidths kept as
+# seconds per byte in the fit)
+_FIT_FIELDS = {
+    "ranges": ("call_s", "range_s", "range_cpu_s", "bytes_per_s"),
+    "whole": ("whole_call_s", "whole_key_s", "whole_bytes_per_s"),
+    "compute": ("compute_per_layer_s", "compute_per_layer_token_s"),
+}
 
 
 @dataclass(slots=True)
@@ -107,7 +123,12 @@ class Costs:
     _fits: dict[str, tuple[_Fit, tuple[float, ...]]] = field(default_factory=dict, repr=False, compare=False)
 
     def snapshot(self) -> Costs:
+        """A copy with every fit solved for its samples so far (the planner reads only these)."""
         with self._lock:
+            for name, (fit, prior) in self._fits.items():
+                if fit.dirty:
+                    for attr, unit in zip(_FIT_FIELDS[name], np.array(prior) * fit.solve()):
+                        setattr(self, attr, 1 / float(unit) if attr.endswith("bytes_per_s") else float(unit))
             return Costs(self.call_s, self.range_s, self.range_cpu_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
                          self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s,
                          self.compute_per_layer_s, self.weight, kind_factor=dict(self.kind_factor))
@@ -115,21 +136,12 @@ class Costs:
     def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
         """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
         `ranges_per_call` ranges moving `nbytes` in all took `seconds`."""
-        if seconds <= 0 or ranges_per_call <= 0:
-            return
-        with self._lock:
-            self.call_s, self.range_s, self.range_cpu_s, per_byte = self._refit(
-                "ranges", (self.call_s, self.range_s, self.range_cpu_s, 1 / self.bytes_per_s),
-                (num_calls, ranges_per_call, num_calls * ranges_per_call, nbytes), seconds)
-            self.bytes_per_s = 1 / per_byte
+        if seconds > 0 and ranges_per_call > 0:
+            self._sample("ranges", (num_calls, ranges_per_call, num_calls * ranges_per_call, nbytes), seconds)
 
     def observe_whole(self, seconds: float, keys_per_call: int, nbytes: int) -> None:
-        if seconds <= 0 or keys_per_call <= 0:
-            return
-        with self._lock:
-            self.whole_call_s, self.whole_key_s, per_byte = self._refit(
-                "whole", (self.whole_call_s, self.whole_key_s, 1 / self.whole_bytes_per_s), (1, keys_per_call, nbytes), seconds)
-            self.whole_bytes_per_s = 1 / per_byte
+        if seconds > 0 and keys_per_call > 0:
+            self._sample("whole", (1, keys_per_call, nbytes), seconds)
 
     def observe_copy(self, seconds: float, nbytes: int) -> None:
         """A staging scatter (and its checksums) of `nbytes`."""
@@ -150,22 +162,21 @@ class Costs:
             self.kind_factor[kind] = _mix(self.kind_factor.get(kind, 1.0), ratio, self.weight)
 
     def observe_compute(self, seconds: float, num_layers: int, num_tokens: int) -> None:
-        if seconds <= 0 or num_layers <= 0 or num_tokens <= 0:
-            return
-        with self._lock:
-            # fixed + per token: a 1-token decode step's time must not read as a per-token cost
-            self.compute_per_layer_s, self.compute_per_layer_token_s = self._refit(
-                "compute", (self.compute_per_layer_s, self.compute_per_layer_token_s), (num_layers, num_layers * num_tokens),
-                seconds)
+        # fixed + per token: a 1-token decode step's time must not read as a per-token cost
+        if seconds > 0 and num_layers > 0 and num_tokens > 0:
+            self._sample("compute", (num_layers, num_layers * num_tokens), seconds)
 
-    def _refit(self, name: str, current: tuple[float, ...], counts: tuple[float, ...], seconds: float) -> list[float]:
-        """New per-unit costs of `name` (fixed, per range or key, ..., per byte) after one
-        (possibly concurrent) call of `counts` units took `seconds`."""
-        if name not in self._fits:  # the estimates when the first sample comes are the prior
-            self._fits[name] = (_Fit(len(current), 1 - self.weight), current)
-        fit, prior = self._fits[name]
-        m = fit.update(np.array(prior) * np.array(counts, dtype=float), seconds)
-        return [float(x) for x in np.array(prior) * m]
+    def _sample(self, name: str, counts: tuple[float, ...], seconds: float) -> None:
+        """One (possibly concurrent) call of `counts` units of `name`'s terms (fixed, per range or
+        key, ..., per byte) took `seconds`; the per-unit costs are refitted at the next snapshot."""
+        with self._lock:
+            if name not in self._fits:  # the estimates when the first sample comes are the prior
+                self._fits[name] = (_Fit(len(counts), 1 - self.weight), self._units(name))
+            fit, prior = self._fits[name]
+            fit.update(np.array(prior) * np.array(counts, dtype=float), seconds)
+
+    def _units(self, name: str) -> tuple[float, ...]:
+        return tuple(1 / getattr(self, a) if a.endswith("bytes_per_s") else getattr(self, a) for a in _FIT_FIELDS[name])
 
 
 def choose_lanes(num_keys: int, max_lanes: int, min_keys_per_lane: int = 8) -> int:
@@ -268,31 +279,44 @@ def plan_kinds(shape: StepShape, max_lanes: int, lanes: int | None = None) -> tu
 
 
 class Exploration:
-    """Which kind of plan (mode, lanes) an auto plan must be: every `every`-th plan (counting
-    from the first) is, among the kinds predicted within `plausible` x the fastest, the one
-    measured least recently, so that no kind is judged forever by a few samples (the first
-    whole-object read of a process paid for its buffer; a model fitted only on many small ranges
-    on 4 lanes cannot tell per-range cost from bandwidth, nor whether lanes overlap). Kinds
-    predicted far slower are never forced (a forced whole-object read under a long suffix would
-    give up all overlap). Compute thread only."""
+    """Which kind of plan (mode, lanes) an auto plan must be: at each turn, among the kinds
+    predicted within `plausible` x the fastest, the one measured least recently, so that no kind
+    is judged forever by a few samples (the first whole-object read of a process paid for its
+    buffer; a model fitted only on many small ranges on 4 lanes cannot tell per-range cost from
+    bandwidth, nor whether lanes overlap). Turns come every `every` plans while a plausible kind
+    has fewer than `settle` samples, then every `settled_every` plans (a short run must not pay
+    for exploring: 4-request demos and 24-request runs lost to the best fixed plan with a turn
+    every 4th plan). Kinds predicted far slower are never forced (a forced whole-object read
+    under a long suffix would give up all overlap). Call `kind_to_try` then `used` once per
+    plan; compute thread only."""
 
-    def __init__(self, every: int = 4, plausible: float = 1.5) -> None:
+    def __init__(self, every: int = 4, plausible: float = 1.5, settle: int = 2, settled_every: int = 16) -> None:
         self.every = every
         self.plausible = plausible
+        self.settle = settle
+        self.settled_every = settled_every
         self.plans = 0
         self.last_used: dict[tuple[str, int], int] = {}  # kind -> number of the plan that last was one
+        self.uses: dict[tuple[str, int], int] = {}  # kind -> plans that were one
+        self.last_turn = -1  # number of the plan of the last turn
 
     def kind_to_try(self, predicted_s: Mapping[tuple[str, int], float]) -> tuple[str, int] | None:
         """The kind the next plan must be, or None (the planner chooses freely); `predicted_s`:
         each kind's best predicted finish time, in a fixed order."""
-        if self.every <= 0 or len(predicted_s) < 2 or self.plans % self.every != 0:
+        if self.every <= 0 or len(predicted_s) < 2:
             return None
         limit = self.plausible * min(predicted_s.values())
         kinds = [k for k, t in predicted_s.items() if t <= limit]
+        settled = all(self.uses.get(k, 0) >= self.settle for k in kinds)
+        period = self.settled_every if settled else self.every
+        if self.last_turn >= 0 and self.plans - self.last_turn < period:
+            return None
+        self.last_turn = self.plans
         return min(kinds, key=lambda k: (self.last_used.get(k, -1), kinds.index(k)))
 
     def used(self, kind: tuple[str, int]) -> None:
         self.last_used[kind] = self.plans
+        self.uses[kind] = self.uses.get(kind, 0) + 1
         self.plans += 1
 
 
