@@ -82,6 +82,9 @@ class ScheduledRequest:
     num_scheduled_tokens: int  # tokens the engine computes in this step
     block_hashes: tuple[BlockHash, ...]  # hashes of the request's full blocks known so far
     resumed: bool = False  # re-scheduled after preemption: block_ids were replaced
+    # hybrid models: the request's block ids in its other KV cache groups (groups.py); a block
+    # that failed to load there taints this request's saves here too
+    other_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

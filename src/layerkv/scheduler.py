@@ -152,7 +152,8 @@ class SchedulerConnector:
         self._ended.clear()
         seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
         if saves:
-            self._awaiting[seq] = _AwaitedStep({r.req_id: frozenset(r.block_ids) for r in step.requests}, time.monotonic())
+            self._awaiting[seq] = _AwaitedStep({r.req_id: frozenset(r.block_ids + r.other_block_ids) for r in step.requests},
+                                               time.monotonic())
         verdicts, self._verdicts = tuple(self._verdicts), []
         self._stats.steps += 1
         self._stats.load_blocks += sum(len(spec) for spec in loads)

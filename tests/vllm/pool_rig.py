@@ -102,7 +102,9 @@ class Node:
 
     @property
     def core_worker(self) -> Any:
-        return self.worker.connector.worker_side
+        """The neutral worker connector of the (single) KV cache group."""
+        (worker,) = self.worker.connector.worker_side.subs
+        return worker
 
     def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Any:
         request = make_request(req_id, tokens, max_tokens=max_tokens)

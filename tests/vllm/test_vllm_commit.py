@@ -26,7 +26,7 @@ def _produce(pool: PoolNodes, tokens: list[int], **node_kwargs) -> None:
 
 
 def _exists(node, hashes) -> list[int]:
-    side = node.scheduler.connector.scheduler_side
+    (side,) = node.scheduler.connector.scheduler_side.subs
     return side.store.batch_is_exist(block_keys(side.namespace, hashes, 0))
 
 
@@ -96,8 +96,8 @@ def test_deployments_that_change_kv_bytes_never_share(pool, variant):
     _produce(pool, tokens + [1] * 8)
     same = pool.node()
     other = pool.node(model_kwargs=VARIANTS[variant])
-    assert same.scheduler.connector.scheduler_side.namespace == pool.nodes[0].scheduler.connector.scheduler_side.namespace
-    assert other.scheduler.connector.scheduler_side.namespace != same.scheduler.connector.scheduler_side.namespace
+    assert same.scheduler.connector.scheduler_side.subs[0].namespace == pool.nodes[0].scheduler.connector.scheduler_side.subs[0].namespace
+    assert other.scheduler.connector.scheduler_side.subs[0].namespace != same.scheduler.connector.scheduler_side.subs[0].namespace
     other.add("o", tokens)
     out, _, _ = other.step()
     assert out.num_scheduled_tokens == {"o": 48}  # nothing from the pool

@@ -59,7 +59,7 @@ def test_block_compact_layouts_register_vllm_allocation(pool, layout):
         assert entry.block_nbytes == view[0].numel() * view.element_size()
     order = "@order=1,0,2" if "NHC" in layout else None
     assert (order in registered.signature) if order else ("@order" not in registered.signature)
-    ns = node.scheduler.connector.scheduler_side.namespace
+    ns = node.scheduler.connector.scheduler_side.subs[0].namespace
     assert ns == node.core_worker.namespace  # the scheduler named the byte order without tensors
     assert node.core_worker.deployment.kv_signature.endswith(":order=NHC") is ("NHC" in layout)
 

@@ -32,7 +32,7 @@ def test_producer_saves_consumer_loads_layer_by_layer(pool):
     consumer = pool.node()
     assert isinstance(consumer.worker.connector, LayerKVConnector)
     # Both sides named the objects from kv_cache_config alone (Deployment.kv_signature).
-    assert consumer.scheduler.connector.scheduler_side.namespace == consumer.core_worker.namespace
+    assert consumer.scheduler.connector.scheduler_side.subs[0].namespace == consumer.core_worker.namespace
     assert consumer.core_worker.deployment.kv_signature.startswith("vllm-attn[block_size=16,num_kv_heads=2")
     request = consumer.add("c", tokens)
     assert request.block_hashes == produced.block_hashes  # same prompt, same chained hashes

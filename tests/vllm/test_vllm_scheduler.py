@@ -25,7 +25,7 @@ def block_ids_in_vllm(engine, req_id):
 
 def drive(engine, steps: int):
     """Schedule / update `steps` times; yield (scheduler_output, SchedulerStep) per step."""
-    core = engine.scheduler.connector._scheduler
+    (core,) = engine.scheduler.connector.scheduler_side.subs
     for _ in range(steps):
         out = engine.scheduler.schedule()
         yield out, core.steps[-1]

@@ -4,6 +4,7 @@ kv_connector_extra_config, and setups it rejects with a message naming what is u
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from tests.vllm.vllm_harness import BLOCK_SIZE, TINY_LLAMA, make_kv_cache_config, make_vllm_config, require_vllm
@@ -12,7 +13,8 @@ require_vllm()
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # noqa: E402
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 from layerkv.errors import ConfigError, UnsupportedSetupError  # noqa: E402
 from layerkv.integrations.vllm_setup import model_settings_of
@@ -58,17 +60,36 @@ def test_unknown_extra_config_key_is_rejected_by_name(doubles):
         LayerKVConnector(make_vllm_config(extra={"prefetch_layer": 2}), KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
 
 
-def test_hybrid_kv_groups_rejected(doubles):
+def test_hybrid_kv_groups_get_one_core_and_namespace_each(doubles):
+    """vLLM's hybrid manager (kept on: the connector is SupportsHMA) gives sliding-window and
+    full-attention layers their own groups: one neutral core per group, each with a namespace
+    of its own (spec, group index and layers in the signature)."""
     sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
-    with pytest.raises(UnsupportedSetupError, match=re.escape("hybrid KV cache groups: 2 kv_cache_groups (FullAttentionSpec, SlidingWindowSpec)")):
-        LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, sliding]))
-    assert not doubles.schedulers  # rejected before the core was built
+    assert issubclass(LayerKVConnector, SupportsHMA)
+    connector = LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, sliding]))
+    first, second = doubles.schedulers
+    assert connector.deployment.kv_signature.startswith("vllm-attn[")
+    assert first.deployment.kv_signature.startswith("vllm-attn[") and "|group=0/2:layers=1:" in first.deployment.kv_signature
+    assert second.deployment.kv_signature.startswith("vllm-swa64[") and "|group=1/2:layers=1:" in second.deployment.kv_signature
+    assert replace(first.deployment, kv_signature="") == replace(second.deployment, kv_signature="")
 
 
-def test_non_full_attention_spec_rejected(doubles):
-    sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
-    with pytest.raises(UnsupportedSetupError, match="KV cache spec SlidingWindowSpec: only full attention"):
-        LayerKVConnector(make_vllm_config(), KVConnectorRole.WORKER, make_kv_cache_config(16, [sliding]))
+def test_unsupported_hybrid_groups_rejected(doubles):
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                                        attention_chunk_size=64)
+    with pytest.raises(UnsupportedSetupError, match=re.escape("KV cache group 1 (1 layers): ChunkedLocalAttentionSpec: layerkv supports full")):
+        LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, chunked]))
+    other_size = SlidingWindowSpec(block_size=2 * BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    with pytest.raises(UnsupportedSetupError, match=re.escape(f"different block sizes [{BLOCK_SIZE}, {2 * BLOCK_SIZE}]")):
+        LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, other_size]))
+    assert not doubles.schedulers  # rejected before the cores were built
+
+
+def test_non_attention_spec_rejected(doubles):
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16,
+                                        attention_chunk_size=64)
+    with pytest.raises(UnsupportedSetupError, match="ChunkedLocalAttentionSpec: layerkv supports full attention"):
+        LayerKVConnector(make_vllm_config(), KVConnectorRole.WORKER, make_kv_cache_config(16, [chunked]))
 
 
 @pytest.mark.parametrize("name", ["prefill_context_parallel_size", "decode_context_parallel_size"])

@@ -19,10 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from layerkv.config import LayerKVConfig
+from layerkv.groups import GroupedScheduler, GroupedWorker
 from layerkv.hooks import SchedulerHooks, WorkerHooks
 from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of
 from layerkv.integrations.vllm_plugin import register as _register_connector_name
@@ -30,6 +32,7 @@ from layerkv.integrations.vllm_setup import (
     check_pool_shared,
     check_supported,
     deployment_from,
+    group_deployments,
     kv_signature_of,
     required_kv_cache_layout,
 )
@@ -85,8 +88,11 @@ _register_connector_name()
 # --------------------------------------------------------------------------- the connector
 
 
-class LayerKVConnector(KVConnectorBase_V1):
-    """vLLM's connector API over layerkv's neutral scheduler / worker connector."""
+class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector API over layerkv's neutral scheduler / worker connector, one per KV
+    cache group (groups.py): with `SupportsHMA` vLLM keeps its hybrid KV cache manager on, so
+    a model with sliding-window and full-attention layers has one group (one block table, one
+    namespace of objects) per kind; every other model has one group."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -94,29 +100,33 @@ class LayerKVConnector(KVConnectorBase_V1):
         config = LayerKVConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
         check_pool_shared(config, vllm_config)
         self.deployment = deployment_from(vllm_config, kv_cache_config, role)
+        deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
-        self._steps = StepTranslator()
-        self._scheduler: SchedulerHooks | None = None
-        self._worker: WorkerHooks | None = None
+        self._steps = StepTranslator(len(deployments))
+        self._scheduler: GroupedScheduler | None = None
+        self._worker: GroupedWorker | None = None
         self._load_started = False  # worker: start_load_kv already delegated for this step
         self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
         self._store: CheckedStore | None = OPEN_STORE(config)
         try:
             if role is KVConnectorRole.SCHEDULER:
-                self._scheduler = SCHEDULER_SIDE(config, self.deployment, self._store)
+                # vLLM's null block (id 0) stands for a block a group did not allocate
+                self._scheduler = GroupedScheduler([SCHEDULER_SIDE(config, d, self._store) for d in deployments],
+                                                   skip_block_ids=frozenset({0}) if len(deployments) > 1 else frozenset())
             else:
-                self._worker = WORKER_SIDE(config, self.deployment, self._store)
+                self._worker = GroupedWorker([WORKER_SIDE(config, d, self._store) for d in deployments],
+                                             [g.layer_names for g in kv_cache_config.kv_cache_groups])
         except BaseException:
             self._store.close()
             raise
 
     @property
-    def scheduler_side(self) -> SchedulerHooks:
+    def scheduler_side(self) -> GroupedScheduler:
         assert self._scheduler is not None, "scheduler hook called on a worker-role connector"
         return self._scheduler
 
     @property
-    def worker_side(self) -> WorkerHooks:
+    def worker_side(self) -> GroupedWorker:
         assert self._worker is not None, "worker hook called on a scheduler-role connector"
         return self._worker
 
@@ -148,12 +158,12 @@ class LayerKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._steps.track(request)
-        (block_ids,) = blocks.get_block_ids()
-        self.scheduler_side.update_state_after_alloc(request_view(request), tuple(block_ids), num_external_tokens)
+        self.scheduler_side.update_state_after_alloc(request_view(request), tuple(map(tuple, blocks.get_block_ids())),
+                                                     num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        step = self._steps.translate(scheduler_output)
-        return LayerKVMetadata(self.scheduler_side.build_connector_meta(step))
+        steps = self._steps.translate(scheduler_output)
+        return LayerKVMetadata(self.scheduler_side.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -172,7 +182,10 @@ class LayerKVConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self.scheduler_side.has_pending_work()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        result = self.scheduler_side.request_finished(request_view(request), tuple(block_ids))
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        result = self.scheduler_side.request_finished(request_view(request), tuple(map(tuple, block_ids)))
         self._steps.forget(request.request_id)
         return result
 
@@ -226,8 +239,7 @@ class LayerKVConnector(KVConnectorBase_V1):
         """Counter changes since the previous call (vLLM calls this once per step on each worker
         and, when logging stats, on the scheduler); None when nothing changed."""
         side = self._worker if self._worker is not None else self._scheduler
-        stats = getattr(side, "stats", None)  # a method on both sides; test doubles have none
-        data = self._deltas.take(stats() if stats is not None else None)
+        data = self._deltas.take(side.stats() if side is not None else None)  # None: test doubles have no stats
         return LayerKVStats(data=data) if data else None
 
     @classmethod
@@ -244,9 +256,8 @@ class LayerKVConnector(KVConnectorBase_V1):
         try:
             if self._worker is not None and store is not None:
                 self._worker.shutdown()
-            shutdown = getattr(self._scheduler, "shutdown", None)  # optional on the scheduler side
-            if shutdown is not None and store is not None:
-                shutdown()
+            if self._scheduler is not None and store is not None:
+                self._scheduler.shutdown()  # optional on each group's scheduler side
         finally:
             if store is not None:
                 store.close()

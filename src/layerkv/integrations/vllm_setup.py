@@ -6,6 +6,8 @@ signature both vLLM roles compute alike. Called once per connector instance at c
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from layerkv.errors import UnsupportedSetupError
@@ -28,8 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Exact spec types whose blocks are plain per-layer pages addressed by the prefix hash chain.
-_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+# Exact spec types whose blocks are plain per-layer pages addressed by the prefix hash chain (a
+# sliding-window group's blocks outside the window are vLLM's null block: not moved).
+_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 
 
 # --------------------------------------------------------------------------- setup checks
@@ -39,17 +42,25 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     """Raise `UnsupportedSetupError` naming every setup the neutral connector cannot express."""
     problems: list[str] = []
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        problems.append(
-            f"hybrid KV cache groups: {len(groups)} kv_cache_groups ({kinds}); layerkv needs exactly one "
-            "full-attention group (a model with one attention type, --disable-hybrid-kv-cache-manager)"
-        )
-    for group in groups:
+    if not groups:
+        problems.append("no KV cache groups (an attention-free model has no KV cache to pool)")
+    if len(groups) > 1:
+        block_sizes = sorted({g.kv_cache_spec.block_size for g in groups})
+        if len(block_sizes) > 1:
+            problems.append(f"hybrid KV cache groups with different block sizes {block_sizes}: layerkv keys every "
+                            "group's objects by the same block hashes")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            problems.append("hybrid KV cache groups with pipeline parallelism (not supported yet)")
+    for i, group in enumerate(groups):
         specs = _layer_specs(group)
         unsupported = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
         if unsupported:
-            problems.append(f"KV cache spec {', '.join(unsupported)}: only full attention (MHA/GQA/MQA) and MLA are supported")
+            problems.append(
+                f"KV cache group {i} ({len(group.layer_names)} layers): {', '.join(unsupported)}: layerkv supports full "
+                "attention (MHA/GQA/MQA), MLA and sliding-window attention; not Mamba / SSM state, chunked local "
+                "attention or cross-attention (a model that needs them runs without layerkv, or with "
+                "--disable-hybrid-kv-cache-manager where vLLM allows it)"
+            )
         elif len({_spec_text(s) for s in specs}) > 1:
             problems.append(
                 f"per-layer KV specs differ within one group ({len({_spec_text(s) for s in specs})} shapes): "
@@ -68,7 +79,7 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         )
     if vllm_config.model_config.is_encoder_decoder:
         problems.append("encoder-decoder models (cross-attention KV is not prefix-addressed)")
-    if len(groups) == 1:
+    if groups:
         block_size = groups[0].kv_cache_spec.block_size
         hash_block_size = kv_cache_config.hash_block_size
         if hash_block_size not in (None, block_size):
@@ -126,9 +137,9 @@ def required_kv_cache_layout(vllm_config: VllmConfig) -> str | None:
 
 def _layout_problem(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
     layout = resolved_layout(vllm_config, kv_cache_config)
-    if layout is None or layout.is_block_compact or len(kv_cache_config.kv_cache_groups) != 1:
+    if layout is None or layout.is_block_compact:
         return None
-    heads = {s.num_kv_heads for s in _layer_specs(kv_cache_config.kv_cache_groups[0])}
+    heads = {s.num_kv_heads for g in kv_cache_config.kv_cache_groups for s in _layer_specs(g)}
     if heads == {1}:  # one head per rank (MLA, or as many ranks as KV heads): nothing is scattered
         return None
     return (
@@ -173,6 +184,8 @@ def _layer_specs(group: Any) -> list[Any]:
 
 def _spec_text(spec: Any) -> str:
     kind = "mla" if isinstance(spec, MLAAttentionSpec) else "attn"
+    if isinstance(spec, SlidingWindowSpec):
+        kind = f"swa{spec.sliding_window}"
     head_size_v = getattr(spec, "head_size_v", spec.head_size)
     return (
         f"vllm-{kind}[block_size={spec.block_size},num_kv_heads={spec.num_kv_heads},head_size={spec.head_size},"
@@ -180,14 +193,14 @@ def _spec_text(spec: Any) -> str:
     )
 
 
-def kv_signature_of(kv_cache_config: KVCacheConfig) -> str:
-    """`Deployment.kv_signature`: the per-layer cache spec of the single group, computed the same
+def kv_signature_of(kv_cache_config: KVCacheConfig, group: int = 0) -> str:
+    """`Deployment.kv_signature`: the per-layer cache spec of one group, computed the same
     on the scheduler and on every worker. vLLM hands the scheduler rank 0's config with a
     UniformTypeKVCacheSpecs reduced to one of its specs and (under PP) other layer names, so
     this names the spec, not the layers (`check_supported` rejects groups whose specs differ).
     A block stored in another byte order than [H, N, C] (LBNHC, BLNHC) adds `:order=NHC`, so
     caches that disagree on it name different objects (no hit, never foreign bytes)."""
-    specs = _layer_specs(kv_cache_config.kv_cache_groups[0])
+    specs = _layer_specs(kv_cache_config.kv_cache_groups[group])
     (text,) = sorted({_spec_text(s) for s in specs})
     name = getattr(kv_cache_config, "kv_cache_layout", None)
     order = block_byte_order(KVCacheLayout[name] if name else None)
@@ -284,3 +297,19 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
     )
 
 
+
+
+def group_deployments(deployment: Deployment, kv_cache_config: KVCacheConfig) -> list[Deployment]:
+    """One `Deployment` per KV cache group (groups.py): `deployment` itself for a model with one
+    group; with several (vLLM's hybrid manager), each group's spec, index and layer names are in
+    its `kv_signature`, so each group's objects have their own namespace and a change of vLLM's
+    grouping names other objects (a miss, never another group's bytes)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return [deployment]
+    out = []
+    for g, group in enumerate(groups):
+        names = hashlib.sha256(",".join(group.layer_names).encode()).hexdigest()[:16]
+        signature = f"{kv_signature_of(kv_cache_config, g)}|group={g}/{len(groups)}:layers={len(group.layer_names)}:{names}"
+        out.append(dataclasses.replace(deployment, kv_signature=signature))
+    return out

@@ -28,13 +28,15 @@ def request_view(request: Request) -> RequestView:
 
 
 class StepTranslator:
-    """SchedulerOutput -> SchedulerStep. vLLM sends only new block ids for running requests, so
-    this keeps each live request's full block-id list and a reference to its `Request` (whose
-    block hashes grow as tokens arrive). Scheduler thread only."""
+    """SchedulerOutput -> one SchedulerStep per KV cache group. vLLM sends only new block ids for
+    running requests, so this keeps each live request's full block-id list per group (position
+    i = token block i; vLLM's null block where a sliding-window group freed one) and a reference
+    to its `Request` (whose block hashes grow as tokens arrive). Scheduler thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_groups: int = 1) -> None:
+        self.num_groups = num_groups
         self._requests: dict[ReqId, Request] = {}
-        self._block_ids: dict[ReqId, list[int]] = {}
+        self._block_ids: dict[ReqId, list[list[int]]] = {}
 
     def track(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -43,37 +45,54 @@ class StepTranslator:
         self._requests.pop(req_id, None)
         self._block_ids.pop(req_id, None)
 
-    def translate(self, out: SchedulerOutput) -> SchedulerStep:
-        scheduled: list[ScheduledRequest] = []
+    def translate(self, out: SchedulerOutput) -> tuple[SchedulerStep, ...]:
+        scheduled: list[tuple[ScheduledRequest, ...]] = []
         for new in out.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
+            self._block_ids[new.req_id] = self._groups(new.block_ids)
             scheduled.append(self._scheduled(new.req_id, new.num_computed_tokens, out, resumed=False))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             if resumed:  # preempted earlier: its old blocks were freed, these replace them
-                self._block_ids[req_id] = list(new_ids[0]) if new_ids else []
+                self._block_ids[req_id] = self._groups(new_ids)
             elif new_ids:
-                self._block_ids.setdefault(req_id, []).extend(new_ids[0])
+                for ids, more in zip(self._block_ids.setdefault(req_id, self._groups(None)), self._groups(new_ids)):
+                    ids.extend(more)
             scheduled.append(self._scheduled(req_id, cached.num_computed_tokens[i], out, resumed=resumed))
         preempted = frozenset(out.preempted_req_ids or ())
         for req_id in preempted:
             self._block_ids.pop(req_id, None)
         for req_id in out.finished_req_ids:
             self.forget(req_id)
-        return SchedulerStep(tuple(scheduled), frozenset(out.finished_req_ids), preempted)
+        return tuple(
+            SchedulerStep(tuple(r[g] for r in scheduled), frozenset(out.finished_req_ids), preempted)
+            for g in range(self.num_groups)
+        )
 
-    def _scheduled(self, req_id: ReqId, num_computed_tokens: int, out: SchedulerOutput, resumed: bool) -> ScheduledRequest:
+    def _groups(self, block_ids: Any) -> list[list[int]]:
+        if not block_ids:
+            return [[] for _ in range(self.num_groups)]
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"vLLM sent block ids for {len(block_ids)} KV cache groups, layerkv has {self.num_groups}")
+        return [list(ids) for ids in block_ids]
+
+    def _scheduled(self, req_id: ReqId, num_computed_tokens: int, out: SchedulerOutput,
+                   resumed: bool) -> tuple[ScheduledRequest, ...]:
         request = self._requests.get(req_id)
         assert request is not None, f"request {req_id} scheduled but never seen by the connector"
-        return ScheduledRequest(
-            req_id=req_id,
-            block_ids=tuple(self._block_ids[req_id]),
-            num_computed_tokens=num_computed_tokens,
-            num_scheduled_tokens=out.num_scheduled_tokens[req_id],
-            block_hashes=tuple(request.block_hashes),
-            resumed=resumed,
+        groups = self._block_ids[req_id]
+        return tuple(
+            ScheduledRequest(
+                req_id=req_id,
+                block_ids=tuple(ids),
+                num_computed_tokens=num_computed_tokens,
+                num_scheduled_tokens=out.num_scheduled_tokens[req_id],
+                block_hashes=tuple(request.block_hashes),
+                resumed=resumed,
+                other_block_ids=tuple(b for h, other in enumerate(groups) if h != g for b in other),
+            )
+            for g, ids in enumerate(groups)
         )
 
 

@@ -1,0 +1,233 @@
+"""KV cache groups (hybrid models): one engine-neutral scheduler and worker connector per group,
+composed so that an engine sees one connector. vLLM's hybrid KV cache manager gives each group of
+layers its own block table (sliding-window layers one, full-attention layers another); each
+group's blocks are one object per (block, storage rank) holding that group's layers, under the
+group's own namespace (its index and spec are in its `Deployment.kv_signature`).
+
+The hit is the longest prefix every group can provide (each group asked for the whole prefix: a
+sliding-window group's objects of the blocks outside its window are asked for too, see
+`GroupedScheduler.get_num_new_matched_tokens`). Blocks the engine did not allocate for a group
+(vLLM's null block stands for a sliding-window block outside the window) are neither loaded nor
+saved. A request whose load failed in any group taints its saves in every group: each group's
+step carries the block ids of the request's other groups (`ScheduledRequest.other_block_ids`,
+the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once every
+group's worker ran it. With one group every call is passed through unchanged.
+Scheduler hooks on the scheduler thread, worker hooks on the compute thread (as hooks.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from layerkv.hooks import SchedulerHooks, WorkerHooks
+from layerkv.messages import ReqId, RequestView, SchedulerStep, WorkerReport
+from layerkv.plan import BlockSpec, StepPlan
+from layerkv.stats import SchedulerStats, WorkerStats
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedPlan:
+    """One step's metadata: each group's plan, in group order."""
+
+    plans: tuple[Any, ...]
+
+    @property
+    def loads(self) -> tuple[BlockSpec, ...]:
+        return tuple(spec for plan in self.plans for spec in getattr(plan, "loads", ()))
+
+
+def _without_blocks(plan: Any, skip: frozenset[int]) -> Any:
+    """`plan` with the block ids in `skip` (blocks the engine did not allocate) left out."""
+    if not skip or not isinstance(plan, StepPlan):
+        return plan
+
+    def keep(specs: tuple[BlockSpec, ...]) -> tuple[BlockSpec, ...]:
+        out = []
+        for spec in specs:
+            pairs = [(h, b) for h, b in zip(spec.block_hashes, spec.block_ids) if b not in skip]
+            if pairs:
+                out.append(BlockSpec(spec.req_id, tuple(h for h, _ in pairs), tuple(b for _, b in pairs)))
+        return tuple(out)
+
+    return dataclasses.replace(plan, loads=keep(plan.loads), saves=keep(plan.saves))
+
+
+class GroupedScheduler:
+    """Scheduler hooks over one sub-scheduler per KV cache group; block ids come per group."""
+
+    def __init__(self, subs: Sequence[SchedulerHooks], skip_block_ids: frozenset[int] = frozenset()) -> None:
+        if not subs:
+            raise ValueError("GroupedScheduler needs at least one group")
+        self.subs = tuple(subs)
+        self._skip = skip_block_ids
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        """The longest prefix every group can provide. A group asked after the hit fell to 0 is
+        not asked at all (its stale match, if any, is dropped at allocation: 0 external tokens)."""
+        hit: int | None = None
+        for sub in self.subs:
+            tokens, _ = sub.get_num_new_matched_tokens(request, num_computed_tokens)
+            hit = tokens if hit is None else min(hit, tokens)
+            if hit == 0:
+                break
+        return hit or 0, False
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[tuple[int, ...]], num_external_tokens: int) -> None:
+        self._check(block_ids)
+        for sub, ids in zip(self.subs, block_ids):
+            sub.update_state_after_alloc(request, tuple(ids), num_external_tokens)
+
+    def build_connector_meta(self, steps: Sequence[SchedulerStep]) -> Any:
+        self._check(steps)
+        plans = tuple(_without_blocks(sub.build_connector_meta(step), self._skip) for sub, step in zip(self.subs, steps))
+        return plans[0] if len(plans) == 1 else GroupedPlan(plans)
+
+    def update_connector_output(self, report: WorkerReport) -> None:
+        for sub in self.subs:
+            sub.update_connector_output(report)
+
+    def request_finished(self, request: RequestView, block_ids: Sequence[tuple[int, ...]]) -> tuple[bool, dict[str, Any] | None]:
+        self._check(block_ids)
+        for sub, ids in zip(self.subs, block_ids):
+            sub.request_finished(request, tuple(ids))
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        return any(sub.has_pending_work() for sub in self.subs)
+
+    def stats(self) -> SchedulerStats | None:
+        """Counters summed over the groups (a lookup asks each group: counted once per group)."""
+        parts = [s() for s in (getattr(sub, "stats", None) for sub in self.subs) if s is not None]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        total = SchedulerStats()
+        for part in parts:
+            for name, value in part.as_dict().items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
+
+    def shutdown(self) -> None:
+        for sub in self.subs:
+            shutdown = getattr(sub, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _check(self, per_group: Sequence[Any]) -> None:
+        if len(per_group) != len(self.subs):
+            raise ValueError(f"{len(per_group)} KV cache groups given, the connector has {len(self.subs)}")
+
+
+class GroupedWorker:
+    """Worker hooks over one sub-worker per KV cache group; layers routed by name."""
+
+    def __init__(self, subs: Sequence[WorkerHooks], layer_names: Sequence[Sequence[str]]) -> None:
+        if not subs or len(subs) != len(layer_names):
+            raise ValueError(f"{len(subs)} workers for {len(layer_names)} KV cache groups")
+        self.subs = tuple(subs)
+        self._group_of = {name: g for g, names in enumerate(layer_names) for name in names}
+        self._unreported: list[list[int]] = [[] for _ in subs]  # steps each group ran, not yet reported
+
+    def _sub(self, layer_name: str) -> WorkerHooks:
+        if len(self.subs) == 1:
+            return self.subs[0]
+        return self.subs[self._group_of[layer_name]]
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        if len(self.subs) == 1:
+            self.subs[0].register_kv_caches(kv_caches, num_blocks)
+            return
+        unknown = sorted(set(kv_caches) - set(self._group_of))
+        if unknown:
+            raise ValueError(f"KV cache layers in no KV cache group: {', '.join(unknown)}")
+        for g, sub in enumerate(self.subs):
+            sub.register_kv_caches({n: t for n, t in kv_caches.items() if self._group_of[n] == g}, num_blocks)
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        if len(self.subs) == 1:
+            self.subs[0].bind_connector_metadata(meta)
+            return
+        if meta is not None and not isinstance(meta, GroupedPlan):
+            raise TypeError(f"layerkv grouped worker got metadata of type {type(meta).__name__}, expected GroupedPlan")
+        plans = meta.plans if meta is not None else (None,) * len(self.subs)
+        if len(plans) != len(self.subs):
+            raise ValueError(f"a plan for {len(plans)} KV cache groups, the worker has {len(self.subs)}")
+        for sub, plan in zip(self.subs, plans):
+            sub.bind_connector_metadata(plan)
+
+    def start_load_kv(self) -> None:
+        for sub in self.subs:
+            sub.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._sub(layer_name).wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        self._sub(layer_name).save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        for sub in self.subs:
+            sub.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId] | None, set[ReqId] | None]:
+        sending: set[ReqId] = set()
+        recving: set[ReqId] = set()
+        for sub in self.subs:
+            done_sending, done_recving = sub.get_finished(finished_req_ids)
+            sending |= done_sending or set()
+            recving |= done_recving or set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set().union(*(sub.get_block_ids_with_load_errors() for sub in self.subs))
+
+    def report_steps(self) -> tuple[int, ...]:
+        """Steps every group's worker ran (a group still loading holds its step back, and so the
+        step's verdict waits for that group's failures too)."""
+        if len(self.subs) == 1:
+            return self.subs[0].report_steps()
+        for pending, sub in zip(self._unreported, self.subs):
+            pending.extend(sub.report_steps())
+        ready = set(self._unreported[0]).intersection(*self._unreported[1:])
+        for pending in self._unreported:
+            pending[:] = [s for s in pending if s not in ready]
+        return tuple(sorted(ready))
+
+    def clear_connector_metadata(self) -> None:
+        for sub in self.subs:
+            sub.clear_connector_metadata()
+
+    def shutdown(self) -> None:
+        errors = []
+        for sub in self.subs:
+            try:
+                sub.shutdown()
+            except Exception as exc:  # noqa: BLE001 - shut every group down, then raise the first
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return all([sub.flush(timeout_s) for sub in self.subs])
+
+    def is_idle(self, timeout_s: float = 0.0) -> bool:
+        """Every group's worker is idle (WorkerConnector.is_idle); test doubles count as idle."""
+        return all([getattr(sub, "is_idle", lambda t: True)(timeout_s) for sub in self.subs])
+
+    def threads_alive(self) -> list[str]:
+        return [name for sub in self.subs for name in getattr(sub, "threads_alive", list)()]
+
+    def stats(self) -> WorkerStats | None:
+        parts = [s() for s in (getattr(sub, "stats", None) for sub in self.subs) if s is not None]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        total = WorkerStats()
+        for part in parts:
+            total.add(part)
+        return total
