@@ -58,21 +58,43 @@ def _without_blocks(plan: Any, skip: frozenset[int]) -> Any:
 class GroupedScheduler:
     """Scheduler hooks over one sub-scheduler per KV cache group; block ids come per group."""
 
-    def __init__(self, subs: Sequence[SchedulerHooks], skip_block_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, subs: Sequence[SchedulerHooks], skip_block_ids: frozenset[int] = frozenset(),
+                 windows: Sequence[int] | None = None) -> None:
         if not subs:
             raise ValueError("GroupedScheduler needs at least one group")
         self.subs = tuple(subs)
         self._skip = skip_block_ids
+        # per group: 0 (every block of a hit) or a sliding window's blocks (SchedulerConnector.match_window)
+        self._windows = tuple(windows) if windows is not None else (0,) * len(self.subs)
+        self._check(self._windows)
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
-        """The longest prefix every group can provide. A group asked after the hit fell to 0 is
-        not asked at all (its stale match, if any, is dropped at allocation: 0 external tokens)."""
+        """The longest prefix for which every group is complete: each full group holds every
+        block of it, each sliding-window group the blocks of the window that ends at it. Full
+        groups first (their hits are prefixes: the shortest bounds all); then each window group
+        lowers the hit to its longest complete window at or below it, until none does. A group
+        not asked because the hit fell to 0 drops any stale match at allocation (0 external
+        tokens)."""
         hit: int | None = None
-        for sub in self.subs:
-            tokens, _ = sub.get_num_new_matched_tokens(request, num_computed_tokens)
-            hit = tokens if hit is None else min(hit, tokens)
-            if hit == 0:
-                break
+        for sub, window in zip(self.subs, self._windows):
+            if not window:
+                tokens, _ = sub.get_num_new_matched_tokens(request, num_computed_tokens)
+                hit = tokens if hit is None else min(hit, tokens)
+                if hit == 0:
+                    return 0, False
+        windowed = [sub for sub, window in zip(self.subs, self._windows) if window]
+        settled: set[int] = set()
+        while windowed and len(settled) < len(windowed):
+            for i, sub in enumerate(windowed):
+                if i in settled:
+                    continue
+                tokens = sub.match_window(request, num_computed_tokens, hit)  # type: ignore[attr-defined]
+                if hit is not None and tokens < hit:
+                    settled = set()  # a lower hit: the others' windows end elsewhere now
+                hit = tokens
+                settled.add(i)
+                if hit == 0:
+                    return 0, False
         return hit or 0, False
 
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[tuple[int, ...]], num_external_tokens: int) -> None:

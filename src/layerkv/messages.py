@@ -51,6 +51,9 @@ class Deployment:
     # "L0:k[16,2,64]f16+v[16,2,64]f16;L1:..."); part of the key namespace, so deployments
     # with different cache layouts never share objects.
     kv_signature: str = ""
+    # A sliding-window KV cache group of a hybrid model (groups.py): a hit ending at block N
+    # needs only this group's blocks [N - window_blocks, N); 0: every block of the hit.
+    window_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "tp_size", "pp_size"):

@@ -133,6 +133,31 @@ class SchedulerConnector:
         self._matched[request.req_id] = _PendingLoad(start_block, hit_blocks)
         return hit_blocks * self._block_size, False
 
+    def match_window(self, request: RequestView, num_computed_tokens: int, max_tokens: int | None = None) -> int:
+        """A sliding-window group's hook in place of get_num_new_matched_tokens: the longest hit
+        (tokens beyond `num_computed_tokens`, at most `max_tokens`) whose last
+        `deployment.window_blocks` blocks are all in the pool; blocks before that window are
+        never read by the group's layers (the engine gives them its null block). Asks one window
+        per candidate end, moving the end to the last miss of the window before."""
+        self._matched.pop(request.req_id, None)
+        if not self.deployment.role.loads or num_computed_tokens % self._block_size:
+            return 0
+        start_block = num_computed_tokens // self._block_size
+        end_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
+        if max_tokens is not None:
+            end_block = min(end_block, start_block + max_tokens // self._block_size)
+        window = max(1, self.deployment.window_blocks)
+        self._stats.lookups += 1
+        while end_block > start_block:
+            first = max(start_block, end_block - window)
+            present = self._lookup.present(request.block_hashes[first:end_block])
+            if all(present):
+                self._stats.hit_blocks += end_block - start_block
+                self._matched[request.req_id] = _PendingLoad(start_block, end_block - start_block)
+                return (end_block - start_block) * self._block_size
+            end_block = first + max(i for i, p in enumerate(present) if not p)  # the hit ends before that miss
+        return 0
+
     def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
         matched = self._matched.pop(request.req_id, None)
         if matched is None or num_external_tokens <= 0:

@@ -58,7 +58,10 @@ class Rig:
 
     def __init__(self, backend: Any, *, num_layers: int = 3, num_blocks: int = 64, num_kv_heads: int = 2,
                  head_dim: int = 8, tp_size: int = 1, role: KVRole = KVRole.BOTH, call_save: bool = True,
-                 **config: Any) -> None:
+                 first_layer: int = 0, window_blocks: int = 0, **config: Any) -> None:
+        # first_layer / window_blocks: this rig is one KV cache group of a hybrid model (its
+        # layers are the model's first_layer.., a sliding-window group when window_blocks > 0)
+        self.first_layer = first_layer
         # the per-layer plan unless a test asks for another (most tests pin per-layer behaviour)
         plan = "groups" if config.get("read_layers_per_range", 1) > 1 else "layers"
         self.config = LayerKVConfig.from_dict({"load_timeout_s": 5.0, "save_timeout_s": 5.0, "transfer_plan": plan, **config},
@@ -68,7 +71,8 @@ class Rig:
         heads_per_rank = max(1, num_kv_heads // tp_size)
         self.deployment = Deployment(
             model_id=f"test/rig-{backend.tag}", kv_dtype="float32", block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads,
-            tp_size=tp_size, role=role, kv_signature=f"rig:{num_layers}x[2,{BLOCK_SIZE},{heads_per_rank},{head_dim}]f32",
+            tp_size=tp_size, role=role, kv_signature=f"rig:{num_layers}x[2,{BLOCK_SIZE},{heads_per_rank},{head_dim}]f32"
+            + (f"@{first_layer}" if first_layer else ""), window_blocks=window_blocks,
         )
         self.sched_faults = FaultyStore(backend.client())
         self.scheduler = SchedulerConnector(self.config, self.deployment, self._checked(self.sched_faults))
@@ -98,7 +102,7 @@ class Rig:
                             call_timeout_s=self.config.store_call_timeout_s)
 
     def layer_name(self, layer_idx: int) -> str:
-        return f"model.layers.{layer_idx}.self_attn.attn"
+        return f"model.layers.{self.first_layer + layer_idx}.self_attn.attn"
 
     def keys(self, req: Req, rank: int = 0, blocks: range | list[int] | None = None) -> list[str]:
         """Object keys of `req`'s full blocks on storage rank `rank`."""
@@ -230,7 +234,7 @@ class Rig:
 
     # -- checks --------------------------------------------------------------------------------
     def expected_block(self, rank: int, layer_idx: int, block_hash: bytes) -> float:
-        return fill_value(block_hash, layer_idx) + rank * 0.5
+        return fill_value(block_hash, self.first_layer + layer_idx) + rank * 0.5
 
     def block_values(self, rank: int, layer_idx: int, block_id: int) -> torch.Tensor:
         return self.caches[rank][self.layer_name(layer_idx)][:, block_id]

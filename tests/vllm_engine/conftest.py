@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from tests.vllm_engine.engine_proc import TierEngine
 from tests.vllm_engine.tier import engine_env, layerkv_transfer, llm_kwargs, serve_process
-from tests.vllm_engine.tiny_model import TinyLlama
+from tests.vllm_engine.tiny_model import TinyGemma3, TinyLlama
 
 
 def _missing_engine() -> str | None:
@@ -119,10 +119,17 @@ class Fleet:
             transfer["kv_connector_extra_config"]["commit_timeout_s"] = 300
             return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni"),
                     engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+        if name in ("hybrid", "hybrid-consumer"):  # a sliding-window + full-attention model, hybrid manager on
+            transfer = layerkv_transfer("kv_both" if name == "hybrid" else "kv_consumer")
+            return llm_kwargs(self.hybrid_model_dir(), transfer), engine_env(mooncake, faults)
         if name == "embedded-mp":  # the embedded store under the multiprocess executor: refused
             transfer = layerkv_transfer("kv_both", backend="embedded")
             return llm_kwargs(self.model_dir, transfer), engine_env(None, faults)
         raise KeyError(name)
+
+    def hybrid_model_dir(self) -> Path:
+        path = self.tier_dir / "tiny-gemma3"
+        return path if (path / "config.json").exists() else TinyGemma3().save(path)
 
     def start(self, *names: str) -> None:
         for name in names:

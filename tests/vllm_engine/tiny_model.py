@@ -46,6 +46,39 @@ class TinyLlama:
         return path
 
 
+@dataclass(frozen=True)
+class TinyGemma3:
+    """A random-weight Gemma-3 text model with sliding-window and full-attention layers (a hybrid
+    model: vLLM's hybrid KV cache manager gives it one full-attention and two sliding-window KV
+    cache groups of two layers each)."""
+
+    sliding_window: int = 64  # tokens: two blocks of 32
+    layer_types: tuple[str, ...] = ("sliding_attention", "sliding_attention", "full_attention") * 2
+    hidden_size: int = 256
+    dtype: str = "float32"
+    lm_head_scale: float = 10.0
+    seed: int = 0
+
+    def save(self, path: Path) -> Path:
+        import torch
+        import transformers
+
+        torch.manual_seed(self.seed)
+        config = transformers.Gemma3TextConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
+            num_hidden_layers=len(self.layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            query_pre_attn_scalar=64, sliding_window=self.sliding_window, layer_types=list(self.layer_types),
+            max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+        model = transformers.Gemma3ForCausalLM(config)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(self.lm_head_scale)
+        model.to(getattr(torch, self.dtype)).save_pretrained(path)
+        save_word_tokenizer(path)
+        return path
+
+
 def save_word_tokenizer(path: Path) -> None:
     """A WordLevel tokenizer whose words are w0..w4095 (whitespace-split), saved as
     tokenizer.json + tokenizer_config.json so `vllm serve` and transformers load it."""

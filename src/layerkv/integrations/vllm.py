@@ -112,7 +112,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             if role is KVConnectorRole.SCHEDULER:
                 # vLLM's null block (id 0) stands for a block a group did not allocate
                 self._scheduler = GroupedScheduler([SCHEDULER_SIDE(config, d, self._store) for d in deployments],
-                                                   skip_block_ids=frozenset({0}) if len(deployments) > 1 else frozenset())
+                                                   skip_block_ids=frozenset({0}), windows=[d.window_blocks for d in deployments])
             else:
                 self._worker = GroupedWorker([WORKER_SIDE(config, d, self._store) for d in deployments],
                                              [g.layer_names for g in kv_cache_config.kv_cache_groups])

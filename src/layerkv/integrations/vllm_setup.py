@@ -305,11 +305,14 @@ def group_deployments(deployment: Deployment, kv_cache_config: KVCacheConfig) ->
     its `kv_signature`, so each group's objects have their own namespace and a change of vLLM's
     grouping names other objects (a miss, never another group's bytes)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) == 1:
+    if len(groups) == 1 and not isinstance(groups[0].kv_cache_spec, SlidingWindowSpec):
         return [deployment]
     out = []
     for g, group in enumerate(groups):
         names = hashlib.sha256(",".join(group.layer_names).encode()).hexdigest()[:16]
         signature = f"{kv_signature_of(kv_cache_config, g)}|group={g}/{len(groups)}:layers={len(group.layer_names)}:{names}"
-        out.append(dataclasses.replace(deployment, kv_signature=signature))
+        spec = group.kv_cache_spec
+        # vLLM's SlidingWindowManager: a hit of N blocks reads the last cdiv(window - 1, block) of them
+        window = -(-(spec.sliding_window - 1) // spec.block_size) if isinstance(spec, SlidingWindowSpec) else 0
+        out.append(dataclasses.replace(deployment, kv_signature=signature, window_blocks=window))
     return out
