@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from layerkv.hooks import SchedulerHooks, WorkerHooks
 from layerkv.messages import ReqId, RequestView, SchedulerStep, WorkerReport
@@ -122,16 +122,7 @@ class GroupedScheduler:
 
     def stats(self) -> SchedulerStats | None:
         """Counters summed over the groups (a lookup asks each group: counted once per group)."""
-        parts = [s() for s in (getattr(sub, "stats", None) for sub in self.subs) if s is not None]
-        if not parts:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        total = SchedulerStats()
-        for part in parts:
-            for name, value in part.as_dict().items():
-                setattr(total, name, getattr(total, name) + value)
-        return total
+        return _summed(self.subs, SchedulerStats)
 
     def shutdown(self) -> None:
         for sub in self.subs:
@@ -244,12 +235,19 @@ class GroupedWorker:
         return [name for sub in self.subs for name in getattr(sub, "threads_alive", list)()]
 
     def stats(self) -> WorkerStats | None:
-        parts = [s() for s in (getattr(sub, "stats", None) for sub in self.subs) if s is not None]
-        if not parts:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        total = WorkerStats()
-        for part in parts:
-            total.add(part)
-        return total
+        return _summed(self.subs, WorkerStats)
+
+
+_Stats = TypeVar("_Stats", SchedulerStats, WorkerStats)
+
+
+def _summed(subs: Sequence[Any], cls: type[_Stats]) -> _Stats | None:
+    """The groups' `stats()` summed (the one group's own object with one group); None when no
+    group has stats (test doubles)."""
+    parts = [s() for s in (getattr(sub, "stats", None) for sub in subs) if s is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    total = cls()
+    for part in parts:
+        total.add(part)
+    return total

@@ -28,6 +28,10 @@ class SchedulerStats:
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
+    def add(self, other: SchedulerStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 @dataclass(slots=True)
 class WorkerStats:

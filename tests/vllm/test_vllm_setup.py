@@ -71,7 +71,8 @@ def test_hybrid_kv_groups_get_one_core_and_namespace_each(doubles):
     assert connector.deployment.kv_signature.startswith("vllm-attn[")
     assert first.deployment.kv_signature.startswith("vllm-attn[") and "|group=0/2:layers=1:" in first.deployment.kv_signature
     assert second.deployment.kv_signature.startswith("vllm-swa64[") and "|group=1/2:layers=1:" in second.deployment.kv_signature
-    assert replace(first.deployment, kv_signature="") == replace(second.deployment, kv_signature="")
+    assert (first.deployment.window_blocks, second.deployment.window_blocks) == (0, -(-63 // BLOCK_SIZE))  # cdiv(window - 1, block)
+    assert replace(first.deployment, kv_signature="", window_blocks=0) == replace(second.deployment, kv_signature="", window_blocks=0)
 
 
 def test_unsupported_hybrid_groups_rejected(doubles):

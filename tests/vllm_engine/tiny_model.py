@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 4096
 WORD_PREFIX = "w"  # token id t <-> the word f"w{t}" (ids 0-2: <unk>, <s>, </s>)
@@ -38,12 +39,7 @@ class TinyLlama:
             num_key_value_heads=self.num_kv_heads, max_position_embeddings=4096,
             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
         )
-        model = transformers.LlamaForCausalLM(config)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(self.lm_head_scale)
-        model.to(getattr(torch, self.dtype)).save_pretrained(path)
-        save_word_tokenizer(path)
-        return path
+        return _save(transformers.LlamaForCausalLM(config), self.lm_head_scale, self.dtype, path)
 
 
 @dataclass(frozen=True)
@@ -71,12 +67,18 @@ class TinyGemma3:
             max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
         )
         config.architectures = ["Gemma3ForCausalLM"]
-        model = transformers.Gemma3ForCausalLM(config)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(self.lm_head_scale)
-        model.to(getattr(torch, self.dtype)).save_pretrained(path)
-        save_word_tokenizer(path)
-        return path
+        return _save(transformers.Gemma3ForCausalLM(config), self.lm_head_scale, self.dtype, path)
+
+
+def _save(model: Any, lm_head_scale: float, dtype: str, path: Path) -> Path:
+    """Scale the output head (peaked greedy tokens), write weights and the word tokenizer."""
+    import torch
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    save_word_tokenizer(path)
+    return path
 
 
 def save_word_tokenizer(path: Path) -> None:
