@@ -12,18 +12,27 @@ saved. A request whose load failed in any group taints its saves in every group:
 step carries the block ids of the request's other groups (`ScheduledRequest.other_block_ids`,
 the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once every
 group's worker ran it. With one group every call is passed through unchanged.
+
+`load_async` (what vLLM needs for a model with several groups): vLLM 0.32 / 0.33 cannot map a
+failed block back to a request when there are several groups (`invalid_block_ids` stops the
+engine core), and recovers a failed load only for a request that waits for its load
+(`failed_recving`: it recomputes the request from token 0). So with `load_async` the prefix is
+loaded before the request's first step, whole: the hit is reported asynchronous, the load runs in
+the next engine step (with the request added to that step's plans, 0 tokens scheduled) and ends
+within it; the worker reports the request finished receiving, and failed if any block of any
+group failed (never as invalid blocks); a request whose load failed is not offered the pool again.
 Scheduler hooks on the scheduler thread, worker hooks on the compute thread (as hooks.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from layerkv.hooks import SchedulerHooks, WorkerHooks
-from layerkv.messages import ReqId, RequestView, SchedulerStep, WorkerReport
+from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.plan import BlockSpec, StepPlan
 from layerkv.stats import SchedulerStats, WorkerStats
 
@@ -59,11 +68,15 @@ class GroupedScheduler:
     """Scheduler hooks over one sub-scheduler per KV cache group; block ids come per group."""
 
     def __init__(self, subs: Sequence[SchedulerHooks], skip_block_ids: frozenset[int] = frozenset(),
-                 windows: Sequence[int] | None = None) -> None:
+                 windows: Sequence[int] | None = None, load_async: bool = False) -> None:
         if not subs:
             raise ValueError("GroupedScheduler needs at least one group")
         self.subs = tuple(subs)
         self._skip = skip_block_ids
+        self.load_async = load_async
+        self._loading: dict[ReqId, tuple[RequestView, tuple[tuple[int, ...], ...], int]] = {}  # async loads to plan
+        self._failed: set[ReqId] = set()  # async loads that failed: recomputed, not offered the pool again
+        self._local: dict[ReqId, int] = {}  # async hits: the engine's own computed tokens before them
         # per group: 0 (every block of a hit) or a sliding window's blocks (SchedulerConnector.match_window)
         self._windows = tuple(windows) if windows is not None else (0,) * len(self.subs)
         self._check(self._windows)
@@ -75,13 +88,21 @@ class GroupedScheduler:
         lowers the hit to its longest complete window at or below it, until none does. A group
         not asked because the hit fell to 0 drops any stale match at allocation (0 external
         tokens)."""
+        if request.req_id in self._failed:
+            return 0, False
+        hit = self._hit(request, num_computed_tokens)
+        if self.load_async and hit > 0:
+            self._local[request.req_id] = num_computed_tokens
+        return hit, self.load_async and hit > 0
+
+    def _hit(self, request: RequestView, num_computed_tokens: int) -> int:
         hit: int | None = None
         for sub, window in zip(self.subs, self._windows):
             if not window:
                 tokens, _ = sub.get_num_new_matched_tokens(request, num_computed_tokens)
                 hit = tokens if hit is None else min(hit, tokens)
                 if hit == 0:
-                    return 0, False
+                    return 0
         windowed = [sub for sub, window in zip(self.subs, self._windows) if window]
         settled: set[int] = set()
         while windowed and len(settled) < len(windowed):
@@ -94,25 +115,49 @@ class GroupedScheduler:
                 hit = tokens
                 settled.add(i)
                 if hit == 0:
-                    return 0, False
-        return hit or 0, False
+                    return 0
+        return hit or 0
 
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[tuple[int, ...]], num_external_tokens: int) -> None:
         self._check(block_ids)
         for sub, ids in zip(self.subs, block_ids):
             sub.update_state_after_alloc(request, tuple(ids), num_external_tokens)
+        local = self._local.pop(request.req_id, 0)
+        if self.load_async and num_external_tokens > 0:
+            self._loading[request.req_id] = (request, tuple(map(tuple, block_ids)), local + num_external_tokens)
 
     def build_connector_meta(self, steps: Sequence[SchedulerStep]) -> Any:
         self._check(steps)
+        if self._loading:
+            steps = self._with_loading(steps)
         plans = tuple(_without_blocks(sub.build_connector_meta(step), self._skip) for sub, step in zip(self.subs, steps))
         return plans[0] if len(plans) == 1 else GroupedPlan(plans)
 
+    def _with_loading(self, steps: Sequence[SchedulerStep]) -> list[SchedulerStep]:
+        """Each group's step plus the requests whose asynchronous load this step runs (the engine
+        does not schedule them until they finished receiving): 0 tokens scheduled, all loaded."""
+        loading, self._loading = self._loading, {}
+        out = []
+        for g, step in enumerate(steps):
+            scheduled = {r.req_id for r in step.requests}
+            extra = tuple(
+                ScheduledRequest(req_id, ids[g], computed, 0, view.block_hashes,
+                                 other_block_ids=tuple(b for h, other in enumerate(ids) if h != g for b in other))
+                for req_id, (view, ids, computed) in loading.items() if req_id not in scheduled
+            )
+            out.append(dataclasses.replace(step, requests=step.requests + extra))
+        return out
+
     def update_connector_output(self, report: WorkerReport) -> None:
+        self._failed |= report.failed_recving
         for sub in self.subs:
             sub.update_connector_output(report)
 
     def request_finished(self, request: RequestView, block_ids: Sequence[tuple[int, ...]]) -> tuple[bool, dict[str, Any] | None]:
         self._check(block_ids)
+        self._loading.pop(request.req_id, None)
+        self._local.pop(request.req_id, None)
+        self._failed.discard(request.req_id)
         for sub, ids in zip(self.subs, block_ids):
             sub.request_finished(request, tuple(ids))
         return False, None
@@ -125,10 +170,7 @@ class GroupedScheduler:
         return _summed(self.subs, SchedulerStats)
 
     def shutdown(self) -> None:
-        for sub in self.subs:
-            shutdown = getattr(sub, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+        _each(getattr(sub, "shutdown", lambda: None) for sub in self.subs)
 
     def _check(self, per_group: Sequence[Any]) -> None:
         if len(per_group) != len(self.subs):
@@ -138,12 +180,16 @@ class GroupedScheduler:
 class GroupedWorker:
     """Worker hooks over one sub-worker per KV cache group; layers routed by name."""
 
-    def __init__(self, subs: Sequence[WorkerHooks], layer_names: Sequence[Sequence[str]]) -> None:
+    def __init__(self, subs: Sequence[WorkerHooks], layer_names: Sequence[Sequence[str]], load_async: bool = False) -> None:
         if not subs or len(subs) != len(layer_names):
             raise ValueError(f"{len(subs)} workers for {len(layer_names)} KV cache groups")
         self.subs = tuple(subs)
+        self.load_async = load_async
         self._group_of = {name: g for g, names in enumerate(layer_names) for name in names}
         self._unreported: list[list[int]] = [[] for _ in subs]  # steps each group ran, not yet reported
+        # load_async: requests whose load ran in a step, per group their block ids, until reported
+        self._receiving: dict[ReqId, list[set[int]]] = {}
+        self._failed: set[ReqId] = set()
 
     def _sub(self, layer_name: str) -> WorkerHooks:
         if len(self.subs) == 1:
@@ -169,8 +215,10 @@ class GroupedWorker:
         plans = meta.plans if meta is not None else (None,) * len(self.subs)
         if len(plans) != len(self.subs):
             raise ValueError(f"a plan for {len(plans)} KV cache groups, the worker has {len(self.subs)}")
-        for sub, plan in zip(self.subs, plans):
+        for g, (sub, plan) in enumerate(zip(self.subs, plans)):
             sub.bind_connector_metadata(plan)
+            for spec in getattr(plan, "loads", ()) if self.load_async else ():
+                self._receiving.setdefault(spec.req_id, [set() for _ in self.subs])[g].update(spec.block_ids)
 
     def start_load_kv(self) -> None:
         for sub in self.subs:
@@ -196,7 +244,34 @@ class GroupedWorker:
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.load_async:  # failures go to the requests (transfer_results), never as blocks
+            self._collect_failures()
+            return set()
         return set().union(*(sub.get_block_ids_with_load_errors() for sub in self.subs))
+
+    def transfer_results(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
+        """(finished sending, finished receiving, failed receiving) for vLLM's
+        get_transfer_results: with load_async, every request whose load this worker ran and whose
+        groups' loads are over finished receiving; those with a failed block in any group failed
+        (a failed request is also finished: vLLM releases it and recomputes it from token 0)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        done = set(recving or ())
+        if not self.load_async:
+            return set(sending or ()), done, set()
+        self._collect_failures()
+        if all(getattr(sub, "loads_settled", lambda: True)() for sub in self.subs):
+            done |= set(self._receiving)
+            failed = self._failed & done
+            self._receiving.clear()
+            self._failed -= failed
+            return set(sending or ()), done, failed
+        return set(sending or ()), done, set()
+
+    def _collect_failures(self) -> None:
+        for g, sub in enumerate(self.subs):
+            invalid = sub.get_block_ids_with_load_errors()
+            if invalid:
+                self._failed |= {req for req, blocks in self._receiving.items() if blocks[g] & invalid}
 
     def report_steps(self) -> tuple[int, ...]:
         """Steps every group's worker ran (a group still loading holds its step back, and so the
@@ -215,14 +290,7 @@ class GroupedWorker:
             sub.clear_connector_metadata()
 
     def shutdown(self) -> None:
-        errors = []
-        for sub in self.subs:
-            try:
-                sub.shutdown()
-            except Exception as exc:  # noqa: BLE001 - shut every group down, then raise the first
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        _each(sub.shutdown for sub in self.subs)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return all([sub.flush(timeout_s) for sub in self.subs])
@@ -251,3 +319,15 @@ def _summed(subs: Sequence[Any], cls: type[_Stats]) -> _Stats | None:
     for part in parts:
         total.add(part)
     return total
+
+
+def _each(calls: Iterable[Callable[[], Any]]) -> None:
+    """Call every one (each group is shut down), then raise the first error."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the others still run
+            errors.append(exc)
+    if errors:
+        raise errors[0]

@@ -109,3 +109,4 @@ class WorkerReport:
     finished_recving: frozenset[ReqId] = field(default_factory=frozenset)
     invalid_block_ids: frozenset[int] = field(default_factory=frozenset)
     reported_steps: tuple[int, ...] = ()
+    failed_recving: frozenset[ReqId] = field(default_factory=frozenset)  # loads before the request's first step that failed

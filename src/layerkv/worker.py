@@ -273,6 +273,10 @@ class WorkerConnector:
         jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]
         return all(job.wait_finished(max(0.0, deadline - time.monotonic())) for job in jobs)
 
+    def loads_settled(self) -> bool:
+        """This step's load (if any) has finished and published its failures."""
+        return self._load is None or self._load.settled()
+
     def report_steps(self) -> tuple[int, ...]:
         """The step numbers this worker ran since the last call (normally the current one). A
         step whose load is still running (vLLM's speculative decoding reports before its draft

@@ -22,15 +22,17 @@ WINDOW = 2  # blocks
 class Hybrid:
     """Two rigs (the groups) behind one GroupedScheduler / GroupedWorker on rank 0."""
 
-    def __init__(self, make_rig: Any, **config: Any) -> None:
+    def __init__(self, make_rig: Any, load_async: bool = False, **config: Any) -> None:
         self.full = make_rig(num_layers=3, **config)
         self.swa = make_rig(num_layers=2, first_layer=3, window_blocks=WINDOW, **config)
         self.full.next_block, self.swa.next_block = 1, 33
         self.rigs = (self.full, self.swa)
         self.scheduler = GroupedScheduler([self.full.scheduler, self.swa.scheduler], skip_block_ids=frozenset({NULL}),
-                                          windows=[0, WINDOW])
+                                          windows=[0, WINDOW], load_async=load_async)
         self.worker = GroupedWorker([self.full.workers[0], self.swa.workers[0]],
-                                    [[rig.layer_name(l) for l in range(rig.num_layers)] for rig in self.rigs])
+                                    [[rig.layer_name(l) for l in range(rig.num_layers)] for rig in self.rigs],
+                                    load_async=load_async)
+        self.load_async = load_async
         self.reqs: dict[str, tuple[Req, Req]] = {}
 
     def admit(self, req_id: str, tokens: list[int]) -> int:
@@ -38,7 +40,8 @@ class Hybrid:
         gets the null block for the loaded blocks before its window."""
         full, swa = Req(req_id, tokens), Req(req_id, list(tokens))
         view = full.view()
-        ext, _ = self.scheduler.get_num_new_matched_tokens(view, 0)
+        ext, load_async = self.scheduler.get_num_new_matched_tokens(view, 0)
+        assert load_async is (self.load_async and ext > 0)
         num_blocks = -(-len(tokens) // BLOCK_SIZE)
         for rig, req in zip(self.rigs, (full, swa)):
             req.block_ids = list(range(rig.next_block, rig.next_block + num_blocks))
@@ -79,6 +82,23 @@ class Hybrid:
                 req.num_computed = len(req.tokens)
         self.last_plan = plan
         return invalid
+
+    def load_step(self) -> tuple[set[str], set[str], set[int]]:
+        """An engine step in which the requests waiting for their (asynchronous) load are not
+        scheduled and no layer runs (vLLM's no-forward step): (finished receiving, failed
+        receiving, invalid blocks), passed to the scheduler as vLLM does."""
+        plan = self.scheduler.build_connector_meta([SchedulerStep(()), SchedulerStep(())])
+        self.worker.bind_connector_metadata(plan)
+        self.worker.start_load_kv()
+        self.worker.wait_for_save()
+        _, finished, failed = self.worker.transfer_results(set())
+        invalid = self.worker.get_block_ids_with_load_errors()
+        steps = self.worker.report_steps()
+        self.worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(WorkerReport(
+            finished_recving=frozenset(finished), invalid_block_ids=frozenset(invalid), reported_steps=steps,
+            failed_recving=frozenset(failed)))
+        return finished, failed, invalid
 
     def settle(self) -> None:
         self.step()
@@ -173,3 +193,28 @@ def test_a_step_is_reported_once_every_group_ran_it(make_rig, backend) -> None:
     consumer.worker.wait_for_save()
     assert consumer.worker.report_steps() == (plan.plans[0].step_seq,)
     consumer.worker.clear_connector_metadata()
+
+
+def test_async_loads_report_a_failed_group_as_a_failed_request_never_as_blocks(make_rig, backend) -> None:
+    """vLLM stops with several groups when blocks are reported invalid; with load_async the load
+    runs in a step of its own and a failure in any group fails the request (vLLM recomputes it
+    from token 0), which is then not offered the pool again."""
+    producer = Hybrid(make_rig)
+    tokens = _tokens(6)
+    producer.admit("p", tokens)
+    producer.step("p")
+    producer.settle()
+
+    consumer = Hybrid(make_rig, load_async=True)
+    assert consumer.admit("ok", tokens) == 6 * BLOCK_SIZE
+    assert consumer.load_step() == ({"ok"}, set(), set())
+    full_ok, swa_ok = consumer.reqs["ok"]
+    assert consumer.full.wrong_blocks(full_ok, range(6)) == [] and consumer.swa.wrong_blocks(swa_ok, range(4, 6)) == []
+    assert consumer.step("ok") == set()  # then scheduled: computes the last token over the loaded blocks
+
+    window_block = consumer.swa.keys(Req("x", tokens), blocks=[5])[0]
+    consumer.swa.faults[0].fail(GET_RANGES, window_block, code=int(Code.TRANSFER_FAIL), layer_idx=1, times=1)
+    assert consumer.admit("bad", tokens) == 6 * BLOCK_SIZE
+    assert consumer.load_step() == ({"bad"}, {"bad"}, set())  # failed in the sliding-window group only
+    assert consumer.scheduler.get_num_new_matched_tokens(Req("bad", tokens).view(), 0) == (0, False)
+    assert consumer.scheduler.get_num_new_matched_tokens(Req("other", tokens).view(), 0) == (6 * BLOCK_SIZE, True)

@@ -119,8 +119,11 @@ class Fleet:
             transfer["kv_connector_extra_config"]["commit_timeout_s"] = 300
             return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni"),
                     engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-        if name in ("hybrid", "hybrid-consumer"):  # a sliding-window + full-attention model, hybrid manager on
-            transfer = layerkv_transfer("kv_both" if name == "hybrid" else "kv_consumer")
+        if name == "hybrid":  # a sliding-window + full-attention model, vLLM's hybrid manager on
+            return llm_kwargs(self.hybrid_model_dir(), layerkv_transfer("kv_both")), engine_env(mooncake, faults)
+        if name == "hybrid-consumer":  # the same, loading only, with load faults on demand
+            transfer = layerkv_transfer("kv_consumer", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector")
+            transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
             return llm_kwargs(self.hybrid_model_dir(), transfer), engine_env(mooncake, faults)
         if name == "embedded-mp":  # the embedded store under the multiprocess executor: refused
             transfer = layerkv_transfer("kv_both", backend="embedded")

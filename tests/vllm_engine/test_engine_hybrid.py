@@ -1,14 +1,17 @@
 """A hybrid model in real vLLM engines: a random-weight Gemma-3 (sliding window of 64 tokens on
 4 of its 6 layers, full attention on 2) with vLLM's hybrid KV cache manager on (layerkv's
 connector is SupportsHMA): three KV cache groups (two sliding-window, one full-attention), one
-object per block and group in the pool. Producer (kv_both) and consumer (kv_consumer) are two
-engines on a real Mooncake master; the oracle is the producer's own local prefix cache with the
-same schedule, bit for bit (as test_engine_pool.py).
+object per block and group in the pool. Producer (kv_both) and consumer (kv_consumer, with load
+faults on demand) are two engines on a real Mooncake master; the oracle is the producer's own
+local prefix cache with the same schedule, bit for bit (as test_engine_pool.py). With several
+groups vLLM recovers a failed load only for a request that waits for it, so the consumer loads
+a hybrid model's prefix before the request's first step (groups.py).
 """
 
 from __future__ import annotations
 
 import pytest
+from tests.vllm_engine.fault_control import arm
 from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
@@ -55,3 +58,27 @@ def test_hybrid_chunked_prefill_after_a_load_is_bit_identical(pair):
 
     assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 9 * BLOCK_SIZE
     same_bits(pooled, local)
+
+
+def test_a_failed_hybrid_load_is_recomputed_and_the_engine_serves_on(pair, fleet):
+    """vLLM 0.32 stops the engine core when a connector reports failed blocks of a model with
+    several KV cache groups; layerkv reports the request's load as failed instead, and vLLM
+    recomputes the request from token 0 (the pool is not offered to it again)."""
+    producer, consumer = pair
+    faults = fleet.fault_dir("hybrid-consumer")
+    prefix = prompt(84, 5 * BLOCK_SIZE)
+    request = prefix + prompt(85, 12)
+    producer.generate([prefix], reset_prefix_cache=True)
+    before = _counters(consumer)
+    arm(faults, 20, [{"kind": "fail", "layer_idx": 1, "times": 1}], marker="hybrid-fault-20")
+
+    (faulted,) = consumer.generate([request], max_tokens=3, reset_prefix_cache=True)
+
+    assert (faults / "hybrid-fault-20").exists(), "the fault was not armed at a loading step"
+    after = _counters(consumer)
+    assert after.get("load_failed_blocks", 0) > before.get("load_failed_blocks", 0)
+    assert faulted["num_cached_tokens"] == 0  # recomputed, not served from the failed load
+    (local,) = producer.generate([request], max_tokens=3, reset_prefix_cache=True)  # computed by the producer too
+    assert faulted["token_ids"] == local["token_ids"]
+    (pooled,) = consumer.generate([request], max_tokens=3, reset_prefix_cache=True)  # the engine serves on
+    assert pooled["num_cached_tokens"] == 5 * BLOCK_SIZE

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -103,6 +104,8 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         self._steps = StepTranslator(len(deployments))
+        # several groups: vLLM recovers a failed load only for a request waiting for it (groups.py)
+        load_async = len(deployments) > 1
         self._scheduler: GroupedScheduler | None = None
         self._worker: GroupedWorker | None = None
         self._load_started = False  # worker: start_load_kv already delegated for this step
@@ -112,10 +115,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             if role is KVConnectorRole.SCHEDULER:
                 # vLLM's null block (id 0) stands for a block a group did not allocate
                 self._scheduler = GroupedScheduler([SCHEDULER_SIDE(config, d, self._store) for d in deployments],
-                                                   skip_block_ids=frozenset({0}), windows=[d.window_blocks for d in deployments])
+                                                   skip_block_ids=frozenset({0}), windows=[d.window_blocks for d in deployments],
+                                                   load_async=load_async)
             else:
                 self._worker = GroupedWorker([WORKER_SIDE(config, d, self._store) for d in deployments],
-                                             [g.layer_names for g in kv_cache_config.kv_cache_groups])
+                                             [g.layer_names for g in kv_cache_config.kv_cache_groups], load_async=load_async)
         except BaseException:
             self._store.close()
             raise
@@ -153,8 +157,8 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._steps.track(request)
-        num_tokens, _ = self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
-        return num_tokens, False  # layerwise loads happen inside the forward: always synchronous
+        # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (groups.py)
+        return self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._steps.track(request)
@@ -171,6 +175,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             WorkerReport(
                 finished_sending=frozenset(connector_output.finished_sending or ()),
                 finished_recving=frozenset(connector_output.finished_recving or ()),
+                failed_recving=frozenset(getattr(connector_output, "failed_recving", None) or ()),
                 invalid_block_ids=frozenset(connector_output.invalid_block_ids or ()),
                 reported_steps=meta.steps if isinstance(meta, LayerKVWorkerMeta) else (),
             )
@@ -226,6 +231,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker_side.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set(self.worker_side.get_block_ids_with_load_errors())

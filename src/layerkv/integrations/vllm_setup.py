@@ -51,6 +51,10 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
                             "group's objects by the same block hashes")
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             problems.append("hybrid KV cache groups with pipeline parallelism (not supported yet)")
+    if vllm_config.speculative_config is not None and any(
+            isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups):
+        problems.append("sliding-window KV cache groups with speculative decoding (vLLM then keeps more blocks "
+                        "of the window than layerkv checks for a hit; not supported yet)")
     for i, group in enumerate(groups):
         specs = _layer_specs(group)
         unsupported = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
