@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from tests.vllm.vllm_harness import BLOCK_SIZE, TINY_LLAMA, make_kv_cache_config, make_vllm_config, require_vllm
@@ -84,6 +85,15 @@ def test_unsupported_hybrid_groups_rejected(doubles):
     with pytest.raises(UnsupportedSetupError, match=re.escape(f"different block sizes [{BLOCK_SIZE}, {2 * BLOCK_SIZE}]")):
         LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, other_size]))
     assert not doubles.schedulers  # rejected before the cores were built
+
+
+def test_sliding_window_with_speculative_decoding_rejected(doubles):
+    sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    vllm_config = make_vllm_config()
+    object.__setattr__(vllm_config, "speculative_config", SimpleNamespace(method="mtp", num_speculative_tokens=1))
+    with pytest.raises(UnsupportedSetupError, match="sliding-window KV cache groups with speculative decoding"):
+        LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, sliding]))
+    assert not doubles.schedulers
 
 
 def test_non_attention_spec_rejected(doubles):
