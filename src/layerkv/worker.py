@@ -91,6 +91,7 @@ class WorkerConnector:
         self._saved_names: dict[int, int] = {}  # layer -> names saved this step
         self._handed: set[int] = set()  # layers handed to the save job this step
         self._handed_invalid: set[int] = set()  # load failures of this step already reported
+        self._errors_settled: bool | None = None  # was the load settled at this step's last error report
         self._staging = StagingPool(store, worker_jobs.MAX_STAGING_NBYTES)  # registered host rows, one job at a time
         self._memory = CacheMemory(store, config.store_retry_interval_s, f"rank {deployment.tp_rank}")
         self._closed = False  # compute thread: shutdown() ran
@@ -147,6 +148,7 @@ class WorkerConnector:
         self._plan = meta
         self._saved_names, self._handed = {}, set()
         self._handed_invalid = set()
+        self._errors_settled = None
         if meta is not None:
             self._reported_steps.append(meta.step_seq)
 
@@ -260,6 +262,8 @@ class WorkerConnector:
         """Blocks whose load failed, each reported once (vLLM's speculative decoding asks before
         the draft layers ran and wait_for_save; later failures are reported the next time)."""
         if self._load is not None:
+            # settled first: a load settled by now has published every failure read below
+            self._errors_settled = self._load.settled()
             self._invalid_block_ids |= self._load.failed_block_ids() - self._handed_invalid
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
         self._handed_invalid |= invalid
@@ -281,7 +285,10 @@ class WorkerConnector:
         """The step numbers this worker ran since the last call (normally the current one). A
         step whose load is still running (vLLM's speculative decoding reports before its draft
         layers loaded) is held back until a later call, so its late failures count for it."""
-        held = self._load is not None and not self._load.settled() and bool(self._reported_steps)
+        # a load that settled after the last error report may have failures that report missed
+        settled = self._errors_settled if self._errors_settled is not None else self._load is None or self._load.settled()
+        self._errors_settled = None
+        held = self._load is not None and not settled and bool(self._reported_steps)
         steps = self._reported_steps[:-1] if held else self._reported_steps
         self._reported_steps = self._reported_steps[-1:] if held else []
         return tuple(steps)

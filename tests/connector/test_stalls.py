@@ -71,6 +71,32 @@ def test_each_load_failure_is_reported_once_in_the_speculative_decoding_hook_ord
     assert invalid == set() and len(steps) == 1  # not the same failure again
 
 
+def test_a_step_whose_load_settled_after_the_error_report_is_held_back(make_rig) -> None:
+    """Speculative decoding's order: load errors, then the step report, then wait_for_save. A
+    load that settles (with a late failure) between the first two must not have its step
+    reported with the errors read before it: the verdict would commit the saves of a request
+    whose load failed. The step is held until its failures were reported."""
+    rig = make_rig(num_layers=2)
+    tokens = _tokens(3)
+    rig.run(Req("a", tokens))
+    b = Req("b", list(tokens))
+    key = rig.keys(b, blocks=[1])[0]
+    rig.faults[0].delay(GET_RANGES, 0.5, key, layer_idx=1, times=1)
+    rig.faults[0].fail(GET_RANGES, key, code=int(Code.TRANSFER_FAIL), layer_idx=1, times=1)
+    _, s = rig.admit(b)
+    worker = rig.workers[0]
+    worker.bind_connector_metadata(rig.scheduler.build_connector_meta(rig.step_of([s])))
+    worker.start_load_kv()
+    worker.wait_for_layer_load(rig.layer_name(0))
+    assert worker.get_block_ids_with_load_errors() == set()  # layer 1's read still waits in the store
+    assert worker.flush(5.0)  # ... and now it failed
+    assert worker.report_steps() == ()  # held: its failure was not in the report just made
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {b.block_ids[1]}
+    assert len(worker.report_steps()) == 1
+    worker.clear_connector_metadata()
+
+
 def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, backend) -> None:
     rig = make_rig(num_layers=3, transfer_plan="auto")
     rig.faults[0].delay(PUT_RANGES, 7.0, times=1)
