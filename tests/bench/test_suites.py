@@ -117,11 +117,15 @@ def test_overlap_rows(tmp_path: Path) -> None:
     result = _run("overlap", tmp_path)
     conditions = ("no delay", "transfer ~ compute", "transfer ~ 2x compute")
     variants = ("recompute all", "load all, then compute", "layerwise prefetch 1", "layerwise prefetch 2")
-    assert [(r["condition"], r["variant"]) for r in result.rows] == [(c, v) for c in conditions for v in variants]
-    for row in result.rows:
+    saves = "saves (whole prompt computed, every block saved)"
+    assert [(r["condition"], r["variant"]) for r in result.rows] == [(c, v) for c in conditions for v in variants] + [
+        (saves, "saving, transfer_plan layers"), (saves, "saving, transfer_plan auto")]
+    for row in result.rows[:-2]:
         assert row["ttft_ms"] > 0 and row["transfer_alone_ms"] > 0 and row["compute_alone_ms"] > 0
         assert math.isnan(row["hidden_fraction"]) != row["variant"].startswith("layerwise")
-    _numbers_finite(result.rows, skip=("hidden_fraction",))
+    assert all(row["ttft_ms"] > 0 for row in result.rows[-2:])
+    assert result.summary["saves.layers_over_no_pool_ttft"] > 0 and result.summary["saves.auto_over_no_pool_ttft"] > 0
+    _numbers_finite(result.rows, skip=("hidden_fraction", "transfer_alone_ms"))
     _plots_exist(result, tmp_path)
 
 
