@@ -54,6 +54,8 @@ def _without_blocks(plan: Any, skip: frozenset[int]) -> Any:
         return plan
 
     def keep(specs: tuple[BlockSpec, ...]) -> tuple[BlockSpec, ...]:
+        if skip.isdisjoint(b for spec in specs for b in spec.block_ids):
+            return specs
         out = []
         for spec in specs:
             pairs = [(h, b) for h, b in zip(spec.block_hashes, spec.block_ids) if b not in skip]

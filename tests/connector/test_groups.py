@@ -83,7 +83,7 @@ class Hybrid:
         self.last_plan = plan
         return invalid
 
-    def load_step(self) -> tuple[set[str], set[str], set[int]]:
+    def load_step(self, errors_first: bool = False) -> tuple[set[str], set[str], set[int]]:
         """An engine step in which the requests waiting for their (asynchronous) load are not
         scheduled and no layer runs (vLLM's no-forward step): (finished receiving, failed
         receiving, invalid blocks), passed to the scheduler as vLLM does."""
@@ -91,8 +91,12 @@ class Hybrid:
         self.worker.bind_connector_metadata(plan)
         self.worker.start_load_kv()
         self.worker.wait_for_save()
-        _, finished, failed = self.worker.transfer_results(set())
-        invalid = self.worker.get_block_ids_with_load_errors()
+        if errors_first:  # the other order of the two hooks: failures must still go to the request
+            invalid = self.worker.get_block_ids_with_load_errors()
+            _, finished, failed = self.worker.transfer_results(set())
+        else:
+            _, finished, failed = self.worker.transfer_results(set())
+            invalid = self.worker.get_block_ids_with_load_errors()
         steps = self.worker.report_steps()
         self.worker.clear_connector_metadata()
         self.scheduler.update_connector_output(WorkerReport(
@@ -218,3 +222,8 @@ def test_async_loads_report_a_failed_group_as_a_failed_request_never_as_blocks(m
     assert consumer.load_step() == ({"bad"}, {"bad"}, set())  # failed in the sliding-window group only
     assert consumer.scheduler.get_num_new_matched_tokens(Req("bad", tokens).view(), 0) == (0, False)
     assert consumer.scheduler.get_num_new_matched_tokens(Req("other", tokens).view(), 0) == (6 * BLOCK_SIZE, True)
+
+    consumer.full.faults[0].fail(GET_RANGES, consumer.full.keys(Req("x", tokens), blocks=[2])[0],
+                                 code=int(Code.TRANSFER_FAIL), layer_idx=0, times=1)
+    assert consumer.admit("bad2", tokens) == 6 * BLOCK_SIZE
+    assert consumer.load_step(errors_first=True) == ({"bad2"}, {"bad2"}, set())  # never as blocks, whatever the order

@@ -113,9 +113,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._store: CheckedStore | None = OPEN_STORE(config)
         try:
             if role is KVConnectorRole.SCHEDULER:
-                # vLLM's null block (id 0) stands for a block a group did not allocate
+                # vLLM's null block (id 0) stands for a sliding-window block outside the window
                 self._scheduler = GroupedScheduler([SCHEDULER_SIDE(config, d, self._store) for d in deployments],
-                                                   skip_block_ids=frozenset({0}), windows=[d.window_blocks for d in deployments],
+                                                   skip_block_ids=frozenset({0}) if any(d.window_blocks for d in deployments) else frozenset(),
+                                                   windows=[d.window_blocks for d in deployments],
                                                    load_async=load_async)
             else:
                 self._worker = GroupedWorker([WORKER_SIDE(config, d, self._store) for d in deployments],
