@@ -7,7 +7,7 @@ executor), the connector refuses to start and says what to do instead."""
 from __future__ import annotations
 
 import pytest
-from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("embedded", "embedded-mp")]
@@ -20,7 +20,7 @@ def test_embedded_pool_in_one_process_is_bit_identical(fleet):
     engine.generate([prefix], reset_prefix_cache=True)
     (local,) = engine.generate([request], max_tokens=4)
     (pooled,) = engine.generate([request], max_tokens=4, reset_prefix_cache=True)
-    assert local["num_cached_tokens"] == pooled["num_cached_tokens"] == 4 * BLOCK_SIZE
+    assert local["num_cached_tokens"] == pooled["num_cached_tokens"] == 4 * BLOCK_SIZE, pool_diagnosis(engine)
     same_bits(pooled, local)
     counters = engine.call("metrics")["layerkv"]
     assert counters.get("load_blocks", 0) >= 4 and counters.get("committed_keys", 0) >= 4

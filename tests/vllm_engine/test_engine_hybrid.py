@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from tests.vllm_engine.fault_control import arm
-from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("hybrid", "hybrid-consumer")]
@@ -37,7 +37,7 @@ def test_hybrid_model_keeps_the_hybrid_manager_and_loads_bit_identical(pair):
     (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
     (local,) = producer.generate([request], max_tokens=4)
 
-    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 6 * BLOCK_SIZE
+    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 6 * BLOCK_SIZE, pool_diagnosis(*pair)
     same_bits(pooled, local)
     after = _counters(consumer)
     loaded = after.get("load_blocks", 0) - before.get("load_blocks", 0)
@@ -56,7 +56,7 @@ def test_hybrid_chunked_prefill_after_a_load_is_bit_identical(pair):
     (pooled,) = consumer.generate([request], max_tokens=3, reset_prefix_cache=True)
     (local,) = producer.generate([request], max_tokens=3)
 
-    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 9 * BLOCK_SIZE
+    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 9 * BLOCK_SIZE, pool_diagnosis(*pair)
     same_bits(pooled, local)
 
 
@@ -81,4 +81,4 @@ def test_a_failed_hybrid_load_is_recomputed_and_the_engine_serves_on(pair, fleet
     (local,) = producer.generate([request], max_tokens=3, reset_prefix_cache=True)  # computed by the producer too
     assert faulted["token_ids"] == local["token_ids"]
     (pooled,) = consumer.generate([request], max_tokens=3, reset_prefix_cache=True)  # the engine serves on
-    assert pooled["num_cached_tokens"] == 5 * BLOCK_SIZE
+    assert pooled["num_cached_tokens"] == 5 * BLOCK_SIZE, pool_diagnosis(*pair)

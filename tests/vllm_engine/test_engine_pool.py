@@ -12,7 +12,7 @@ prefill in chunks of 64 tokens.
 from __future__ import annotations
 
 import pytest
-from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("producer", "consumer")]
@@ -33,7 +33,7 @@ def test_consumer_loads_what_producer_saved_bit_identical(pair):
     (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
     (local,) = producer.generate([request], max_tokens=4)  # the producer's own prefix cache
 
-    assert pooled["num_cached_tokens"] == 5 * BLOCK_SIZE  # all five blocks came from the pool
+    assert pooled["num_cached_tokens"] == 5 * BLOCK_SIZE, pool_diagnosis(*pair)  # all five blocks came from the pool
     assert local["num_cached_tokens"] == 5 * BLOCK_SIZE
     same_bits(pooled, local)
 
@@ -58,7 +58,7 @@ def test_chunked_prefill_saves_every_chunk_and_loads_before_later_chunks(pair):
     (pooled,) = consumer.generate([request], max_tokens=3, reset_prefix_cache=True)
     (local,) = producer.generate([request], max_tokens=3)
 
-    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 10 * BLOCK_SIZE
+    assert pooled["num_cached_tokens"] == local["num_cached_tokens"] == 10 * BLOCK_SIZE, pool_diagnosis(*pair)
     same_bits(pooled, local)
 
 

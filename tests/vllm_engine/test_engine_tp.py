@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from tests.vllm_engine.tier import BLOCK_SIZE, same_bits
+from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.fault_control import arm, worker_state
 from tests.vllm_engine.tiny_model import prompt
 
@@ -32,7 +32,7 @@ def test_tp2_ranks_save_and_load_bit_identical(tp2):
     assert saved["num_cached_tokens"] == 0
     (local,) = tp2.generate([request], max_tokens=4)  # from vLLM's local prefix cache
     (pooled,) = tp2.generate([request], max_tokens=4, reset_prefix_cache=True)  # from the pool
-    assert local["num_cached_tokens"] == pooled["num_cached_tokens"] == 4 * BLOCK_SIZE
+    assert local["num_cached_tokens"] == pooled["num_cached_tokens"] == 4 * BLOCK_SIZE, pool_diagnosis(tp2)
     same_bits(pooled, local)
 
 
