@@ -50,22 +50,31 @@ class LoadAllFirst:
         return getattr(self.inner, name)
 
 
-def _model(options: BenchOptions):  # type: ignore[no-untyped-def]
+def _model(options: BenchOptions, deep: bool = False):  # type: ignore[no-untyped-def]
+    """The suite's model and prompt length; `deep`: as many layers as a real model (32), each
+    narrower. The first layer's read can hide only behind what runs before layer 0, so the
+    hidden fraction is bounded near 1 - 1/layers: 87.5 % at 8 layers, 97 % at 32."""
     from layerkv.engine import ModelConfig
 
     if options.tiny:
-        return ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256), 128
-    model = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=768, vocab_size=2048)
+        return ModelConfig(num_layers=4 if deep else 2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                           intermediate_size=128, vocab_size=256), 128
+    if deep:
+        model = ModelConfig(num_layers=32, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                            intermediate_size=384, vocab_size=2048)
+    else:
+        model = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
+                            intermediate_size=768, vocab_size=2048)
     return model, (1024 if options.quick else 2048)
 
 
 class _Rig:
     """One pool (embedded) filled once with the prompt's prefix; builds fresh engines per run."""
 
-    def __init__(self, options: BenchOptions) -> None:
+    def __init__(self, options: BenchOptions, deep: bool = False) -> None:
         from layerkv.engine import EngineConfig, init_weights
 
-        self.model, self.prompt_tokens = _model(options)
+        self.model, self.prompt_tokens = _model(options, deep)
         self.weights = init_weights(self.model)
         num_blocks = self.prompt_tokens // BLOCK_SIZE + 8
         self.engine_config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_batched_tokens=self.prompt_tokens,
@@ -158,6 +167,35 @@ def _best(fn: Callable[[], Any], reps: int) -> Any:
     return min(results, key=lambda r: r[0] if isinstance(r, tuple) else r)
 
 
+CONDITIONS = (("no delay", None), ("transfer ~ compute", 1.0), ("transfer ~ 2x compute", 2.0))
+
+
+def _conditions(rig: _Rig, result: SuiteResult, progress: Progress, reps: int, prefetches: tuple[int, ...],
+                conditions: tuple[tuple[str, float | None], ...], tag: str = "") -> float:
+    """Rows and headlines of `conditions` on `rig`'s model (`tag` names a second model in both);
+    returns the recompute-all TTFT."""
+    recompute = _best(rig.ttft_recompute, reps)
+    compute = _best(rig.ttft_compute_alone, reps)
+    _, transfer0, range_calls = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), reps)
+    for label, target in conditions:
+        delay_s = 0.0 if target is None else max(0.0, (target * compute - transfer0) / max(1, range_calls))
+        condition = f"{label}{tag}"
+        progress.case(f"{NAME} {condition}")
+        t_all, transfer, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
+        rows: list[Row] = [_row(condition, delay_s, "recompute all", recompute, compute, transfer, recompute),
+                           _row(condition, delay_s, "load all, then compute", t_all, compute, transfer, recompute)]
+        for p in prefetches:
+            t_lw, _, _ = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)
+            rows.append(_row(condition, delay_s, f"layerwise prefetch {p}", t_lw, compute, transfer, recompute))
+        result.rows += rows
+        best = min(rows[2:], key=lambda r: r["ttft_ms"])
+        key = condition.replace(" ", "_").replace("~", "eq").replace(",", "")
+        result.summary[f"{key}.best_layerwise_hidden_fraction"] = best["hidden_fraction"]
+        result.summary[f"{key}.load_all_over_best_layerwise_ttft"] = ratio(t_all * 1e3, best["ttft_ms"])
+        result.summary[f"{key}.recompute_over_best_layerwise_ttft"] = ratio(recompute * 1e3, best["ttft_ms"])
+    return recompute
+
+
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     import torch
 
@@ -166,27 +204,10 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     torch.set_num_threads(1)  # 2 CPUs: leave one to layerkv's receive thread (see notes)
     rig = _Rig(options)
     reps = options.reps
+    prefetches = (1, 2) if options.tiny else (1, 2, 4)
     try:
         progress.case(f"{NAME} baselines")
-        recompute = _best(rig.ttft_recompute, reps)
-        compute = _best(rig.ttft_compute_alone, reps)
-        _, transfer0, range_calls = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), reps)
-        prefetches = (1, 2) if options.tiny else (1, 2, 4)
-        for label, target in (("no delay", None), ("transfer ~ compute", 1.0), ("transfer ~ 2x compute", 2.0)):
-            delay_s = 0.0 if target is None else max(0.0, (target * compute - transfer0) / max(1, range_calls))
-            progress.case(f"{NAME} {label}")
-            t_all, transfer, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
-            rows: list[Row] = [_row(label, delay_s, "recompute all", recompute, compute, transfer, recompute),
-                               _row(label, delay_s, "load all, then compute", t_all, compute, transfer, recompute)]
-            for p in prefetches:
-                t_lw, _, _ = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)
-                rows.append(_row(label, delay_s, f"layerwise prefetch {p}", t_lw, compute, transfer, recompute))
-            result.rows += rows
-            best = min(rows[2:], key=lambda r: r["ttft_ms"])
-            key = label.replace(" ", "_").replace("~", "eq")
-            result.summary[f"{key}.best_layerwise_hidden_fraction"] = best["hidden_fraction"]
-            result.summary[f"{key}.load_all_over_best_layerwise_ttft"] = ratio(t_all * 1e3, best["ttft_ms"])
-            result.summary[f"{key}.recompute_over_best_layerwise_ttft"] = ratio(recompute * 1e3, best["ttft_ms"])
+        recompute = _conditions(rig, result, progress, reps, prefetches, CONDITIONS)
         progress.case(f"{NAME} saves")
         for plan in ("layers", "auto"):
             saving = _best(lambda: rig.ttft_saving(plan), reps)
@@ -197,12 +218,22 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             result.summary[f"saves.{plan}_over_no_pool_ttft"] = ratio(saving * 1e3, recompute * 1e3)
     finally:
         rig.close()
+    deep = _Rig(options, deep=True)
+    try:
+        progress.case(f"{NAME} {deep.model.num_layers} layers")
+        _conditions(deep, result, progress, reps, prefetches, CONDITIONS[1:2], tag=f", {deep.model.num_layers} layers")
+    finally:
+        deep.close()
         torch.set_num_threads(threads)
     result.notes += [
         "torch runs with 1 intra-op thread here: with 2 threads on this 2-CPU machine the receive thread's wake-ups "
         "were delayed by hundreds of ms in some runs (TTFT of every pooled variant swung 3-10x).",
         f"model: {rig.model.num_layers} layers, hidden {rig.model.hidden_size}, {rig.prompt_tokens}-token prompt, "
         f"{rig.prefix_tokens} tokens ({HIT_FRACTION:.0%}) in the pool (embedded store), tp 1; best of {reps} fresh engines per variant (the machine's CPUs are shared; medians swing).",
+        f"rows `..., {deep.model.num_layers} layers`: the same with a model of {deep.model.num_layers} layers of hidden "
+        f"{deep.model.hidden_size} (as deep as a real model). A step's first layer can hide only behind the compute "
+        f"before layer 0, so at most about 1 - 1/layers of the transfer can be hidden: "
+        f"{1 - 1 / rig.model.num_layers:.1%} at {rig.model.num_layers} layers, {1 - 1 / deep.model.num_layers:.1%} at {deep.model.num_layers}.",
         "load all, then compute = a WorkerConnector wrapper whose start_load_kv waits for every layer before the "
         "forward starts (prefetch_layers = num_layers); its load time is `transfer alone`. compute alone = the same "
         "suffix computed over a prefix already in the engine's local prefix cache.",
