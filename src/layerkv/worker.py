@@ -32,7 +32,7 @@ from layerkv.store.checked import CheckedStore
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.pending import PendingPuts
-from layerkv.transfer.planner import Costs
+from layerkv.transfer.planner import WHOLE, Costs
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.settle import SettleJob, revoke_all
 from layerkv.transfer.staged import StagedLayers
@@ -225,14 +225,16 @@ class WorkerConnector:
         Remote writes of staged saves and the plan's commits go on in the background. Bounded."""
         load, save = self._load, self._save
         plan = self._plan
-        if plan is not None and self.layout is not None and self._step_start_s:
-            compute_s = time.perf_counter() - self._step_start_s - self._step_wait_s
-            self.costs.observe_compute(compute_s, self.layout.num_layers, plan.num_tokens)
+        step_s = time.perf_counter() - self._step_start_s if self._step_start_s else 0.0
+        if plan is not None and self.layout is not None and step_s and not _overlapped(load):
+            # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
+            # their kind's finish factor accounts for, not every kind's compute estimate
+            self.costs.observe_compute(step_s - self._step_wait_s, self.layout.num_layers, plan.num_tokens)
         if load is not None and not load.cancelled and not load.wait_finished(self.config.load_timeout_s):
             load.give_up(f"still running after {self.config.load_timeout_s:.1f} s")
             self._stats.load_timeouts += 1
-        if load is not None and load.finished and not load.cancelled and self._jobs is not None:
-            self._jobs.observe_load(load)  # auto plans: how far off the cost model was
+        if load is not None and load.finished and not load.cancelled and self._jobs is not None and plan is not None:
+            self._jobs.observe_load(load, step_s, plan.num_tokens)  # auto plans: how far off the cost model was
         if save is not None:
             if self.layout is not None:
                 self._hand_layers_before(self.layout.num_layers)
@@ -399,6 +401,11 @@ class WorkerConnector:
             n = revoke_all(self.store, puts, f"no commit verdict within {self.config.commit_timeout_s:.0f} s")
             with self._lock:
                 self._expired += n
+
+
+def _overlapped(load: LoadJob | None) -> bool:
+    """A load whose reads ran beside the step's compute (per-layer or group plans)."""
+    return load is not None and not load.cancelled and load.plan.mode != WHOLE
 
 
 def _completion_event(device_type: str) -> Any:

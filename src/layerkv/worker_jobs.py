@@ -25,7 +25,7 @@ from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.pending import PendingPuts
 from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds,
-                                     choose_lanes, fastest, transfer_s)
+                                     choose_lanes, fastest, simulate, transfer_s)
 from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.settle import SettleJob
 from layerkv.transfer.staged import StagedLayers, layer_groups
@@ -148,12 +148,19 @@ class JobFactory:
             staging_ok=self.staged is not None,
         )
 
-    def observe_load(self, job: LoadJob) -> None:
-        """An auto-planned load that read every layer: its kind's correction (planner.Costs)."""
+    def observe_load(self, job: LoadJob, step_s: float = 0.0, num_tokens: int = 0) -> None:
+        """An auto-planned load that read every layer: its kind's corrections (planner.Costs):
+        its reads against the refitted model, then (`step_s`: start of the step to its last
+        layer computed) the step against the refitted simulation, once compute has been
+        measured without reads beside it (the prior would condemn the kind for its own error)."""
         plan = job.plan
-        if plan.predicted_s > 0 and job.outcome.transfer_s > 0:
-            modelled = transfer_s(plan, self.step_shape(len(job.keys)), self.costs.snapshot())
-            self.costs.observe_transfer((plan.mode, plan.lanes), modelled, job.outcome.transfer_s)
+        if plan.predicted_s <= 0:
+            return
+        kind, shape = (plan.mode, plan.lanes), self.step_shape(len(job.keys))
+        if job.outcome.transfer_s > 0:
+            self.costs.observe_transfer(kind, transfer_s(plan, shape, self.costs.snapshot()), job.outcome.transfer_s)
+        if step_s > 0 and num_tokens > 0 and self.costs.measured("compute"):
+            self.costs.observe_finish(kind, simulate(plan, shape, self.costs.snapshot(), num_tokens), step_s)
 
     def start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
         by_key: dict[ObjectKey, SaveKey] = {}

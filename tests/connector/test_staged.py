@@ -14,6 +14,7 @@ import torch
 from layerkv.header import Header
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES
+from layerkv.transfer.planner import Costs
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
 
 
@@ -169,3 +170,38 @@ def test_auto_plans_feed_their_measurements_back(make_rig) -> None:
     assert worker.costs.kind_factor and all(f > 0 for f in worker.costs.kind_factor.values())
     stats = worker.stats()
     assert stats.load_plans_layers + stats.load_plans_groups + stats.load_plans_whole == 3
+
+
+def test_compute_is_measured_without_reads_beside_it_and_steps_feed_their_kind(make_rig, monkeypatch) -> None:
+    """The compute estimate comes only from steps whose compute ran without reads beside it
+    (per-layer and group reads slow it on a CPU host: that is their kind's finish factor, not
+    every kind's compute); once compute is measured, every auto-planned step corrects its
+    kind's finish factor with its measured time to the last layer."""
+    producer = make_rig()
+    prefix = _tokens(6, extra=0)
+    producer.run(Req("p", prefix + [1]))
+    layers = make_rig(role=KVRole.CONSUMER, transfer_plan="layers")
+    computed: list[int] = []
+    costs = layers.workers[0].costs
+    observe = Costs.observe_compute
+
+    def spy(self: Costs, seconds: float, num_layers: int, num_tokens: int) -> None:
+        if self is costs:
+            computed.append(num_tokens)
+        observe(self, seconds, num_layers, num_tokens)
+
+    monkeypatch.setattr(Costs, "observe_compute", spy)
+    ext, _ = layers.run(Req("a", prefix + _tokens(1, base=100)))  # loads 6 blocks layer by layer
+    assert ext == 6 * BLOCK_SIZE
+    assert [n for n in computed if n > 0] == []  # (the run's empty settle step computes 0 tokens)
+    ext, _ = layers.run(Req("b", _tokens(3, base=300)))  # nothing in the pool: no load
+    assert ext == 0 and [n for n in computed if n > 0] != []
+
+    rig = make_rig(role=KVRole.CONSUMER, transfer_plan="auto")
+    worker = rig.workers[0]
+    worker.costs.observe_compute(0.01, 2, 16)  # compute known (as after any step without reads)
+    for i in range(3):
+        ext, invalid = rig.run(Req(f"c{i}", prefix + _tokens(1, base=200 + i)))
+        assert ext == 6 * BLOCK_SIZE and invalid == set()
+    assert sum(worker.costs.finish_samples.values()) == 3
+    assert all(f > 0 for f in worker.costs.finish_factor.values())

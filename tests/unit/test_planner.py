@@ -213,3 +213,31 @@ def test_a_kind_whose_reads_measure_slower_than_modelled_loses_its_place() -> No
     one = VLLM_CPU.snapshot()
     one.observe_transfer((LAYERS, 1), 0.1, 100.0)  # a stalled load
     assert one.kind_factor[(LAYERS, 1)] == pytest.approx(0.8 + 0.2 * 4)
+
+
+def test_a_kind_whose_steps_finish_later_than_simulated_loses_its_place() -> None:
+    """On a CPU host, reads beside the compute slow the compute, which neither the model nor the
+    read factor sees: a kind's steps then compute their last layer later than simulated, and its
+    predictions are scaled by that measured ratio. Its first step sets the factor (the prior is
+    no measurement: a 4-request demo cannot wait for a weighted mean), at most 4x; a kind not yet
+    measured whose reads also run beside the compute (layers, groups on other lanes) takes it
+    too; whole-object reads (over before layer 0) keep 1."""
+    costs = VLLM_CPU.snapshot()
+    tokens = 32  # group reads look hidden behind this suffix's compute
+    best = best_of_kinds(SHAPE, costs, tokens)
+    first = fastest(best.values())
+    assert first.mode == GROUPS
+    costs.observe_finish((GROUPS, first.lanes), first.predicted_s, 1.8 * first.predicted_s)
+    assert costs.finish_factor == {(GROUPS, first.lanes): pytest.approx(1.8)}
+    assert costs.finish((GROUPS, 4 if first.lanes == 1 else 1)) == pytest.approx(1.8)  # the same mode, other lanes
+    assert costs.finish((LAYERS, 1)) == costs.finish((LAYERS, 4)) == pytest.approx(1.8)  # reads beside compute too
+    assert costs.finish((WHOLE, 1)) == costs.finish((WHOLE, 4)) == 1.0
+    again = best_of_kinds(SHAPE, costs, tokens)
+    assert all(again[k].predicted_s == pytest.approx(best[k].predicted_s * costs.finish(k)) for k in best)
+    assert fastest(again.values()).mode == WHOLE
+    costs.observe_finish((GROUPS, first.lanes), 1.0, 1.0)  # later steps are weighted
+    assert costs.finish_factor[(GROUPS, first.lanes)] == pytest.approx(1.8 + 0.5 * (1.0 - 1.8))
+    stalled = MOONCAKE.snapshot()
+    stalled.observe_finish((WHOLE, 1), 0.01, 10.0)
+    assert stalled.finish((WHOLE, 1)) == 4.0
+    assert stalled.snapshot().finish_factor == stalled.finish_factor  # snapshots carry it

@@ -119,6 +119,10 @@ class Costs:
     # per plan kind (mode, lanes): measured transfer time / modelled transfer time, what the model
     # leaves out (on a CPU-bound host per-layer reads compete with compute for the same cores)
     kind_factor: dict[tuple[str, int], float] = field(default_factory=dict)
+    # per plan kind: measured step time / simulated finish (reads already corrected), what
+    # neither the model nor the read factor sees: on a CPU host overlapping reads slow the compute
+    finish_factor: dict[tuple[str, int], float] = field(default_factory=dict)
+    finish_samples: dict[tuple[str, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     _fits: dict[str, tuple[_Fit, tuple[float, ...]]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -131,7 +135,8 @@ class Costs:
                         setattr(self, attr, 1 / float(unit) if attr.endswith("bytes_per_s") else float(unit))
             return Costs(self.call_s, self.range_s, self.range_cpu_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
                          self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s,
-                         self.compute_per_layer_s, self.weight, kind_factor=dict(self.kind_factor))
+                         self.compute_per_layer_s, self.weight, kind_factor=dict(self.kind_factor),
+                         finish_factor=dict(self.finish_factor), finish_samples=dict(self.finish_samples))
 
     def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
         """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
@@ -160,6 +165,33 @@ class Costs:
         with self._lock:
             ratio = min(4.0, max(0.25, seconds / modelled_s))  # one odd load moves it at most this far
             self.kind_factor[kind] = _mix(self.kind_factor.get(kind, 1.0), ratio, self.weight)
+
+    def observe_finish(self, kind: tuple[str, int], simulated_s: float, seconds: float) -> None:
+        """A step whose load was of kind `kind` computed its last layer after `seconds`, where
+        the refitted model (reads corrected by their factor) says `simulated_s`. The factor is
+        the mean of a kind's first steps (the prior 1 is no measurement), then forgets at
+        `weight`; one odd step moves it at most 4x."""
+        if seconds <= 0 or simulated_s <= 0:
+            return
+        with self._lock:
+            ratio = min(4.0, max(0.25, seconds / simulated_s))
+            n = self.finish_samples.get(kind, 0) + 1
+            self.finish_samples[kind] = n
+            self.finish_factor[kind] = _mix(self.finish_factor.get(kind, 1.0), ratio, max(self.weight, 1 / n))
+
+    def finish(self, kind: tuple[str, int]) -> float:
+        """`kind`'s finish factor; a kind not measured yet takes the mean of the measured kinds
+        whose reads, like its own, run beside the compute (layer and group plans: what slows
+        one such step slows the others; whole-object reads end before layer 0), else 1."""
+        if kind in self.finish_factor:
+            return self.finish_factor[kind]
+        alike = [f for (mode, _), f in self.finish_factor.items() if (mode == WHOLE) == (kind[0] == WHOLE)]
+        return sum(alike) / len(alike) if alike else 1.0
+
+    def measured(self, name: str) -> bool:
+        """Some sample of `name` ("ranges", "whole", "compute") has been seen."""
+        with self._lock:
+            return name in self._fits
 
     def observe_compute(self, seconds: float, num_layers: int, num_tokens: int) -> None:
         # fixed + per token: a 1-token decode step's time must not read as a per-token cost
@@ -248,12 +280,13 @@ def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, f
 
 def best_of_kinds(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
                   lanes: int | None = None) -> dict[tuple[str, int], LoadPlan]:
-    """Each kind's (mode, lanes) best candidate, with its predicted finish time (ties: fewer
-    groups); with `lanes`, only plans on exactly that many lanes. In `plan_kinds` order."""
+    """Each kind's (mode, lanes) best candidate, with its predicted finish time (the simulation
+    times the kind's finish factor; ties: fewer groups); with `lanes`, only plans on exactly
+    that many lanes. In `plan_kinds` order."""
     best: dict[tuple[str, int], LoadPlan] = {}
     for plan in candidates(shape, max_lanes, lanes):
         kind = (plan.mode, plan.lanes)
-        t = simulate(plan, shape, costs, num_tokens)
+        t = simulate(plan, shape, costs, num_tokens) * costs.finish(kind)
         old = best.get(kind)
         if old is None or (t, len(plan.group_ends)) < (old.predicted_s * (1 - 1e-9), len(old.group_ends)):
             best[kind] = LoadPlan(plan.mode, plan.group_ends, plan.lanes, t)
