@@ -16,8 +16,6 @@ import torch
 
 from layerkv.bench.common import BenchOptions
 from layerkv.bench.overlap import _best, _Rig
-from layerkv.config import LayerKVConfig
-from layerkv.store.faults import GET_RANGES, FaultyStore
 
 
 def main() -> None:
@@ -29,22 +27,13 @@ def main() -> None:
     rig = _Rig(BenchOptions(quick=False, out_dir=Path(mkdtemp())), deep=True)
     try:
         compute = _best(rig.ttft_compute_alone, args.repeats)
-        _, transfer0, calls = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
+        _, transfer0, calls, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
         delay = max(0.0, (compute - transfer0) / calls)
         print(f"{rig.model.num_layers} layers: compute alone {compute * 1e3:.0f} ms, transfer without delay "
               f"{transfer0 * 1e3:.1f} ms in {calls} range calls, delay {delay * 1e3:.2f} ms per call")
         for prefetch in args.prefetch:
             for _ in range(args.repeats):
-                config = LayerKVConfig.from_dict({"prefetch_layers": prefetch, "transfer_plan": "layers"}, env={})
-                faulty = FaultyStore(rig.pool.client())
-                faulty.delay(GET_RANGES, delay)
-                engine = rig._pooled(config, faulty)
-                try:
-                    ttft = engine.generate([rig.prompt], 1)[0].ttft_s
-                    waited = engine.runner.worker_hooks[0].stats().load_wait_s
-                finally:
-                    engine.shutdown()
-                    faulty.close()
+                ttft, _, _, waited = rig.ttft_pooled(prefetch, delay, False)
                 print(f"prefetch {prefetch}: TTFT {ttft * 1e3:.0f} ms (compute alone + {(ttft - compute) * 1e3:.0f}), "
                       f"compute thread waited for layers {waited * 1e3:.0f} ms")
     finally:

@@ -117,8 +117,9 @@ class _Rig:
             raise RuntimeError(f"overlap: local prefix cache hit {out.num_local_cached_tokens} < {self.prefix_tokens} tokens")
         return out.ttft_s
 
-    def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int]:
-        """(TTFT, transfer-alone seconds or nan, range calls) of one fresh consumer engine."""
+    def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int, float]:
+        """(TTFT, transfer-alone seconds or nan, range calls, seconds the compute thread waited
+        for layers) of one fresh consumer engine."""
         # per-layer reads: the suite measures how far ahead of compute they run (prefetch depth),
         # with its delay injected per range read (the adaptive plan would pick undelayed whole reads)
         config = LayerKVConfig.from_dict({"prefetch_layers": prefetch_layers, "transfer_plan": "layers"}, env={})
@@ -132,7 +133,7 @@ class _Rig:
                 raise RuntimeError(f"overlap: loaded {out.num_external_tokens} tokens, expected {self.prefix_tokens}")
             worker = engine.runner.worker_hooks[0]
             transfer_s = worker.load_s[0] if load_all else float("nan")
-            return out.ttft_s, transfer_s, len(faulty.calls(GET_RANGES))
+            return out.ttft_s, transfer_s, len(faulty.calls(GET_RANGES)), worker.stats().load_wait_s
         finally:
             engine.shutdown()
             faulty.close()
@@ -176,16 +177,16 @@ def _conditions(rig: _Rig, result: SuiteResult, progress: Progress, reps: int, p
     returns the recompute-all TTFT."""
     recompute = _best(rig.ttft_recompute, reps)
     compute = _best(rig.ttft_compute_alone, reps)
-    _, transfer0, range_calls = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), reps)
+    _, transfer0, range_calls, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), reps)
     for label, target in conditions:
         delay_s = 0.0 if target is None else max(0.0, (target * compute - transfer0) / max(1, range_calls))
         condition = f"{label}{tag}"
         progress.case(f"{NAME} {condition}")
-        t_all, transfer, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
+        t_all, transfer, _, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
         rows: list[Row] = [_row(condition, delay_s, "recompute all", recompute, compute, transfer, recompute),
                            _row(condition, delay_s, "load all, then compute", t_all, compute, transfer, recompute)]
         for p in prefetches:
-            t_lw, _, _ = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)
+            t_lw = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)[0]
             rows.append(_row(condition, delay_s, f"layerwise prefetch {p}", t_lw, compute, transfer, recompute))
         result.rows += rows
         best = min(rows[2:], key=lambda r: r["ttft_ms"])
