@@ -10,7 +10,7 @@ from layerkv.demo import format_result, run_demo
 from layerkv.engine import ModelConfig
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
-from layerkv.store.faults import FaultyStore
+from layerkv.store.faults import GET_RANGES, FaultyStore
 
 TINY = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
 
@@ -32,6 +32,26 @@ def test_demo_loads_prefixes_and_matches_local_compute(plan: str) -> None:
         assert all(r.range_calls == TINY.num_layers for r in result.rows)
     assert result.producer_saved_bytes > 0
     assert format_result(result).endswith("outputs identical to local compute: yes")
+
+
+def test_demo_reports_the_time_the_compute_waited_for_layers_and_the_local_ceiling() -> None:
+    """Every layer read is held 20 ms (FaultyStore.delay), so the compute thread waits at least
+    for layer 0 of each request; `waited ms` must show it, within the request's TTFT."""
+    root = EmbeddedStore(64 << 20)
+
+    def store() -> CheckedStore:
+        faulty = FaultyStore(root.client())
+        faulty.delay(GET_RANGES, 0.02)
+        return CheckedStore(faulty, max_batch_keys=64)
+
+    result = _run(store)
+    assert result.identical, result.mismatch
+    for row in result.rows:
+        assert 15.0 <= row.load_wait_ms <= row.ttft_pool_ms
+        assert 0.0 < row.ttft_local_ms < row.ttft_pool_ms  # the ceiling does not wait for a store
+    table = format_result(result)
+    assert "TTFT local ms" in table and "waited ms" in table
+    assert f"{result.rows[0].load_wait_ms:.1f}" in table.splitlines()[2]
 
 
 def _corrupting(root: EmbeddedStore, *, on_layer: int, target_layer: int):  # type: ignore[no-untyped-def]
