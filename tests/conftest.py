@@ -1,10 +1,31 @@
 """Shared pytest fixtures: the real mooncake_master (tests/mooncake_master.py) and the one store
-backend fixture of every test (tests/backends.py) are registered here."""
+backend fixture of every test (tests/backends.py) are registered here. Under CI the suite must
+run inside the private network namespace of scripts/isolated.sh (`make test` does): Mooncake
+listens on every interface it can see, so the only one it may see is loopback."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+
+import pytest
 
 pytest_plugins = ["tests.mooncake_master", "tests.backends"]
 
 logging.getLogger("layerkv").setLevel(logging.INFO)
+
+
+def visible_interfaces() -> list[str]:
+    """Network interfaces of this process's namespace other than loopback."""
+    return sorted(name for _, name in socket.if_nameindex() if name != "lo")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    isolated = os.environ.get("LAYERKV_IN_NETNS") == "1"
+    others = visible_interfaces()
+    if isolated and others:
+        raise pytest.UsageError(f"LAYERKV_IN_NETNS=1 but this namespace has interfaces {others} besides lo")
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes") and not isolated:
+        raise pytest.UsageError("CI runs the test suite inside scripts/isolated.sh (a network namespace with only "
+                                "loopback: Mooncake listens on all interfaces); `make test` does")

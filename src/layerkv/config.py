@@ -38,14 +38,26 @@ class LayerKVConfig:
     mooncake_master: str | None = field(default=None, metadata=_rule("host:port or null", lambda v: v is None or ":" in v, "e.g. 127.0.0.1:50051"))
     # How a step's loads read: "auto" chooses per step (per layer, layer groups through host
     # staging, or whole objects, and the concurrent calls) from measured transfer and compute
-    # times; "layers" reads layer by layer (prefetch_layers ahead); "groups" reads
-    # read_layers_per_range layers per range through staging; "whole" reads whole objects.
+    # times; "layers" reads layer by layer (prefetch_layers ahead; through staging, or straight
+    # into the cache with register_kv_cache); "groups" reads read_layers_per_range layers per
+    # range through staging; "whole" reads whole objects through staging.
     transfer_plan: str = field(default="auto", metadata=_rule("one of auto, layers, groups, whole",
                                                               lambda v: v in ("auto", "layers", "groups", "whole")))
+    # Register the engine's live KV cache with the store for zero-copy per-layer transfers
+    # straight into / out of it ("layers" plans). Any peer that reaches the store's transfer
+    # ports can then read and write that memory (Mooncake serves every registered byte to any
+    # peer and listens on all interfaces): only on a fabric where every peer is trusted. False:
+    # only the staging area below is registered and every byte is verified there first.
+    register_kv_cache: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
+    # Host memory per worker for staging (registered once at start-up), half for loads and half
+    # for saves, each at most what the KV cache could use; a step streams through it. At least
+    # two objects (one per side): the layout's object size is checked at registration.
+    staging_nbytes: int = field(default=512 * MiB, metadata=_rule("4 KiB <= value <= 1 TiB", lambda v: 4096 <= v <= (1 << 40),
+                                                                  "default is 512 MiB"))
     # "layers" / "groups" plans: read at most this many layers ahead of compute
     prefetch_layers: int = field(default=2, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64))
     # "groups" plans: layers per range per key into a host staging row, then scattered (layer 0
-    # alone first). Host (CPU) caches only.
+    # alone first).
     read_layers_per_range: int = field(default=1, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64, "default is 1"))
     # concurrent range calls per transfer (Mooncake's TCP transport serialises the ranges of one
     # call); 0 = auto (up to 4, at least 8 keys per call)

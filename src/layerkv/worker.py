@@ -1,5 +1,5 @@
-"""Worker side of the connector (one per TP rank and pipeline stage): registers the KV caches,
-turns each step's plan into a load job (receive thread `layerkv-recv-<rank>`), a save job (its
+"""Worker side of the connector (one per TP rank and pipeline stage): registers its staging
+areas with the store (its live KV cache only with register_kv_cache), turns each step's plan into a load job (receive thread `layerkv-recv-<rank>`), a save job (its
 copies on the send thread `layerkv-send-<rank>`, its store writes on the write thread
 `layerkv-write-<rank>`) and the commits of earlier steps (write thread), and reports which blocks
 failed to load and which step it ran. Hooks are called on the engine's compute thread; the jobs
@@ -31,15 +31,16 @@ from layerkv.stats import WorkerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
+from layerkv.transfer.memory import RegisteredMemory, memory_regions
 from layerkv.transfer.pending import PendingPuts
 from layerkv.transfer.planner import WHOLE, Costs
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.settle import SettleJob, revoke_all
 from layerkv.transfer.staged import StagedLayers
-from layerkv.transfer.staging import StagingPool
+from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
-from layerkv.worker_jobs import CacheMemory, JobFactory, JobLedger, check_block_size
+from layerkv.worker_jobs import JobFactory, JobLedger, check_block_size
 
 log = logging.getLogger(__name__)
 # Save jobs of earlier steps still writing in the background (each holds its own staging images);
@@ -60,8 +61,9 @@ class WorkerConnector:
       layer is written or, after `save_timeout_s`, with the job cancelled (it revokes).
     * Verdicts in a plan run first on the send thread (SettleJob); a step whose verdict never
       arrives is revoked after `commit_timeout_s`; shutdown revokes what is pending.
-    * read_layers_per_range > 1 with host caches: the receive thread reads layer 0, then groups
-      of k layers, as one range per key into registered staging rows and scatters them.
+    * Only the staging areas are registered (register_kv_cache: false, the default): every read
+      lands in staging rows, is verified there and then scattered into the cache; every save
+      gathers the cache into staging images. A late store call lands in rows nobody else holds.
     """
 
     def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> None:
@@ -92,8 +94,7 @@ class WorkerConnector:
         self._handed: set[int] = set()  # layers handed to the save job this step
         self._handed_invalid: set[int] = set()  # load failures of this step already reported
         self._errors_settled: bool | None = None  # was the load settled at this step's last error report
-        self._staging = StagingPool(store, worker_jobs.MAX_STAGING_NBYTES)  # registered host rows, one job at a time
-        self._memory = CacheMemory(store, config.store_retry_interval_s, f"rank {deployment.tp_rank}")
+        self._areas: StagingAreas | None = None  # registered rows, one job at a time (once registered)
         self._closed = False  # compute thread: shutdown() ran
         rank = f"{deployment.pp_rank}-{deployment.tp_rank}" if deployment.pp_size > 1 else str(deployment.tp_rank)
         self.costs = Costs()  # running transfer / compute estimates for the planner (any thread)
@@ -106,6 +107,7 @@ class WorkerConnector:
         self._send = TransferThread(f"layerkv-send-{rank}")
         # staged saves' writes and the commits: never ahead of the copies a step needs
         self._write = TransferThread(f"layerkv-write-{rank}", on_idle=self._expire_pending)
+        self._memory = RegisteredMemory(store, config.store_retry_interval_s, f"rank {deployment.tp_rank}", self._write.submit)
 
     # -- registration ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
@@ -121,24 +123,16 @@ class WorkerConnector:
         header = Header(self.namespace.digest, self.layout.digest, self.layout.num_layers, self.layout.object_nbytes)
         views = CacheViews(self.layout, kv_caches)
         self._names_per_layer = [len({e.layer_name for e in layer}) for layer in self.layout.layers]
-        staged = None
-        if views.on_host:  # staged group / whole-object reads (device caches: straight in)
-            staged = StagedLayers(views)
-            if self.layout.object_nbytes > worker_jobs.MAX_STAGING_NBYTES:
-                raise ConfigError(
-                    f"one object of this layout is {self.layout.object_nbytes} bytes, more than the "
-                    f"{worker_jobs.MAX_STAGING_NBYTES >> 20} MiB staging bound; lower the block size (tokens per block)"
-                )
-        elif self.config.read_layers_per_range > 1:
-            log.info("layerkv: read_layers_per_range=%d ignored: KV caches live on %s (staging is host-only)",
-                     self.config.read_layers_per_range, self.layout.device_type)
+        direct = self.config.register_kv_cache
+        self._areas = StagingAreas.for_layout(self.layout, self.config.staging_nbytes, direct)
         self._jobs = JobFactory(self.config, self.store, self.namespace, self.storage_role.storage_rank, self.layout,
-                                header, views, staged, self._staging, self.costs, self._load_lanes, self._save_lanes,
-                                self.pending, self._write, self._stats)
-        self._jobs.prepare_staging()
-        self._memory.register(kv_caches)
-        log.info("layerkv: rank %d registered %d layers, object %d bytes, namespace %s",
-                 self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self.namespace.name)
+                                header, views, StagedLayers(views), self._areas, self.costs, self._load_lanes,
+                                self._save_lanes, self.pending, self._write, self._stats)
+        # the store can reach these and nothing else (the live cache only when the user opts in)
+        self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
+        log.info("layerkv: rank %d registered %d layers, object %d bytes, staging %d MiB%s, namespace %s",
+                 self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self._areas.nbytes() >> 20,
+                 " and the live KV cache (register_kv_cache)" if direct else "", self.namespace.name)
 
     # -- per step -------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: Any) -> None:
@@ -271,12 +265,15 @@ class WorkerConnector:
         self._handed_invalid |= invalid
         return invalid
 
-    def flush(self, timeout_s: float | None = None) -> bool:
+    def flush(self, timeout_s: float | None = None, *, given_up_loads: bool = False) -> bool:
         """Wait until every transfer this worker started has finished (background writes and
         commits included); True if it did within `timeout_s` (default save_timeout_s). The
-        reference engine calls it when `generate` returns, so its saves are readable then."""
+        reference engine calls it when `generate` returns, so its saves are readable then. A
+        load that gave up (stuck in the store) is waited for only with `given_up_loads`: its
+        blocks were recomputed, and what it still reads lands in its own staging rows."""
         deadline = time.monotonic() + (self.config.save_timeout_s if timeout_s is None else timeout_s)
-        jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]
+        jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later)
+                if j is not None and (given_up_loads or not (isinstance(j, LoadJob) and j.cancelled))]
         return all(job.wait_finished(max(0.0, deadline - time.monotonic())) for job in jobs)
 
     def loads_settled(self) -> bool:
@@ -315,11 +312,9 @@ class WorkerConnector:
             self._stats.revoked_on_shutdown += revoke_all(self.store, self.pending.pop_all(), "shutdown")
             # a job still running after the threads' join revokes what it holds when it returns
             # (it is cancelled); wait for it within save_timeout_s, then drain once more
-            self.flush()
+            self.flush(given_up_loads=True)
             self._stats.revoked_on_shutdown += revoke_all(self.store, self.pending.pop_all(), "shutdown")
             self._ledger.collect(self._current())
-            for error in self._staging.close():
-                log.warning("layerkv: %s", error)
             self._memory.unregister()
 
     def stats(self) -> WorkerStats:

@@ -1,19 +1,19 @@
 """Builds one worker's per-step transfer jobs once its KV caches are registered: the objects a
 step's blocks map to (one per distinct key), the load plan (fixed knobs or the planner's choice),
-staging rows, lanes. Compute thread only; the worker submits the jobs to its threads.
+staging rows (lent from the fixed staging areas; never allocated here), lanes. Compute thread
+only; the worker submits the jobs to its threads.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 from layerkv.config import LayerKVConfig
-from layerkv.errors import LayoutError, StoreError
+from layerkv.errors import LayoutError
 from layerkv.header import Header
 from layerkv.keys import Namespace, block_keys
 from layerkv.layout import CacheLayout
@@ -29,13 +29,11 @@ from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration,
 from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.settle import SettleJob
 from layerkv.transfer.staged import StagedLayers, layer_groups
-from layerkv.transfer.staging import StagingPool
+from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
 
 log = logging.getLogger(__name__)
-MAX_STAGING_NBYTES = 1 << 30  # staging rows of one job above this are refused (layouts: at startup)
-PREPARED_STAGING_NBYTES = 256 << 20  # staging allocated at start-up, per kind (loads, saves), at most
 
 
 @dataclass
@@ -49,8 +47,8 @@ class JobFactory:
     layout: CacheLayout
     header: Header
     views: CacheViews
-    staged: StagedLayers | None  # host caches: staged group / whole-object reads, staged saves
-    staging: StagingPool
+    staged: StagedLayers  # staged group / whole-object reads, staged saves
+    areas: StagingAreas
     costs: Costs
     load_lanes: Lanes
     save_lanes: Lanes
@@ -60,23 +58,10 @@ class JobFactory:
     exploration: Exploration = field(default_factory=Exploration)  # auto plans: which mode to try
     last_predictions: dict[str, float] = field(default_factory=dict)  # the last auto plan's best per kind (ms)
 
-    def prepare_staging(self) -> None:
-        """Allocate (and map) the staging rows of one full step's staged loads and saves now, at
-        start-up: the first transfer into a fresh buffer was measured at 611 ms for 64 MiB in a
-        vLLM CPU engine here, 106 ms once the buffer existed. Best effort (a refusal is logged;
-        the first step then allocates, as it would anyway)."""
-        if self.staged is None:
-            return
-        rows = min(self.config.max_transfer_blocks, max(1, PREPARED_STAGING_NBYTES // self.staged.row_nbytes))
-        kinds = ("groups", "save-images") if self.config.transfer_plan != "layers" else ()
-        try:
-            for kind in kinds:
-                self.staging.take(kind, rows, self.staged.row_nbytes)
-        except StoreError as exc:
-            log.warning("layerkv: staging buffers not prepared at start-up: %s", exc)
-
     def start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
-        """One LoadKey per distinct object: read into the first local block, copied to the rest."""
+        """One LoadKey per distinct object: read into the first local block, copied to the rest.
+        None when no staging row is free (every one held by earlier jobs still in the store):
+        the worker reports the step's blocks invalid."""
         by_key: dict[ObjectKey, tuple[bytes, list[int]]] = {}
         for spec in specs:
             keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
@@ -86,34 +71,34 @@ class JobFactory:
         self.stats.load_keys += len(load_keys)
         self.stats.load_blocks += sum(len(spec) for spec in specs)
         plan, prefetch = self.load_plan(len(load_keys), num_tokens)
-        try:
-            if plan.mode == LAYERS:
-                staging = self.staging.take("load", len(load_keys), self.layout.header_nbytes)
-            else:  # keys pass through staging rows a wave at a time (bounded memory)
-                assert self.staged is not None
-                max_rows = max(1, MAX_STAGING_NBYTES // self.staged.row_nbytes)
-                staging = self.staging.take("groups", min(len(load_keys), max_rows), self.staged.row_nbytes)
-        except StoreError as exc:
-            log.warning("layerkv: loads of this step fail: staging buffer: %s", exc)
-            return None  # the worker reports the step's blocks invalid
+        area = self.areas.headers if plan.mode == LAYERS else self.areas.loads
+        assert area is not None, "direct per-layer plans only with register_kv_cache"
+        slots = area.take(len(load_keys))  # staged plans stream through fewer rows than keys
+        if slots.size == 0 or (plan.mode == LAYERS and slots.size < len(load_keys)):
+            log.warning("layerkv: loads of this step are recomputed: %d of %d %s staging rows free", slots.size,
+                        area.num_rows, area.name)
+            self.stats.load_skipped_staging += 1
+            return None
         self.stats.count_plan(plan.mode)
         if self.store.audit is not None:
             self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
                                   predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored,
                                   kinds_ms=self.last_predictions if plan.predicted_s else {})
-        job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.header, staging=staging,
-                      views=self.views, plan=plan, lanes=self.load_lanes, renew_after_s=self.config.lease_renew_after_s,
-                      prefetch_layers=prefetch, staged=self.staged if plan.mode != LAYERS else None, costs=self.costs,
+        job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.header, staging=area.array,
+                      slots=slots, views=self.views, plan=plan, lanes=self.load_lanes,
+                      renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch,
+                      staged=self.staged if plan.mode != LAYERS else None, costs=self.costs,
                       verify_checksums=self.config.verify_checksums)
-        self.staging.lend(staging, job)
+        area.lend(slots, job)
         return job
 
     def load_plan(self, num_keys: int, num_tokens: int) -> tuple[LoadPlan, int | None]:
         """This step's load plan and read-ahead cap: chosen from the running estimates
         (transfer_plan="auto"), or the fixed knobs."""
         lanes, mode, L = self.config.transfer_lanes, self.config.transfer_plan, self.layout.num_layers
-        if mode != "auto" and (mode == "layers" or self.staged is None):  # device caches: no staging
-            return LoadPlan(LAYERS, tuple(range(1, L + 1)), lanes or 1), self.config.prefetch_layers
+        if mode == "layers":  # straight into the cache only where the cache is registered
+            kind = LAYERS if self.config.register_kv_cache else GROUPS
+            return LoadPlan(kind, tuple(range(1, L + 1)), lanes or 1), self.config.prefetch_layers
         if mode == "groups":
             ends = tuple(g.end_layer for g in layer_groups(self.layout, self.config.read_layers_per_range))
             return LoadPlan(GROUPS, ends, lanes or 1), self.config.prefetch_layers
@@ -145,7 +130,8 @@ class JobFactory:
             layer_nbytes=max(layout.layer_nbytes(l) for l in range(layout.num_layers)),
             header_nbytes=layout.header_nbytes,
             segments_per_layer=max(layout.template(l).num_segments for l in range(layout.num_layers)),
-            staging_ok=self.staged is not None,
+            staging_ok=True,
+            direct_ok=self.config.register_kv_cache,
         )
 
     def observe_load(self, job: LoadJob, step_s: float = 0.0, num_tokens: int = 0) -> None:
@@ -163,30 +149,32 @@ class JobFactory:
             self.costs.observe_finish(kind, simulate(plan, shape, self.costs.snapshot(), num_tokens), step_s)
 
     def start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
+        """Staged (object images in staging rows) unless register_kv_cache and the per-layer
+        plan ask for direct writes. Keys beyond the free staging rows are not saved this step
+        (counted): wait_for_save never waits for the store to free rows."""
         by_key: dict[ObjectKey, SaveKey] = {}
         for spec in specs:
             keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
             for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
                 by_key.setdefault(key, SaveKey(key, block_hash, block_id, spec.req_id))
-        # staged (copy into object images, write later) unless the per-layer path is asked for or
-        # the step's images would not fit the staging bound
-        staged = self.staged if self.config.transfer_plan != "layers" else None
-        if staged is not None and len(by_key) * staged.row_nbytes > MAX_STAGING_NBYTES:
-            staged = None
-        try:  # staged: one object image per key; direct: one header per key
-            if staged is not None:
-                staging = self.staging.take("save-images", len(by_key), staged.row_nbytes)
-            else:
-                staging = self.staging.take("save", len(by_key), self.layout.header_nbytes)
-        except StoreError as exc:
-            log.warning("layerkv: skipping this step's saves: staging buffer: %s", exc)
-            self.stats.save_failed_keys += len(by_key)
+        direct = self.config.transfer_plan == "layers" and self.config.register_kv_cache
+        area = self.areas.headers if direct else self.areas.saves
+        assert area is not None
+        slots = area.take(len(by_key))
+        save_keys = list(by_key.values())[: slots.size]  # in block order: the saved part is a prefix
+        if len(save_keys) < len(by_key):
+            skipped = len(by_key) - len(save_keys)
+            self.stats.save_skipped_staging += skipped
+            log.info("layerkv: %d of %d keys of this step not saved: %d of %d %s staging rows free", skipped, len(by_key),
+                     slots.size, area.num_rows, area.name)
+        if not save_keys:
             return None
-        lanes = self.config.transfer_lanes or choose_lanes(len(by_key), 4)
-        job = SaveJob(list(by_key.values()), step_seq, store=self.store, layout=self.layout, header=self.header,
-                      staging=staging, views=self.views, placement=Placement.from_config(self.config), pending=self.pending,
-                      staged=staged, lanes=self.save_lanes, num_lanes=lanes, writer=self.writer)
-        self.staging.lend(staging, job)
+        lanes = self.config.transfer_lanes or choose_lanes(len(save_keys), 4)
+        job = SaveJob(save_keys, step_seq, store=self.store, layout=self.layout, header=self.header,
+                      staging=area.array, slots=slots, views=self.views, placement=Placement.from_config(self.config),
+                      pending=self.pending, staged=None if direct else self.staged, lanes=self.save_lanes,
+                      num_lanes=lanes, writer=self.writer)
+        area.lend(slots, job)
         return job
 
 
@@ -273,63 +261,3 @@ def check_block_size(layout: CacheLayout, block_size: int) -> None:
                     f"block_size={block_size} tokens appears in none of its dims: the registered caches do not "
                     "match the configured block size"
                 )
-
-
-def memory_regions(kv_caches: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """Distinct (ptr, nbytes) memory regions of the registered tensors / arrays. A torch view
-    registers its whole storage from the storage's start (vLLM views every layer into one
-    buffer: the view's own data_ptr plus the storage size would run past the allocation)."""
-    regions: dict[int, int] = {}
-    for value in kv_caches.values():
-        for tensor in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(tensor, "data_ptr"):
-                storage = tensor.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            else:
-                ptr, nbytes = tensor.ctypes.data, tensor.nbytes
-            regions[ptr] = max(regions.get(ptr, 0), nbytes)
-    return sorted(regions.items())
-
-
-class CacheMemory:
-    """The KV cache memory a worker registers with the store. A refusal (e.g. Mooncake's master
-    unreachable) is retried at most once per `retry_interval_s`; meanwhile the worker serves
-    without the pool. Compute thread."""
-
-    def __init__(self, store: CheckedStore, retry_interval_s: float, who: str) -> None:
-        self._store, self._retry_interval_s, self._who = store, retry_interval_s, who
-        self._registered: list[int] = []
-        self._unregistered: list[tuple[int, int]] = []
-        self._next_try_s = 0.0
-
-    def register(self, kv_caches: Mapping[str, Any]) -> bool:
-        self._unregistered = memory_regions(kv_caches)
-        return self.ready()
-
-    def ready(self) -> bool:
-        """Register what the store has not accepted yet; True when all of it is."""
-        if not self._unregistered:
-            return True
-        now = time.monotonic()
-        if now < self._next_try_s:
-            return False
-        try:
-            while self._unregistered:
-                ptr, nbytes = self._unregistered[0]
-                self._store.register_buffer(ptr, nbytes)
-                self._registered.append(ptr)
-                self._unregistered.pop(0)
-        except StoreError as exc:
-            self._next_try_s = now + self._retry_interval_s
-            log.warning("layerkv: %s cannot register its KV cache with the store (%s); serving without "
-                        "the pool, retrying in %.1f s", self._who, exc, self._retry_interval_s)
-            return False
-        return True
-
-    def unregister(self) -> None:
-        for ptr in self._registered:
-            try:
-                self._store.unregister_buffer(ptr)
-            except StoreError as exc:
-                log.warning("layerkv: %s", exc)
-        self._registered.clear()

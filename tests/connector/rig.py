@@ -63,9 +63,11 @@ class Rig:
         # layers are the model's first_layer.., a sliding-window group when window_blocks > 0)
         self.first_layer = first_layer
         # the per-layer plan unless a test asks for another (most tests pin per-layer behaviour)
+        # (straight into a registered cache: register_kv_cache, unless a test asks for staging)
         plan = "groups" if config.get("read_layers_per_range", 1) > 1 else "layers"
-        self.config = LayerKVConfig.from_dict({"load_timeout_s": 5.0, "save_timeout_s": 5.0, "transfer_plan": plan, **config},
-                                              env={})
+        direct = config.get("transfer_plan", plan) == "layers"
+        self.config = LayerKVConfig.from_dict({"load_timeout_s": 5.0, "save_timeout_s": 5.0, "transfer_plan": plan,
+                                               "register_kv_cache": direct, **config}, env={})
         self.backend = backend
         self.num_layers, self.num_blocks, self.tp_size, self.call_save = num_layers, num_blocks, tp_size, call_save
         heads_per_rank = max(1, num_kv_heads // tp_size)

@@ -172,15 +172,13 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
             worker.register_kv_caches(on_device, 8)
     finally:
         worker.shutdown()
-    import layerkv.worker_jobs
-
-    worker = WorkerConnector(config, deployment, CheckedStore(root.client(), max_batch_keys=64))
-    try:  # staging is bounded (1 GiB here; 1 MiB for the test): an object larger than it cannot be staged
+    small = config.replace(staging_nbytes=1 << 20)
+    worker = WorkerConnector(small, deployment, CheckedStore(root.client(), max_batch_keys=64))
+    try:  # staging is bounded: it must hold one object per side
         big = {f"model.layers.{l}.attn": torch.zeros(2, 4, 16, 8, 128) for l in range(9)}  # 64 KiB per layer-block
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(layerkv.worker_jobs, "MAX_STAGING_NBYTES", 1 << 20)
-            with pytest.raises(ConfigError, match=r"one object of this layout is \d+ bytes, more than the 1 MiB staging bound"):
-                worker.register_kv_caches(big, 4)
+        with pytest.raises(ConfigError, match=r"staging_nbytes=1048576 must be >= 2359808 for this layout \(one "
+                                              r"1179904-byte object for loads and one for saves\); default is 512 MiB"):
+            worker.register_kv_caches(big, 4)
     finally:
         worker.shutdown()
         root.close()

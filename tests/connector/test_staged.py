@@ -13,8 +13,9 @@ import torch
 
 from layerkv.header import Header
 from layerkv.messages import KVRole
-from layerkv.store.faults import GET_RANGES
+from layerkv.store.faults import GET_RANGES, GET_START
 from layerkv.transfer.planner import Costs
+from layerkv.transfer.staged import layer_groups
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
 
 
@@ -38,18 +39,16 @@ def make_pattern_rig(make_rig, monkeypatch):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(("num_layers", "k", "max_rows"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
 def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layers: int, k: int, max_rows: int) -> None:
-    """max_rows=4 (the staging memory bound): the 6 keys pass through 4 staging rows in two waves per group."""
-    import layerkv.worker_jobs
-
+    """max_rows=4 (staging_nbytes holds 4 rows per side): the 6 keys pass through 4 staging rows
+    in two waves per group, each wave with its own get sessions."""
     producer = make_pattern_rig(num_layers=num_layers)
     prefix = _tokens(6, extra=0)
     producer.run(Req("p", prefix + [1]))
     loaded = {}
+    bound = 2 * max_rows * producer.workers[0].layout.object_nbytes
     for name, layers_per_range in (("direct", 1), ("staged", k)):
-        bound = max_rows * producer.workers[0].layout.object_nbytes
-        monkeypatch.setattr(layerkv.worker_jobs, "MAX_STAGING_NBYTES", bound)
-        monkeypatch.setattr(layerkv.worker_jobs, "PREPARED_STAGING_NBYTES", bound)  # start-up staging within it too
-        rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range)
+        rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range,
+                               staging_nbytes=bound)
         a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
         (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
         assert ext_a == ext_b == 6 * BLOCK_SIZE
@@ -62,8 +61,12 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
                         for l in range(num_layers) for req in (a, b) for i in range(6)]
         assert_get_sessions_well_formed(rig.faults[0])
         if layers_per_range > 1:
-            rows = max(b.array.shape[0] for b in rig.workers[0]._staging._buffers if b.kind == "groups")
+            rows = rig.workers[0]._areas.loads.num_rows
             assert rows == max_rows if max_rows < 6 else rows >= 6  # the bound forces waves
+            starts = [len(c.keys) for c in rig.faults[0].calls(GET_START)]
+            groups = len(layer_groups(rig.workers[0].layout, k))
+            # a window's sessions at a time: two waves per group, each opening its own sessions
+            assert starts == ([4, 2] * groups if max_rows < 6 else [6])
     assert all(torch.equal(x, y) for x, y in zip(loaded["direct"], loaded["staged"], strict=True))
 
 
@@ -138,21 +141,27 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     assert rig.wrong_blocks(b, range(6)) == []
 
 
-def test_staging_is_allocated_at_start_up(make_rig) -> None:
-    """The staging rows of a full step's staged loads and saves exist (pages mapped) once the
-    KV caches are registered, so the first staged load allocates nothing inside its transfer."""
+def test_only_staging_is_registered_and_it_is_allocated_at_start_up(make_rig) -> None:
+    """The store is handed the staging areas (allocated and registered once the KV caches are
+    registered, pages mapped) and nothing else: the live cache is registered only with
+    register_kv_cache. A run allocates and registers nothing more."""
     producer = make_rig()
     prefix = _tokens(6, extra=0)
     producer.run(Req("p", prefix + [1]))
     rig = make_rig(role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
-    staging = rig.workers[0]._staging
-    prepared = {b.kind: b.array for b in staging._buffers}
-    assert set(prepared) == {"groups", "save-images"}
-    assert all(a.shape[0] == rig.workers[0].config.max_transfer_blocks for a in prepared.values())
+    worker = rig.workers[0]
+    areas = worker._areas
+    assert areas is not None and areas.headers is None
+    registered = sorted(worker._memory.regions())
+    assert registered == sorted(a.ptr for a in areas.all())
+    cache_ptrs = {t.untyped_storage().data_ptr() for t in rig.caches[0].values()}
+    assert not cache_ptrs & set(registered)
     ext, invalid = rig.run(Req("a", prefix + _tokens(1, base=100)))
     assert ext == 6 * BLOCK_SIZE and invalid == set()
-    assert [b.array for b in staging._buffers] == list(prepared.values())  # nothing allocated since
-    assert make_rig(role=KVRole.CONSUMER, transfer_plan="layers").workers[0]._staging._buffers == []
+    assert sorted(worker._memory.regions()) == registered and worker._areas is areas
+    direct = make_rig(role=KVRole.CONSUMER, transfer_plan="layers", register_kv_cache=True)
+    direct_caches = {t.untyped_storage().data_ptr() for t in direct.caches[0].values()}
+    assert direct_caches <= set(direct.workers[0]._memory.regions())
 
 
 def test_auto_plans_feed_their_measurements_back(make_rig) -> None:

@@ -75,8 +75,9 @@ CASES = {
     "commit_malformed": Case("producer", lambda f, k: f.malformed(PUT_END, None, k[3], times=1), 12),
     "put_start_fail": Case("producer", lambda f, k: f.fail(PUT_START, k[3], code=int(Code.NO_SPACE), times=1), 12),
     "put_start_malformed": Case("producer", lambda f, k: f.malformed(PUT_START, True, k[3], forward=True, times=1), 12),
-    "put_range_fail": Case("producer", lambda f, k: f.fail(PUT_RANGES, k[3], layer_idx=2, times=1), 12),
-    "put_range_raises": Case("producer", lambda f, k: f.raise_in(PUT_RANGES, keys=k[3], layer_idx=1, times=1), 12),
+    # (staged saves write each object image in one range call, with no layer)
+    "put_range_fail": Case("producer", lambda f, k: f.fail(PUT_RANGES, k[3], times=1), 12),
+    "put_range_raises": Case("producer", lambda f, k: f.raise_in(PUT_RANGES, keys=k[3], times=1), 12),
     "put_start_raises_first_chunk": Case("producer", lambda f, k: f.raise_in(PUT_START, keys=k[0], times=1), 0),
 }
 

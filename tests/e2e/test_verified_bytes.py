@@ -70,7 +70,9 @@ def test_flipped_bytes_of_one_layer_are_recomputed_and_the_object_removed(make_o
 
 @BOTH_BACKENDS
 def test_an_outage_mid_step_fences_the_sessions_opened_before_it(make_oracle, backend) -> None:
-    oracle = make_oracle(engine_config=ENGINE, store_retry_interval_s=0.2)
+    # direct per-layer saves (register_kv_cache) start their puts during the step, beside the
+    # load; staged saves start them after the forward, when the load is over
+    oracle = make_oracle(engine_config=ENGINE, store_retry_interval_s=0.2, register_kv_cache=True)
     producer = oracle.pooled()
     serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
     consumer = oracle.pooled()

@@ -74,6 +74,7 @@ def test_a_request_sharing_a_block_whose_load_failed_has_its_saves_revoked(pool,
 
     consumer.step()  # carries the verdict on the failed step: both requests' saves revoked
     worker = consumer.core_worker
+    assert worker.flush(10.0)  # staged saves write and settle on the write thread
     stats = worker.stats()
     assert stats.revoked_tainted == 4 and stats.committed_keys == 0, stats  # a's 2 and b's 2 new blocks
     assert consumer.scheduler.connector.scheduler_side.stats().tainted_requests == 2

@@ -118,7 +118,7 @@ def test_counter_deltas_turn_cumulative_core_stats_into_per_step_counters():
 def test_worker_registers_vllm_backing_buffer_once(clean_agent):
     # vLLM views every layer into one int8 buffer; the store must get that buffer, not a
     # region per layer view that starts mid-buffer and runs past its end.
-    from layerkv.worker_jobs import memory_regions
+    from layerkv.transfer.memory import memory_regions
 
     engine = make_engine(num_blocks=32)
     rig = make_worker(engine)

@@ -11,6 +11,7 @@ its own put/get sessions, as a second Mooncake client would have.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import operator
 import time
@@ -38,7 +39,10 @@ _EXPIRED = int(Code.LEASE_EXPIRED)
 class EmbeddedStore:
     """In-process `KVStore`. Every batch call returns one int per key (Mooncake's codes), except
     `batch_get_session_end` (one int). Pointers are raw host addresses; device memory cannot
-    be detected from an int (the worker refuses device caches with this backend).
+    be detected from an int (the worker refuses device caches with this backend). With
+    `strict_buffers` (what a worker's config opens), a range or buffer that is not inside memory
+    this handle registered fails its key with -600, as a transfer from unregistered memory
+    fails on Mooncake: the tests see any path that hands the store memory it must not reach.
 
     Calls on a closed handle raise `StoreError`.
     """
@@ -51,6 +55,7 @@ class EmbeddedStore:
         name: str = "embedded",
         *,
         clock: Callable[[], float] = time.monotonic,
+        strict_buffers: bool = False,
     ) -> None:
         if lease_ttl_s <= 0 or put_timeout_s <= 0:
             raise ConfigError(f"lease_ttl_s={lease_ttl_s} and put_timeout_s={put_timeout_s} must be > 0")
@@ -58,12 +63,14 @@ class EmbeddedStore:
         self.capacity_bytes = capacity_bytes
         self.lease_ttl_s = lease_ttl_s
         self.put_timeout_s = put_timeout_s
+        self.strict_buffers = strict_buffers
         self._table = ObjectTable(capacity_bytes, clock)
         self._attach()
 
     @classmethod
     def from_config(cls, config: LayerKVConfig) -> EmbeddedStore:
-        return cls(config.embedded_capacity_bytes, config.embedded_lease_ttl_s, config.embedded_put_timeout_s)
+        return cls(config.embedded_capacity_bytes, config.embedded_lease_ttl_s, config.embedded_put_timeout_s,
+                   strict_buffers=True)
 
     def client(self) -> EmbeddedStore:
         """Another handle on the same objects with its own put and get sessions (like a second
@@ -71,6 +78,7 @@ class EmbeddedStore:
         other = object.__new__(EmbeddedStore)
         other.name, other.capacity_bytes = self.name, self.capacity_bytes
         other.lease_ttl_s, other.put_timeout_s = self.lease_ttl_s, self.put_timeout_s
+        other.strict_buffers = self.strict_buffers
         other._table = self._table
         other._attach()
         return other
@@ -82,15 +90,36 @@ class EmbeddedStore:
                 raise StoreError(f"embedded store {self.name!r} is closed")
             self._client_id: ClientId = next(table.client_ids)
             self._closed = False
+            self._buffer_starts: list[int] = []  # guarded by table.lock: registered regions, sorted
+            self._buffer_ends: list[int] = []  # parallel to _buffer_starts
             table.num_handles += 1
             table.get_sessions[self._client_id] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def register_buffer(self, ptr: int, nbytes: int) -> None:
-        """Nothing to register in-process (host memory is accessible as is)."""
+        """Host memory this handle may move bytes from and into (checked with strict_buffers)."""
+        if not _is_index(ptr) or not _is_index(nbytes) or ptr <= 0 or nbytes <= 0:
+            raise StoreError(f"embedded store: register_buffer(ptr={ptr!r}, nbytes={nbytes!r}): both must be > 0")
+        with self._table.lock:
+            i = bisect.bisect_left(self._buffer_starts, ptr)
+            if i < len(self._buffer_starts) and self._buffer_starts[i] == ptr:  # again: the larger extent
+                self._buffer_ends[i] = max(self._buffer_ends[i], ptr + nbytes)
+                return
+            self._buffer_starts.insert(i, ptr)
+            self._buffer_ends.insert(i, ptr + nbytes)
 
     def unregister_buffer(self, ptr: int) -> None:
-        """Nothing to unregister."""
+        with self._table.lock:
+            i = bisect.bisect_left(self._buffer_starts, ptr)
+            if i < len(self._buffer_starts) and self._buffer_starts[i] == ptr:
+                del self._buffer_starts[i], self._buffer_ends[i]
+
+    def _registered(self, ptr: int, nbytes: int) -> bool:  # under lock
+        """[ptr, ptr + nbytes) lies inside one registered region (always, without strict_buffers)."""
+        if not self.strict_buffers:
+            return True
+        i = bisect.bisect_right(self._buffer_starts, ptr) - 1
+        return i >= 0 and ptr + nbytes <= self._buffer_ends[i]
 
     @property
     def used_bytes(self) -> int:
@@ -275,6 +304,8 @@ class EmbeddedStore:
                     results.append(_INVALID)
                     continue
                 total = _check_ranges(key_ptrs, key_sizes, key_offsets, obj.nbytes)
+                if total > 0 and not all(self._registered(p, n) for p, n in zip(key_ptrs, key_sizes)):
+                    total = _INVALID
                 results.append(total)
                 if total > 0:
                     host.extend(key_ptrs)
@@ -315,7 +346,7 @@ class EmbeddedStore:
         with self._open_table() as table:
             results = []
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
-                code = _INVALID if not ptr else self._start_put(key, nbytes)
+                code = _INVALID if not ptr or not self._registered(ptr, nbytes) else self._start_put(key, nbytes)
                 if code == _OK:
                     obj = table.processing.pop(key)
                     copy_ranges([table.arena.base_ptr + obj.offset], [ptr], [nbytes])
@@ -336,7 +367,7 @@ class EmbeddedStore:
                     results.append(_NOT_FOUND)
                 elif obj.state is ObjectState.PROCESSING:
                     results.append(_NOT_READY)
-                elif not ptr or nbytes < obj.nbytes:
+                elif not ptr or nbytes < obj.nbytes or not self._registered(ptr, obj.nbytes):
                     results.append(_INVALID)
                 else:
                     copy_ranges([ptr], [table.arena.base_ptr + obj.offset], [obj.nbytes])

@@ -33,6 +33,7 @@ class FaultKind(Enum):
     MALFORMED = "malformed"  # the whole call answers `result` (wrong count, bool, None, ...)
     RAISE = "raise"  # the whole call raises `exc`
     DELAY = "delay"  # the call waits `delay_s` (or until rule `after` fired; cut short by `release()`)
+    THEN = "then"  # `action(keys, per_key)` runs after the inner call returned, before the caller sees it
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -55,6 +56,7 @@ class Fault:
     name: str = ""
     after: Fault | None = None  # DELAY: wait until this rule fired (delay_s bounds the wait)
     entered: threading.Event = field(default_factory=threading.Event)  # set when a call it fires on enters
+    action: Callable[[list[ObjectKey], tuple[Sequence[Any], ...]], None] | None = None  # THEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,13 @@ class FaultyStore:
         between threads that no machine load can swap), `delay_s` bounding the wait."""
         return self.add(Fault(FaultKind.DELAY, _methods(methods), _match(keys), layer_idx, delay_s=delay_s,
                               times=times, after=after, name=f"delay {_label(methods)}"))
+
+    def then(self, methods: str | Sequence[str], action: Callable[[list[ObjectKey], tuple[Sequence[Any], ...]], None],
+             keys: KeyMatch = None, *, layer_idx: int | None = None, times: int | None = None) -> Fault:
+        """After a matching call returned from the inner store and before its caller sees the
+        answer, run `action(keys, per_key args)` (what another process does at that moment)."""
+        return self.add(Fault(FaultKind.THEN, _methods(methods), _match(keys), layer_idx, times=times, action=action,
+                              name=f"then {_label(methods)}"))
 
     def remove(self, rule: Fault) -> None:
         with self._lock:
@@ -275,6 +284,9 @@ class FaultyStore:
             self.inner.batch_get_session_end(expired)  # Mooncake drops the session on -707
         passed = [i for i in range(len(keys)) if i not in codes]
         inner_result = self._forward(method, keys, passed, per_key, extra, layer_idx) if passed else None
+        for rule in rules:
+            if rule.kind is FaultKind.THEN and rule.action is not None:
+                rule.action(keys, per_key)
         if whole is not None:
             return _whole_call_fault(whole, method, keys)
         if method == GET_END:

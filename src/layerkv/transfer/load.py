@@ -4,8 +4,13 @@ of the layer the compute thread works on, verifies the header with layer 0 and e
 checksum before the compute thread may use it, fans a shared key out to every local block that
 wants it, renews the sessions when the step outlives `renew_after_s`, and ends them after its
 last read returned. Objects whose bytes fail their checksum (or whose header is wrong) are
-removed from the pool. With `staged` (host caches, read_layers_per_range > 1) it reads groups of
-layers as one range per key into staging and scatters them (staged.py).
+removed from the pool. With `staged` (GROUPS / WHOLE plans: the default, and the only plans
+unless the KV cache itself is registered) it reads groups of layers (or whole objects) as one range
+per key into its staging rows, verifies them there and only then scatters them into the cache
+(staged.py). More keys than staging rows stream through the rows a wave at a time, and their get
+sessions are opened for one wave and ended behind it (a sliding session window): the sessions and
+staging a step holds are bounded whatever the prompt length. A job that gave up touches nothing
+any more: no copy into the cache, no verification, no removal of objects.
 
     compute:  start ── wait(0) ─ attn 0 ─ wait(1) ─ attn 1 ─ wait(2) ─ attn 2 ...
     receive:  start sessions ─ read 0 ─ read 1 ─ read 2 ── read 3 ────── read 4 ... end sessions
@@ -35,7 +40,7 @@ from layerkv.store.base import UNCERTAIN_CODES, ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.lanes import Lanes, split_rows
-from layerkv.transfer.planner import LAYERS, WHOLE, Costs, LoadPlan
+from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, Costs, LoadPlan
 from layerkv.transfer.rows import KeyRows
 from layerkv.transfer.staged import LayerGroup, StagedLayers, groups_of
 from layerkv.transfer.thread import JobState
@@ -78,8 +83,10 @@ class LoadJob(JobState):
         store: CheckedStore,
         layout: CacheLayout,
         header: Header,
-        staging: np.ndarray,  # uint8 registered rows: [>= len(keys), header_nbytes], or with
-        # `staged`: [>= 1, staged.row_nbytes] (keys are read through it in chunks of its rows)
+        staging: np.ndarray,  # uint8 registered area [rows, width]: header rows (LAYERS: width >=
+        # header_nbytes, >= len(keys) slots) or object rows (`staged`: width staged.row_nbytes,
+        # >= 1 slot; keys stream through the slots a wave at a time)
+        slots: np.ndarray,  # int64: the rows of `staging` this job holds
         views: CacheViews,
         plan: LoadPlan,
         lanes: Lanes,
@@ -94,6 +101,7 @@ class LoadJob(JobState):
         self._store = store
         self._layout = layout
         self._staging = staging
+        self._slots = slots
         self._views = views
         self.plan = plan
         self._lanes = lanes
@@ -103,7 +111,9 @@ class LoadJob(JobState):
         self._costs = costs
         if plan.mode != LAYERS and staged is None:
             raise LayoutError(f"a {plan.mode} load plan needs host staging")
-        self._rows = KeyRows([k.block_id for k in keys], layout, staging)
+        if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
+            raise LayoutError(f"{slots.size} staging rows for a {plan.mode} load of {len(keys)} keys")
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging, slots if plan.mode == LAYERS else None)
         # held while this job copies into the cache; give_up takes it after cancelling
         self._cache_writes = threading.Lock()
         # fan-out targets (row, block) beyond each key's first block
@@ -138,7 +148,8 @@ class LoadJob(JobState):
     def give_up(self, reason: str) -> None:
         """Fail every row still good and cancel (compute thread, on a timeout). Returns once no
         copy into the cache is in progress: after it, this job writes no cache block (only a
-        store call already inside the store may, in the per-layer plan; docs/data-safety.md)."""
+        store call already inside the store may, with register_kv_cache and the direct per-layer
+        plan; docs/data-safety.md)."""
         with self.cond:
             rows = np.flatnonzero(~self.failed)
         self._fail(rows, reason)
@@ -162,18 +173,20 @@ class LoadJob(JobState):
         start = time.perf_counter()
         try:
             whole = self.plan.mode == WHOLE  # whole-object reads need no session
-            if not self.cancelled and (whole or self._start_sessions(np.arange(len(self.keys)))):
+            # more keys than staging rows: each wave opens its own sessions and ends them
+            windowed = self.plan.mode == GROUPS and len(self.keys) > self._slots.size
+            if not self.cancelled and (whole or windowed or self._start_sessions(np.arange(len(self.keys)))):
                 for group in groups_of(self._layout, self.plan.group_ends):
                     if not self._wait_allowed(group.first_layer):  # prefetch counts layers, not groups
                         self._fail(self._active(), "cancelled before all layers were read")
                         break
-                    if not whole:
+                    if not (whole or windowed):
                         self._fence()
                         self._maybe_renew()
                     if self.plan.mode == LAYERS:
                         self._read_layer(group.first_layer)
                     else:
-                        self._read_staged(group)
+                        self._read_staged(group, windowed)
                     with self.cond:
                         self.layers_done = group.end_layer
                         self.cond.notify_all()
@@ -209,6 +222,13 @@ class LoadJob(JobState):
             self._fail(rows[~ok], f"get session start returned {sorted(set(results[~ok].tolist()))}")
         return bool(ok.any())
 
+    def _end_rows(self, rows: np.ndarray) -> None:
+        """End the open sessions of `rows` (a window's, behind its last read)."""
+        rows = rows[self._open[rows]]
+        if rows.size:
+            self._open[rows] = False
+            self._store.batch_get_session_end([self.keys[i].key for i in rows.tolist()])
+
     def _end_sessions(self) -> None:
         self.outcome.header_failures = self._checks.header_failures
         self.outcome.checksum_failures = self._checks.checksum_failures
@@ -217,7 +237,7 @@ class LoadJob(JobState):
         if rows.size:
             self._store.batch_get_session_end([self.keys[i].key for i in rows])
         bad = [self.keys[i].key for i in np.flatnonzero(self._checks.bad).tolist()]
-        if bad:  # never fail every later hit on the same bad bytes
+        if bad and not self.cancelled:  # (checks stop at a give-up; this is belt and braces)  # never fail every later hit on the same bad bytes
             self._store.batch_remove(bad)
             self.outcome.removed_keys.extend(bad)
             log.warning("layerkv: removed %d objects that failed verification from the pool", len(bad))
@@ -256,8 +276,8 @@ class LoadJob(JobState):
             return not self.cancelled
 
     def _read_layer(self, layer_idx: int) -> None:
-        """One layer straight into the cache blocks (the header into its staging row with
-        layer 0), the keys split over the plan's lanes."""
+        """One layer straight into the cache blocks (register_kv_cache only; the header into its
+        staging row with layer 0), the keys split over the plan's lanes."""
         active = self._active()
         if active.size == 0:
             return
@@ -266,37 +286,53 @@ class LoadJob(JobState):
             return self._rows.header_and_layer(0, rows) if layer_idx == 0 else self._rows.layer(layer_idx, rows)
 
         good = self._get_concurrently(active, ranges, layer_idx, f"layer {layer_idx}")
-        if layer_idx == 0:
-            good = good[self._verify_headers(good, good)]
-        if self._views.on_host and self._checks.enabled:
-            good = good[self._verify_blocks(layer_idx, good)]
-        fan = np.isin(self._extra_rows, good)
-        with self._cache_writes:
-            if not self.cancelled:
-                self._views.copy_blocks(layer_idx, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
+        with self._cache_writes:  # the blocks are ours only until a give-up
+            if self.cancelled:
+                return
+            if layer_idx == 0:
+                good = good[self._verify_headers(good, self._slots[good])]
+            if self._views.on_host and self._checks.enabled:
+                good = good[self._verify_blocks(layer_idx, good)]
+            fan = np.isin(self._extra_rows, good)
+            self._views.copy_blocks(layer_idx, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
 
-    def _read_staged(self, group: LayerGroup) -> None:
-        """`group`'s span of every active key (a whole object with WHOLE plans) through the
-        staging rows, a wave of rows at a time, each wave split over the lanes; verify header
-        and checksums; scatter to every block wanting the key."""
+    def _read_staged(self, group: LayerGroup, windowed: bool = False) -> None:
+        """`group`'s span of every active key (a whole object with WHOLE plans) through this
+        job's staging rows, a wave of rows at a time, each wave split over the lanes; verify
+        header and checksums in staging; scatter to every block wanting the key. `windowed`:
+        each wave opens its get sessions first and ends them after its read."""
         assert self._staged is not None
-        staged, staging = self._staged, self._staging
+        staged, staging, slots = self._staged, self._staging, self._slots
         active = self._active()
         slot_of_row = np.full(len(self.keys), -1, dtype=np.int64)
-        for begin in range(0, active.size, staging.shape[0]):
+        for begin in range(0, active.size, slots.size):
             if self.cancelled:  # given up: no new reads, nothing more into the cache
                 return
-            wave = active[begin : begin + staging.shape[0]]
-            slot_of = {int(row): slot for slot, row in enumerate(wave.tolist())}
+            wave = active[begin : begin + slots.size]
+            if windowed:
+                if not self._start_sessions(wave):
+                    continue
+                self._fence()
+                opened = wave[self._open[wave] & ~self._failed_snapshot()[wave]]
+                if opened.size == 0:
+                    self._end_rows(wave)
+                    continue
+                wave = opened
+            slot_of = {int(row): int(slot) for row, slot in zip(wave.tolist(), slots.tolist())}
 
             def ranges(rows: np.ndarray, group: LayerGroup = group) -> RangeLists:
-                slots = np.array([slot_of[int(r)] for r in rows.tolist()], dtype=np.int64)
-                return staged.ranges(group, staging, slots)
+                return staged.ranges(group, staging, np.array([slot_of[int(r)] for r in rows.tolist()], dtype=np.int64))
 
-            if self.plan.mode == WHOLE:
-                good = self._get_whole(wave, slot_of)
-            else:
-                good = self._get_concurrently(wave, ranges, group.first_layer, group.label)
+            try:
+                if self.plan.mode == WHOLE:
+                    good = self._get_whole(wave, slot_of)
+                else:
+                    good = self._get_concurrently(wave, ranges, group.first_layer, group.label)
+            finally:
+                if windowed:
+                    self._end_rows(wave)
+            if self.cancelled:  # the read returned after a give-up: its bytes stay in staging
+                return
             good_slots = np.array([slot_of[int(r)] for r in good.tolist()], dtype=np.int64)
             copy_start = time.perf_counter()  # header / checksum checks and the scatter
             if group.first_layer == 0:

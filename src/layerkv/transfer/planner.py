@@ -29,7 +29,7 @@ import numpy as np
 
 WHOLE = "whole"  # one whole-object read per key into staging, then scatter (no session)
 GROUPS = "groups"  # layer groups, one range per key per group, through staging
-LAYERS = "layers"  # one range call per layer straight into the cache (no staging)
+LAYERS = "layers"  # one range call per layer straight into the cache (no staging; register_kv_cache only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,8 @@ class StepShape:
     layer_nbytes: int  # bytes of one layer of one object (the widest layer)
     header_nbytes: int
     segments_per_layer: int  # ranges per key per layer when reading straight into the cache
-    staging_ok: bool  # host caches: staged group and whole-object reads are possible
+    staging_ok: bool  # staged group and whole-object reads are possible
+    direct_ok: bool = True  # the KV cache is registered: per-layer reads straight into it are possible
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,9 +219,9 @@ def choose_lanes(num_keys: int, max_lanes: int, min_keys_per_lane: int = 8) -> i
 
 
 def candidates(shape: StepShape, max_lanes: int, lanes: int | None = None) -> list[LoadPlan]:
-    """Plans worth simulating: per layer; layer 0 then groups of 1, 2, 4, ... layers (first
-    group 1 or 2 layers); whole objects; each on one lane and on `choose_lanes` lanes (or on
-    exactly `lanes`)."""
+    """Plans worth simulating: per layer straight into the cache (where it is registered);
+    layer 0 then groups of 1, 2, 4, ... layers through staging (first group 1 or 2 layers);
+    whole objects; each on one lane and on `choose_lanes` lanes (or on exactly `lanes`)."""
     L = shape.num_layers
     ends = [tuple(range(1, L + 1))]
     if shape.staging_ok:
@@ -235,7 +236,8 @@ def candidates(shape: StepShape, max_lanes: int, lanes: int | None = None) -> li
                 ends.append(tuple(group_ends))
     plans = []
     for n in (lanes,) if lanes else sorted({1, choose_lanes(shape.num_keys, max_lanes)}):
-        plans.append(LoadPlan(LAYERS, ends[0], n))
+        if shape.direct_ok or not shape.staging_ok:
+            plans.append(LoadPlan(LAYERS, ends[0], n))
         plans += [LoadPlan(GROUPS, e, n) for e in ends[1:]]
         if shape.staging_ok:
             plans.append(LoadPlan(WHOLE, (L,), n))

@@ -15,12 +15,13 @@ from layerkv.ranges import RangeLists, join_ranges
 
 
 class KeyRows:
-    def __init__(self, block_ids: Sequence[int] | np.ndarray, layout: CacheLayout, staging: np.ndarray) -> None:
-        """`staging`: uint8 [>= len(block_ids), >= header_nbytes], registered with the store;
-        row i holds key i's header."""
+    def __init__(self, block_ids: Sequence[int] | np.ndarray, layout: CacheLayout, staging: np.ndarray,
+                 slots: np.ndarray | None = None) -> None:
+        """`staging`: uint8 [rows, >= header_nbytes], registered with the store; row
+        `slots[i]` (default i) holds key i's header."""
         self.layout = layout
         self.block_ids = np.array(block_ids, dtype=np.int64)  # [keys]
-        self._slots = np.arange(len(self.block_ids), dtype=np.int64)  # [keys]
+        self._slots = np.arange(len(self.block_ids), dtype=np.int64) if slots is None else slots[: len(self.block_ids)]
         self._header = layout.header_template(staging.ctypes.data, staging.shape[0], staging.strides[0])
 
     def layer(self, layer_idx: int, rows: np.ndarray) -> RangeLists:

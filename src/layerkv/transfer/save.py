@@ -2,8 +2,9 @@
 `PendingPuts` (committed or revoked later by the scheduler's verdict for this step, settle.py);
 anything else (cancelled, incomplete, an exception) revokes every session it started.
 
-Staged (host caches, the default): as the compute thread hands each layer over, the send thread
-copies it into the key's staging row (the object's image) and checksums it; once every layer is
+Staged (the default, and the only way unless the KV cache itself is registered): as the compute
+thread hands each layer over, the send thread copies it into the key's staging row (the object's
+image: the store never reads the cache) and checksums it; once every layer is
 copied the compute thread is released (`released`), and the write thread then starts the put
 sessions and writes one range per key of the whole image (header included), split over the
 lanes: the store's latency never reaches the forward pass, nor the next step's copies.
@@ -12,11 +13,8 @@ lanes: the store's latency never reaches the forward pass, nor the next step's c
     send:     copy 0 ───────── copy 1 ... ─ copy L-1 ─ headers ─┤
     write:                                                      put start ─ write images ─> pending
 
-Direct (device caches): put start, then each layer's ranges straight from the cache as it is
-handed over, then the headers; released when the last write returned.
-
-Compute thread: hand_layer / finalize / wait; send thread: run. Shared state guarded by
-JobState.cond. Never raises into the compute thread.
+Direct (register_kv_cache: true, per-layer writes): put start, then each layer's ranges straight
+from the cache as it is handed over, then the headers; released when the last write returned.
 
 Compute thread: hand_layer / finalize / wait; send thread: run. Shared state guarded by
 JobState.cond. Never raises into the compute thread.
@@ -81,7 +79,8 @@ class SaveJob(JobState):
         store: CheckedStore,
         layout: CacheLayout,
         header: Header,
-        staging: np.ndarray,  # uint8 registered rows [>= len(keys), header_nbytes]
+        staging: np.ndarray,  # uint8 registered area [rows, width]: object images (staged) or headers
+        slots: np.ndarray,  # int64 [>= len(keys)]: the rows of `staging` this job holds, key i in slots[i]
         views: CacheViews,
         placement: Placement,
         pending: PendingPuts,
@@ -97,6 +96,9 @@ class SaveJob(JobState):
         self._layout = layout
         self._header = header
         self._staging = staging
+        self._slots = slots[: len(keys)]
+        if self._slots.size < len(keys):
+            raise ValueError(f"{slots.size} staging rows for {len(keys)} keys")
         self._views = views
         self._placement = placement
         self._pending = pending
@@ -106,7 +108,7 @@ class SaveJob(JobState):
         self._writer = writer
         if staged is not None and writer is None:
             raise ValueError("a staged save needs the write thread")
-        self._rows = KeyRows([k.block_id for k in keys], layout, staging)
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging, self._slots)
         self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, device event or None)
         self._finalized = False  # guarded by cond
         self.released = False  # guarded by cond: the job no longer reads the KV cache memory
@@ -202,12 +204,14 @@ class SaveJob(JobState):
         """Copy every handed layer into the staging images, then release the compute thread.
         True if every layer was copied (the images may be written)."""
         assert self._staged is not None
-        rows = np.arange(len(self.keys))
+        rows = self._slots
         while True:
             item = self._next_layer()
             if item is None:
                 break
-            layer_idx, _ = item  # host caches: no device event
+            layer_idx, event = item
+            if event is not None:
+                event.synchronize()  # the layer's KV is written on the device before we read it
             if layer_idx not in self._sent_layers:
                 self._sent_layers.add(layer_idx)
                 self._staged.gather(layer_idx, self._staging, rows, self._rows.block_ids)
@@ -230,7 +234,7 @@ class SaveJob(JobState):
             return
         whole = LayerGroup(0, self._layout.num_layers, 0, self._layout.object_nbytes)
         parts = split_rows(active, self._num_lanes)
-        lists = [self._staged.ranges(whole, self._staging, part) for part in parts]
+        lists = [self._staged.ranges(whole, self._staging, self._slots[part]) for part in parts]
         results = self._run_parts([functools.partial(self._put, part, rl, None) for part, rl in zip(parts, lists)])
         ok = np.concatenate(results)
         if not ok.all():
@@ -306,7 +310,7 @@ class SaveJob(JobState):
         rows = np.flatnonzero(self._open)
         if rows.size == 0:
             return
-        self._header.encode_into(self._staging, np.arange(len(self.keys))[rows], [self.keys[i].block_hash for i in rows.tolist()],
+        self._header.encode_into(self._staging, self._slots[rows], [self.keys[i].block_hash for i in rows.tolist()],
                                  self._checksums[rows] if self._views.on_host else None)
         ok = self._put(rows, self._rows.header(rows), None)
         if not ok.all():

@@ -1,7 +1,9 @@
-"""Staged layer-group reads (load side, host caches only): per key, the contiguous object span of
-layers l..l+k-1 is read as ONE range into a registered host staging row, then scattered into the
-paged KV cache with one vectorised numpy copy per cache segment (fan-out blocks included). Built
-once per worker on the compute thread; read-only afterwards, used by the receive thread.
+"""Staged transfers: per key, the contiguous object span of layers l..l+k-1 is read as ONE range
+into a registered host staging row, verified there, then scattered into the paged KV cache with
+one vectorised copy per cache segment (fan-out blocks included); saves gather a layer of every
+key from the cache into its object image the same way. Host caches copy with numpy; device
+caches (torch views) copy through torch, the only device-specific code of the data path. Built
+once per worker on the compute thread; read-only afterwards, used by the transfer threads.
 
     object:   | header | L0 | L1 | L2 | L3 | L4 | ...      groups (k=2): [0,1) [1,3) [3,5) ...
     staging:  row i = key i's span of one group  ->  cache[block] for every segment of the group
@@ -10,6 +12,7 @@ once per worker on the compute thread; read-only afterwards, used by the receive
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,12 +60,12 @@ def groups_of(layout: CacheLayout, group_ends: tuple[int, ...]) -> tuple[LayerGr
 
 
 class StagedLayers:
-    """Layer groups of a host-memory layout plus numpy views of every cache segment."""
+    """Layer groups of a layout plus views of every cache segment (numpy on the host, torch on a
+    device)."""
 
     def __init__(self, views: CacheViews) -> None:
         layout = views.layout
-        if not views.on_host:
-            raise LayoutError(f"staged layer-group reads need host caches; these live on {layout.device_type}")
+        self.on_host = views.on_host
         self.layout = layout
         self.row_nbytes = layout.object_nbytes  # staging row width: any group, or the whole object
         self._views = views.layers  # [layer][segment]
@@ -87,18 +90,26 @@ class StagedLayers:
         if block_ids.size == 0:
             return
         n = int(slots.size)
-        in_order = n > 0 and int(slots[0]) == 0 and int(slots[-1]) == n - 1 and bool(np.all(np.diff(slots) == 1))
+        first = int(slots[0]) if n else 0
+        in_order = n > 0 and int(slots[-1]) == first + n - 1 and bool(np.all(np.diff(slots) == 1))
+        ids = block_ids if self.on_host else _device_ids(block_ids, self._views[group.first_layer][0].blocks)
         for layer_idx in range(group.first_layer, group.end_layer):
             for seg in self._views[layer_idx]:
                 col = seg.object_offset - group.span_start
-                src = staging[:n, col : col + seg.nbytes] if in_order else staging[slots, col : col + seg.nbytes]
-                seg.blocks[block_ids] = src
+                src = staging[first : first + n, col : col + seg.nbytes] if in_order else staging[slots, col : col + seg.nbytes]
+                if self.on_host:
+                    seg.blocks[ids] = src
+                else:
+                    seg.blocks[ids] = _to_device(src, seg.blocks)
 
     def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
         """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
         layer's place in the object image (rows are whole objects: header first)."""
-        for seg in self._views[layer_idx]:
-            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = seg.blocks[block_ids]
+        views = self._views[layer_idx]
+        ids = block_ids if self.on_host else _device_ids(block_ids, views[0].blocks)
+        for seg in views:
+            src = seg.blocks[ids]
+            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if self.on_host else src.cpu().numpy()
 
     def layer_checksums(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """xxh3-64 of `layer_idx` in the object images at `slots`: uint64 [len(slots)]."""
@@ -115,3 +126,18 @@ class StagedLayers:
             for i, slot in enumerate(slots.tolist()):
                 out[i, j] = staged_checksum(staging[slot, col : col + width])
         return out
+
+
+def _device_ids(block_ids: np.ndarray, like: Any) -> Any:
+    """Block ids as an index tensor on the cache's device."""
+    import torch
+
+    return torch.as_tensor(block_ids, dtype=torch.int64, device=like.device)
+
+
+def _to_device(rows: np.ndarray, like: Any) -> Any:
+    """Staged rows (host) as a tensor on the cache's device (a synchronous copy: the device
+    path's streams and pinned staging are the GPU work's)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)

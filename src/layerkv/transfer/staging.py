@@ -1,68 +1,123 @@
-"""Registered host staging buffers, handed to one job at a time: a buffer whose last job has not
-finished is never handed out again (a store call that outlived its job, or a background write,
-may still read or write it), so concurrent jobs get different buffers and a buffer is reused
-only once its job is over. Compute thread only (jobs are created there); the buffers stay
-registered with the store until `close`.
+"""The staging area: a fixed number of host rows, allocated and registered with the store once at
+start-up, and the only memory of this worker the store can read or write (unless the user opts
+into `register_kv_cache`). Rows are lent to one job at a time: a row whose last job has not
+finished is never lent again (a store call that outlived its job, or a background write, may
+still read or write it), so a late read lands in rows nobody else holds. Never grows: a job gets
+at most the rows that are free. Compute thread only (jobs are created there); the rows stay
+registered until `close`.
+
+    area:   row 0 | row 1 | ... | row R-1      (R x width bytes, one registration)
+    lease:  job A -> rows [0, 1, 2]   job B -> rows [3, 4]   free: [5 .. R-1]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from layerkv.store.checked import CheckedStore
+from layerkv.errors import ConfigError
+from layerkv.layout import CacheLayout
+
+HEADER_AREA_NBYTES = 64 << 20  # header rows of the direct plans (register_kv_cache), at most
 
 
 @dataclass(slots=True)
-class _Buffer:
-    kind: str
-    array: np.ndarray  # uint8 [rows, width]
-    user: Any = None  # the job that got it last (has `.finished`)
+class _Lease:
+    rows: np.ndarray  # int64 row indices
+    job: Any = None  # has `.finished`; None: not lent yet (taken on this call)
 
 
-class StagingPool:
-    def __init__(self, store: CheckedStore, max_nbytes: int) -> None:
-        self._store = store
-        self._max_nbytes = max_nbytes
-        self._buffers: list[_Buffer] = []
+@dataclass(slots=True)
+class StagingArea:
+    """`num_rows` rows of `width` bytes (`array`: uint8 [num_rows, width]). `register` once
+    before use; `take` then `lend` for every job."""
 
-    def take(self, kind: str, num_rows: int, width: int) -> np.ndarray:
-        """A free buffer of `kind` with >= num_rows rows of `width` bytes (reused, or allocated
-        with room to grow: doubling, within the staging bound). StoreError if the store refuses
-        to register a new one. Call `lend` with the job that will use it."""
-        free = [b for b in self._buffers if b.kind == kind and b.array.shape[1] == width and b.array.shape[0] >= num_rows
-                and (b.user is None or b.user.finished)]
-        if free:
-            return min(free, key=lambda b: b.array.shape[0]).array
-        largest = max((b.array.shape[0] for b in self._buffers if b.kind == kind and b.array.shape[1] == width), default=0)
-        rows = max(num_rows, 2 * largest, 32 if width < 4096 else 1)
-        rows = min(rows, max(num_rows, self._max_nbytes // width))
-        array = np.empty((rows, width), dtype=np.uint8)  # [rows, width]
-        array.fill(0)  # every page mapped now, not inside the first transfer into it
-        self._store.register_buffer(array.ctypes.data, array.nbytes)
-        self._buffers.append(_Buffer(kind, array))
-        return array
+    name: str
+    num_rows: int
+    width: int
+    array: np.ndarray = field(init=False, repr=False)
+    _leases: list[_Lease] = field(default_factory=list, init=False, repr=False)
 
-    def lend(self, array: np.ndarray, job: Any) -> None:
-        """`job` uses `array` until it finishes."""
-        for buffer in self._buffers:
-            if buffer.array is array:
-                buffer.user = job
+    def __post_init__(self) -> None:
+        if self.num_rows < 1 or self.width < 1:
+            raise ConfigError(f"staging area {self.name!r}: {self.num_rows} rows x {self.width} bytes must be >= 1 x 1")
+        self.array = np.empty((self.num_rows, self.width), dtype=np.uint8)  # [rows, width]
+        self.array.fill(0)  # every page mapped now, not inside the first transfer into it
+
+    @property
+    def ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def free_rows(self) -> np.ndarray:
+        """Rows no unfinished job holds (int64, ascending)."""
+        self._leases = [lease for lease in self._leases if lease.job is None or not lease.job.finished]
+        busy = np.zeros(self.num_rows, dtype=bool)
+        for lease in self._leases:
+            busy[lease.rows] = True
+        return np.flatnonzero(~busy).astype(np.int64)
+
+    def take(self, num_rows: int) -> np.ndarray:
+        """Up to `num_rows` free rows (possibly fewer, possibly none: the caller decides what a
+        short lease means). Call `lend` with the job that uses them before the next `take`."""
+        self._leases = [lease for lease in self._leases if lease.job is not None]  # taken, never lent: free
+        rows = self.free_rows()[: max(0, num_rows)]
+        if rows.size:
+            self._leases.append(_Lease(rows))
+        return rows
+
+    def lend(self, rows: np.ndarray, job: Any) -> None:
+        """`job` holds `rows` (from the last `take`) until it has finished."""
+        for lease in reversed(self._leases):
+            if lease.job is None and lease.rows is rows:
+                lease.job = job
                 return
-        raise KeyError("not a buffer of this pool")
+        raise KeyError(f"staging area {self.name!r}: rows not taken from this area")
+
+    def rows_in_use(self) -> int:
+        return int(self.num_rows - self.free_rows().size)
+
+
+@dataclass(frozen=True, slots=True)
+class StagingAreas:
+    """A worker's staging: object rows for loads, object images for saves, and (only with
+    register_kv_cache) header rows for the direct per-layer plans."""
+
+    loads: StagingArea
+    saves: StagingArea
+    headers: StagingArea | None
+
+    @classmethod
+    def for_layout(cls, layout: CacheLayout, staging_nbytes: int, direct: bool) -> StagingAreas:
+        """Half of `staging_nbytes` per side in object-sized rows, each side at most what the
+        cache could use (loads: one row per block; saves: two, for writes still in flight).
+        ConfigError when a side cannot hold one object."""
+        row = layout.object_nbytes
+        per_side = staging_nbytes // 2
+        if per_side < row:
+            raise ConfigError(
+                f"staging_nbytes={staging_nbytes} must be >= {2 * row} for this layout (one {row}-byte object for "
+                "loads and one for saves); default is 512 MiB"
+            )
+        loads = StagingArea("loads", min(per_side // row, layout.num_blocks), row)
+        saves = StagingArea("saves", min(per_side // row, 2 * layout.num_blocks), row)
+        headers = None
+        if direct:
+            width = layout.header_nbytes
+            headers = StagingArea("headers", min(4 * layout.num_blocks, max(1024, HEADER_AREA_NBYTES // width)), width)
+        return cls(loads, saves, headers)
+
+    def all(self) -> tuple[StagingArea, ...]:
+        return tuple(a for a in (self.loads, self.saves, self.headers) if a is not None)
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(ptr, nbytes) of every area: what the worker registers with the store."""
+        return [(a.ptr, a.nbytes) for a in self.all()]
 
     def nbytes(self) -> int:
-        return sum(b.array.nbytes for b in self._buffers)
-
-    def close(self) -> list[str]:
-        """Unregister every buffer; returns the errors (shutdown logs them)."""
-        errors = []
-        for buffer in self._buffers:
-            try:
-                self._store.unregister_buffer(buffer.array.ctypes.data)
-            except Exception as exc:  # noqa: BLE001 - shutdown goes on
-                errors.append(str(exc))
-        self._buffers.clear()
-        return errors
+        return sum(a.nbytes for a in self.all())

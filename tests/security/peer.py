@@ -1,0 +1,55 @@
+"""Starts and drives tests/security/attacker.py (a separate process with a bare Mooncake
+TransferEngine) from a test; every answer is bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Attacker:
+    def __init__(self, metadata_url: str, timeout_s: float = 30.0) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        self.timeout_s = timeout_s
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.security.attacker", metadata_url], cwd=ROOT, env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, name="attacker-stdout", daemon=True).start()
+        assert self._answer() == {"ready": True}
+
+    def _pump(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._lines.put(line)
+
+    def _answer(self) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"the attacker process did not answer within {self.timeout_s} s "
+                                 f"(exit code {self._proc.poll()})") from None
+        return json.loads(line)
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(cmd) + "\n")
+        self._proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            if self._proc.poll() is None:
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()  # its command loop ends
+                self._proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait(10)
