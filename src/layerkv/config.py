@@ -49,9 +49,10 @@ class LayerKVConfig:
     # peer and listens on all interfaces): only on a fabric where every peer is trusted. False:
     # only the staging area below is registered and every byte is verified there first.
     register_kv_cache: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
-    # Host memory per worker for staging (registered once at start-up), half for loads and half
-    # for saves, each at most what the KV cache could use; a step streams through it. At least
-    # two objects (one per side): the layout's object size is checked at registration.
+    # Host memory per worker for staging (registered once at start-up): a quarter for loads
+    # (they stream through it a wave at a time), the rest for saves (a step's new blocks beyond
+    # it are not saved), each at most what the KV cache could use; mapped as it is used. The
+    # loads' quarter must hold one object (checked at registration, naming the minimum).
     staging_nbytes: int = field(default=512 * MiB, metadata=_rule("4 KiB <= value <= 1 TiB", lambda v: 4096 <= v <= (1 << 40),
                                                                   "default is 512 MiB"))
     # "layers" / "groups" plans: read at most this many layers ahead of compute

@@ -51,6 +51,8 @@ class WorkerStats:
     fenced_keys: int = 0  # sessions not used after a store outage
     lease_renewals: int = 0
     load_wait_s: float = 0.0  # compute thread time spent waiting for layers
+    load_copy_s: float = 0.0  # receive thread: verifying staged layers and copying them into the cache
+    load_copied_bytes: int = 0  # ... bytes copied out of staging into the cache
     load_plans_layers: int = 0  # steps whose load plan read layer by layer straight into the cache
     load_plans_groups: int = 0  # ... groups of layers through staging
     load_plans_whole: int = 0  # ... whole objects through staging
@@ -62,6 +64,7 @@ class WorkerStats:
     save_skipped_existing: int = 0
     save_failed_keys: int = 0  # put start failed, or revoked by the save job (write failure, incomplete step)
     save_timeouts: int = 0
+    save_copy_s: float = 0.0  # send thread: copying the cache into staging images (and their checksums)
     save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
     save_skipped_staging: int = 0  # keys not saved: no free staging row (the staging area is full)
     # commit protocol

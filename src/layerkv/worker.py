@@ -43,9 +43,9 @@ from layerkv.transfer.views import CacheViews
 from layerkv.worker_jobs import JobFactory, JobLedger, check_block_size
 
 log = logging.getLogger(__name__)
-# Save jobs of earlier steps still writing in the background (each holds its own staging images);
-# with this many, a step's saves are skipped: a write that does not return (a stalled segment
-# holder) must not make every later step queue a job and allocate new images. 2 dropped saves
+# Save jobs of earlier steps still writing in the background (each holds its staging rows); with
+# this many, a step's saves are skipped: a write that does not return (a stalled segment holder)
+# must not make every later step queue a job and hold more rows. 2 dropped saves
 # of healthy steps on a loaded machine (writes a little slower than steps); 4 absorbs that.
 MAX_SAVES_IN_FLIGHT = 4
 
@@ -59,7 +59,7 @@ class WorkerConnector:
     * Saves: one SaveJob per step (put start, layer writes, headers with checksums); its
       sessions then wait in `pending` for the step's verdict. wait_for_save returns when every
       layer is written or, after `save_timeout_s`, with the job cancelled (it revokes).
-    * Verdicts in a plan run first on the send thread (SettleJob); a step whose verdict never
+    * Verdicts in a plan run first on the write thread (SettleJob); a step whose verdict never
       arrives is revoked after `commit_timeout_s`; shutdown revokes what is pending.
     * Only the staging areas are registered (register_kv_cache: false, the default): every read
       lands in staging rows, is verified there and then scattered into the cache; every save
@@ -128,11 +128,13 @@ class WorkerConnector:
         self._jobs = JobFactory(self.config, self.store, self.namespace, self.storage_role.storage_rank, self.layout,
                                 header, views, StagedLayers(views), self._areas, self.costs, self._load_lanes,
                                 self._save_lanes, self.pending, self._write, self._stats)
-        # the store can reach these and nothing else (the live cache only when the user opts in)
-        self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
-        log.info("layerkv: rank %d registered %d layers, object %d bytes, staging %d MiB%s, namespace %s",
+        # the store can reach these and nothing else of the engine's (the live cache only when the
+        # user opts in; a Mooncake client that mounts a global segment in this process exposes it too)
+        registered = self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
+        log.info("layerkv: rank %d: %d layers, object %d bytes, staging %d MiB%s %s, namespace %s",
                  self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self._areas.nbytes() >> 20,
-                 " and the live KV cache (register_kv_cache)" if direct else "", self.namespace.name)
+                 " and the live KV cache (register_kv_cache)" if direct else "",
+                 "registered with the store" if registered else "not registered yet (retried)", self.namespace.name)
 
     # -- per step -------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: Any) -> None:
@@ -270,7 +272,8 @@ class WorkerConnector:
         commits included); True if it did within `timeout_s` (default save_timeout_s). The
         reference engine calls it when `generate` returns, so its saves are readable then. A
         load that gave up (stuck in the store) is waited for only with `given_up_loads`: its
-        blocks were recomputed, and what it still reads lands in its own staging rows."""
+        blocks were recomputed, and what it still reads lands in its own staging rows (with
+        register_kv_cache and direct reads: in the cache, docs/data-safety.md §5)."""
         deadline = time.monotonic() + (self.config.save_timeout_s if timeout_s is None else timeout_s)
         jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later)
                 if j is not None and (given_up_loads or not (isinstance(j, LoadJob) and j.cancelled))]

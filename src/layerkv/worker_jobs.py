@@ -190,6 +190,8 @@ def fold(stats: WorkerStats, job: LoadJob | SaveJob | SettleJob) -> None:
         stats.removed_objects += len(o.removed_keys)
         stats.fenced_keys += o.fenced_keys
         stats.lease_renewals += o.lease_renewals
+        stats.load_copy_s += o.copy_s
+        stats.load_copied_bytes += o.copied_bytes
         stats.transfer_errors += o.error is not None
     elif isinstance(job, SaveJob):
         s = job.outcome
@@ -197,6 +199,7 @@ def fold(stats: WorkerStats, job: LoadJob | SaveJob | SettleJob) -> None:
         stats.saved_bytes += s.saved_bytes
         stats.save_range_calls += s.range_calls
         stats.save_skipped_existing += s.skipped_existing
+        stats.save_copy_s += s.copy_s
         stats.save_failed_keys += s.start_failed + s.revoked
         stats.fenced_keys += s.fenced_keys
         stats.transfer_errors += s.error is not None

@@ -15,7 +15,7 @@ from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import SuiteResult
 from layerkv.bench.runner import markdown
 from layerkv.bench.serving import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
-from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, LAYERKV_GROUPS, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
+from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
                                           correctness, load_rows, percentile, schedule, suite_rows)
 from layerkv.cli import main
 
@@ -32,13 +32,13 @@ def _run(contender: str, repeat: int, ttft_ms: float, *, cell: tuple[int, int] =
 
 
 def _cell_runs(cell: tuple[int, int] = CELL) -> list[Run]:
-    """3 repeats; recompute 1000-1200 ms, ceiling 40-60, layerkv 110-130, layerkv groups 90,
+    """3 repeats; recompute 1000-1200 ms, ceiling 40-60, layerkv 110-130, layerkv register_kv_cache 90,
     Mooncake 60-80, and each connector's local-cache reference run (same bits)."""
     runs = []
     for r in range(3):
         runs += [_run(RECOMPUTE, r, 1000 + 100 * r, cell=cell, logprobs=("-0x1.9p-3",)),  # other numerics: no connector
                  _run(CEILING, r, 60 - 10 * r, cell=cell),
-                 _run(LAYERKV, r, 110 + 10 * r, cell=cell), _run(LAYERKV_GROUPS, r, 90, cell=cell),
+                 _run(LAYERKV, r, 110 + 10 * r, cell=cell), _run(LAYERKV_DIRECT, r, 90, cell=cell),
                  _run(MOONCAKE, r, 80 - 10 * r, cell=cell),
                  _run(LAYERKV, r, 45, cell=cell, reference=True), _run(MOONCAKE, r, 45, cell=cell, reference=True)]
     return runs
@@ -74,7 +74,7 @@ def test_rows_hold_median_spread_and_ratios_of_medians() -> None:
     summary = cell_report(_cell_runs(), CELL).summary
     assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == pytest.approx(120 / 70)
     assert summary["p2048 s32 MooncakeStoreConnector / vLLM local prefix cache"] == pytest.approx(70 / 50)
-    assert summary["p2048 s32 layerkv groups of 4 / MooncakeStoreConnector"] == pytest.approx(90 / 70)
+    assert summary["p2048 s32 layerkv register_kv_cache / MooncakeStoreConnector"] == pytest.approx(90 / 70)
 
 
 def test_reference_runs_are_not_timed_rows() -> None:
@@ -103,7 +103,7 @@ def test_correctness_tokens_against_recompute_bits_against_the_connectors_local_
     other_bits = [_run(LAYERKV, 2, 45, logprobs=("-0x1.8000000000001p-3",), reference=True)
                   if (r.contender, r.repeat, r.reference) == (LAYERKV, 2, True) else r for r in runs]
     assert correctness(other_bits, LAYERKV, CELL) == (True, False)
-    assert correctness(other_bits, LAYERKV_GROUPS, CELL) == (True, False)  # same producer, same reference
+    assert correctness(other_bits, LAYERKV_DIRECT, CELL) == (True, False)  # same producer, same reference
     assert correctness(other_bits, MOONCAKE, CELL) == (True, True)
 
 
@@ -124,7 +124,7 @@ def test_suite_summary_flags_and_wins() -> None:
     rows, summary = suite_rows(_cell_runs() + fast, cells)
     assert [(r["prefix_tokens"], r["suffix_tokens"]) for r in rows] == [CELL] * 5 + [(512, 512)] * 5
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 1.0 and summary["cells"] == 2.0
-    assert summary["cells where layerkv or layerkv groups of 4 beats MooncakeStoreConnector"] == 1.0
+    assert summary["cells where layerkv or layerkv register_kv_cache beats MooncakeStoreConnector"] == 1.0
     assert summary["all tokens equal recompute"] == 1.0
     assert summary["all pool runs bit-identical to local-cache runs"] == 1.0
     assert summary["all runs hit the cache as expected"] == 1.0
@@ -142,11 +142,11 @@ def test_suite_summary_flags_and_wins() -> None:
     _, summary = suite_rows(tie, [CELL])
     assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == 1.0
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0  # a tie is no win
-    grouped = [_run(LAYERKV_GROUPS, r.repeat, 50) if (r.contender, r.reference) == (LAYERKV_GROUPS, False) else r
+    grouped = [_run(LAYERKV_DIRECT, r.repeat, 50) if (r.contender, r.reference) == (LAYERKV_DIRECT, False) else r
                for r in tie]
     _, summary = suite_rows(grouped, [CELL])
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0
-    assert summary["cells where layerkv or layerkv groups of 4 beats MooncakeStoreConnector"] == 1.0
+    assert summary["cells where layerkv or layerkv register_kv_cache beats MooncakeStoreConnector"] == 1.0
 
 
 def test_results_render_as_markdown_and_json(tmp_path: Path) -> None:
@@ -233,3 +233,23 @@ def test_extra_tables_render_under_their_title() -> None:
     md = markdown(doc)
     assert "### Throughput under load\n\n| contender | requests | repeats | batch_ms_median |" in md
     assert "| recompute | 2 | 1 | 4000 | 0.5 | 1.00 | 200 | 300 | 1 | - | - | 0 |" in md
+
+
+def test_the_bound_is_the_ceiling_or_the_transfer_alone_whichever_is_slower() -> None:
+    """x_bound = TTFT / max(ceiling, transfer alone); the transfer row has no correctness to
+    compare; the summary counts the cells within 1.25x the bound and within 1.1x of
+    register_kv_cache."""
+    from layerkv.bench.serving_report import TRANSFER, suite_rows
+
+    transfer = [Run(TRANSFER, CELL, r, 80.0 + r, CELL[0], (), ()) for r in range(3)]  # median 81 > ceiling 50
+    rows = _rows(_cell_runs() + transfer)
+    assert rows[TRANSFER]["ttft_ms_median"] == 81.0
+    assert rows[TRANSFER]["tokens_equal_recompute"] is None and rows[TRANSFER]["bits_equal_local_cache_run"] is None
+    assert rows[LAYERKV]["x_bound"] == pytest.approx(120 / 81)
+    assert rows[MOONCAKE]["x_bound"] == pytest.approx(70 / 81)
+    assert _rows(_cell_runs())[LAYERKV]["x_bound"] == pytest.approx(120 / 50)  # no transfer measured: the ceiling
+    _, summary = suite_rows(_cell_runs() + transfer, [CELL])
+    assert summary["p2048 s32 layerkv / bound"] == pytest.approx(120 / 81)
+    assert summary["cells where layerkv <= 1.25x the bound"] == 0.0  # 1.48x
+    assert summary["cells where layerkv <= 1.1x layerkv register_kv_cache"] == 0.0  # 120 / 90
+    assert summary["all tokens equal recompute"] == 1.0  # the transfer row is not compared

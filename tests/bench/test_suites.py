@@ -119,14 +119,16 @@ def test_overlap_rows(tmp_path: Path) -> None:
     variants = ("recompute all", "load all, then compute", "layerwise prefetch 1", "layerwise prefetch 2")
     saves = "saves (whole prompt computed, every block saved)"
     deep = "transfer ~ compute, 4 layers"  # the deep model (32 layers; 4 in the tiny configuration)
-    saving = [(saves, "saving, transfer_plan layers"), (saves, "saving, transfer_plan auto")]
+    saving = [(saves, "saving, defaults (staged images)"), (saves, "saving, register_kv_cache, per-layer writes")]
     assert [(r["condition"], r["variant"]) for r in result.rows] == (
         [(c, v) for c in conditions for v in variants] + saving + [(deep, v) for v in variants])
     for row in result.rows[:-6] + result.rows[-4:]:
         assert row["ttft_ms"] > 0 and row["transfer_alone_ms"] > 0 and row["compute_alone_ms"] > 0
         assert math.isnan(row["hidden_fraction"]) != row["variant"].startswith("layerwise")
     assert all(row["ttft_ms"] > 0 for row in result.rows[-6:-4])
-    assert result.summary["saves.layers_over_no_pool_ttft"] > 0 and result.summary["saves.auto_over_no_pool_ttft"] > 0
+    assert result.summary["saves.staged_over_no_pool_ttft"] > 0 and result.summary["saves.direct_over_no_pool_ttft"] > 0
+    staged = [r for r in result.rows if r["variant"].startswith("layerwise")]
+    assert all(r["staging_copy_ms"] > 0 and r["staging_copy_gb_s"] > 0 for r in staged)  # every read went through staging
     assert result.summary["transfer_eq_compute_4_layers.best_layerwise_hidden_fraction"] == min(
         (r for r in result.rows[-2:]), key=lambda r: r["ttft_ms"])["hidden_fraction"]
     assert any("97.0% at 32" in note or "75.0% at 4" in note for note in result.notes)

@@ -176,8 +176,8 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
     worker = WorkerConnector(small, deployment, CheckedStore(root.client(), max_batch_keys=64))
     try:  # staging is bounded: it must hold one object per side
         big = {f"model.layers.{l}.attn": torch.zeros(2, 4, 16, 8, 128) for l in range(9)}  # 64 KiB per layer-block
-        with pytest.raises(ConfigError, match=r"staging_nbytes=1048576 must be >= 2359808 for this layout \(one "
-                                              r"1179904-byte object for loads and one for saves\); default is 512 MiB"):
+        with pytest.raises(ConfigError, match=r"staging_nbytes=1048576 must be >= 4719616 for this layout \(a quarter "
+                                              r"of it, the loads' side, must hold one 1179904-byte object\); default is 512 MiB"):
             worker.register_kv_caches(big, 4)
     finally:
         worker.shutdown()

@@ -39,13 +39,13 @@ def make_pattern_rig(make_rig, monkeypatch):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(("num_layers", "k", "max_rows"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
 def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layers: int, k: int, max_rows: int) -> None:
-    """max_rows=4 (staging_nbytes holds 4 rows per side): the 6 keys pass through 4 staging rows
+    """max_rows=4 (staging_nbytes holds 4 load rows): the 6 keys pass through 4 staging rows
     in two waves per group, each wave with its own get sessions."""
     producer = make_pattern_rig(num_layers=num_layers)
     prefix = _tokens(6, extra=0)
     producer.run(Req("p", prefix + [1]))
     loaded = {}
-    bound = 2 * max_rows * producer.workers[0].layout.object_nbytes
+    bound = 4 * max_rows * producer.workers[0].layout.object_nbytes  # a quarter for loads
     for name, layers_per_range in (("direct", 1), ("staged", k)):
         rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range,
                                staging_nbytes=bound)
@@ -214,3 +214,62 @@ def test_compute_is_measured_without_reads_beside_it_and_steps_feed_their_kind(m
         assert ext == 6 * BLOCK_SIZE and invalid == set()
     assert sum(worker.costs.finish_samples.values()) == 3
     assert all(f > 0 for f in worker.costs.finish_factor.values())
+
+
+def test_device_caches_go_through_staging_and_every_layer_is_verified(make_pattern_rig, backend, monkeypatch) -> None:
+    """Device caches take the torch copies (CacheViews(on_host=False), run here on CPU tensors):
+    saves gather into staging images, loads scatter out of staging, and every layer is checked
+    in staging first -- a byte flipped in the store fails exactly that key's block."""
+    import functools
+
+    import layerkv.worker
+    from layerkv.transfer.views import CacheViews
+
+    monkeypatch.setattr(layerkv.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
+    producer = make_pattern_rig(num_layers=4, transfer_plan="groups", read_layers_per_range=2)
+    assert not producer.workers[0]._jobs.views.on_host
+    prefix = _tokens(6, extra=0)
+    producer.run(Req("p", prefix + [1]))
+    rig = make_pattern_rig(num_layers=4, role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
+    a = Req("a", prefix + _tokens(1, base=100))
+    ext, s = rig.admit(a)
+    assert ext == 6 * BLOCK_SIZE
+    rig.poison(a)
+    assert rig.step([s]) == set() and rig.wrong_blocks(a, range(6)) == []
+    # flip 8 bytes of layer 3 of key 4 in the store
+    key, layout = rig.keys(a)[4], rig.workers[0].layout
+    client = backend.client()
+    image = np.zeros((1, layout.object_nbytes), dtype=np.uint8)
+    client.register_buffer(image.ctypes.data, image.nbytes)
+    try:
+        assert client.batch_get_into([key], [image.ctypes.data], [image.nbytes]) == [image.nbytes]
+        image[0, layout.layer_offset(3) : layout.layer_offset(3) + 8] ^= 0xFF
+        assert client.batch_remove([key]) == [0]
+        assert client.batch_put_from([key], [image.ctypes.data], [image.nbytes]) == [0]
+    finally:
+        client.unregister_buffer(image.ctypes.data)
+    again = make_pattern_rig(num_layers=4, role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
+    b = Req("b", prefix + _tokens(1, base=200))
+    _, s = again.admit(b)
+    again.poison(b)
+    assert again.step([s]) == {b.block_ids[4]}
+    assert again.workers[0].stats().checksum_failures == 1
+    assert again.wrong_blocks(b, [0, 1, 2, 3, 5]) == []
+
+
+def test_saves_beyond_the_free_staging_rows_are_skipped_not_waited_for(make_rig, backend) -> None:
+    """A step with more new blocks than save rows saves its first blocks (a prefix of the
+    request, one put session per row) and counts the rest; nothing waits for the store to free
+    rows, and staging never grows."""
+    from layerkv.store.faults import PUT_START
+
+    row = make_rig(transfer_plan="groups", read_layers_per_range=2).workers[0].layout.object_nbytes
+    rig = make_rig(transfer_plan="groups", read_layers_per_range=2, staging_nbytes=4 * row)  # 1 load row, 3 save rows
+    worker = rig.workers[0]
+    assert worker._areas is not None and worker._areas.saves.num_rows == 3
+    req = Req("a", _tokens(8))
+    ext, invalid = rig.run(req)
+    assert ext == 0 and invalid == set()
+    assert rig.faults[0].keys_sent(PUT_START) == rig.keys(req, blocks=range(3))
+    assert worker.stats().save_skipped_staging == 5
+    assert backend.exists(rig.keys(req)) == [1, 1, 1, 0, 0, 0, 0, 0]

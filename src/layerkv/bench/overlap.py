@@ -117,9 +117,10 @@ class _Rig:
             raise RuntimeError(f"overlap: local prefix cache hit {out.num_local_cached_tokens} < {self.prefix_tokens} tokens")
         return out.ttft_s
 
-    def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int, float]:
+    def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int, float, float, int]:
         """(TTFT, transfer-alone seconds or nan, range calls, seconds the compute thread waited
-        for layers) of one fresh consumer engine."""
+        for layers, seconds the receive thread spent verifying staged layers and copying them
+        into the cache, bytes it copied) of one fresh consumer engine."""
         # per-layer reads: the suite measures how far ahead of compute they run (prefetch depth),
         # with its delay injected per range read (the adaptive plan would pick undelayed whole reads)
         config = LayerKVConfig.from_dict({"prefetch_layers": prefetch_layers, "transfer_plan": "layers"}, env={})
@@ -133,19 +134,22 @@ class _Rig:
                 raise RuntimeError(f"overlap: loaded {out.num_external_tokens} tokens, expected {self.prefix_tokens}")
             worker = engine.runner.worker_hooks[0]
             transfer_s = worker.load_s[0] if load_all else float("nan")
-            return out.ttft_s, transfer_s, len(faulty.calls(GET_RANGES)), worker.stats().load_wait_s
+            stats = worker.stats()
+            return (out.ttft_s, transfer_s, len(faulty.calls(GET_RANGES)), stats.load_wait_s, stats.load_copy_s,
+                    stats.load_copied_bytes)
         finally:
             engine.shutdown()
             faulty.close()
 
-    def ttft_saving(self, plan: str) -> float:
+    def ttft_saving(self, extra: dict[str, Any]) -> float:
         """TTFT of the whole prompt computed by a producer that saves every block into an empty
-        pool (`plan`: "layers" writes each layer's ranges straight from the cache; "auto" copies
-        layers into staging images written in the background): the compute thread's cost of
-        saving, against `ttft_recompute` (no pool)."""
+        pool (`extra`: SAVE_VARIANTS' config: the defaults copy layers into staging images
+        written in the background; register_kv_cache with per-layer plans writes each layer's
+        ranges straight from the cache): the compute thread's cost of saving, against
+        `ttft_recompute` (no pool)."""
         pool = EmbeddedStore(capacity_bytes=1 << 30)
         faulty = FaultyStore(pool.client())
-        engine = self._pooled(LayerKVConfig.from_dict({"transfer_plan": plan}, env={}), faulty, role=KVRole.PRODUCER)
+        engine = self._pooled(LayerKVConfig.from_dict(extra, env={}), faulty, role=KVRole.PRODUCER)
         try:
             ttft = engine.generate([self.prompt], 1)[0].ttft_s
             saved = engine.runner.worker_hooks[0].stats().save_keys
@@ -169,6 +173,8 @@ def _best(fn: Callable[[], Any], reps: int) -> Any:
 
 
 CONDITIONS = (("no delay", None), ("transfer ~ compute", 1.0), ("transfer ~ 2x compute", 2.0))
+SAVE_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (("staged", "defaults (staged images)", {}),
+                 ("direct", "register_kv_cache, per-layer writes", {"transfer_plan": "layers", "register_kv_cache": True}))
 
 
 def _conditions(rig: _Rig, result: SuiteResult, progress: Progress, reps: int, prefetches: tuple[int, ...],
@@ -177,17 +183,17 @@ def _conditions(rig: _Rig, result: SuiteResult, progress: Progress, reps: int, p
     returns the recompute-all TTFT."""
     recompute = _best(rig.ttft_recompute, reps)
     compute = _best(rig.ttft_compute_alone, reps)
-    _, transfer0, range_calls, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), reps)
+    _, transfer0, range_calls, *_ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), reps)
     for label, target in conditions:
         delay_s = 0.0 if target is None else max(0.0, (target * compute - transfer0) / max(1, range_calls))
         condition = f"{label}{tag}"
         progress.case(f"{NAME} {condition}")
-        t_all, transfer, _, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
+        t_all, transfer, _, _, copy_s, copied = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
         rows: list[Row] = [_row(condition, delay_s, "recompute all", recompute, compute, transfer, recompute),
-                           _row(condition, delay_s, "load all, then compute", t_all, compute, transfer, recompute)]
+                           _row(condition, delay_s, "load all, then compute", t_all, compute, transfer, recompute, copy_s, copied)]
         for p in prefetches:
-            t_lw = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)[0]
-            rows.append(_row(condition, delay_s, f"layerwise prefetch {p}", t_lw, compute, transfer, recompute))
+            t_lw, _, _, _, copy_s, copied = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)
+            rows.append(_row(condition, delay_s, f"layerwise prefetch {p}", t_lw, compute, transfer, recompute, copy_s, copied))
         result.rows += rows
         best = min(rows[2:], key=lambda r: r["ttft_ms"])
         key = condition.replace(" ", "_").replace("~", "eq").replace(",", "")
@@ -210,13 +216,14 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         progress.case(f"{NAME} baselines")
         recompute = _conditions(rig, result, progress, reps, prefetches, CONDITIONS)
         progress.case(f"{NAME} saves")
-        for plan in ("layers", "auto"):
-            saving = _best(lambda: rig.ttft_saving(plan), reps)
+        for key, label, extra in SAVE_VARIANTS:
+            saving = _best(lambda: rig.ttft_saving(extra), reps)
             result.rows.append({"condition": "saves (whole prompt computed, every block saved)", "delay_ms_per_range_call": 0.0,
-                                "variant": f"saving, transfer_plan {plan}", "ttft_ms": saving * 1e3,
+                                "variant": f"saving, {label}", "ttft_ms": saving * 1e3,
                                 "compute_alone_ms": recompute * 1e3, "transfer_alone_ms": float("nan"),
-                                "hidden_fraction": float("nan"), "speedup_vs_recompute": ratio(recompute, saving)})
-            result.summary[f"saves.{plan}_over_no_pool_ttft"] = ratio(saving * 1e3, recompute * 1e3)
+                                "hidden_fraction": float("nan"), "speedup_vs_recompute": ratio(recompute, saving),
+                                "staging_copy_ms": 0.0, "staging_copy_gb_s": 0.0})
+            result.summary[f"saves.{key}_over_no_pool_ttft"] = ratio(saving * 1e3, recompute * 1e3)
     finally:
         rig.close()
     deep = _Rig(options, deep=True)
@@ -240,6 +247,9 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "suffix computed over a prefix already in the engine's local prefix cache.",
         "hidden_fraction = (transfer alone + compute alone - TTFT) / transfer alone; delays are FaultyStore.delay per "
         "range read, sized from the no-delay transfer time and the number of range calls.",
+        "every read lands in the worker's staging area (the defaults: the live cache is never registered with the "
+        "store); staging_copy_ms / staging_copy_gb_s = the receive thread's time verifying each staged layer's "
+        "checksum and copying it into the cache, and the bytes copied over that time (part of transfer alone).",
         "saves: the whole prompt computed by a producer into an empty pool (every block saved) against the same "
         "prompt with no pool (`recompute all`): what saving costs the compute thread (TTFT includes wait_for_save, "
         "which returns once every layer is copied or written; staged writes then go on in the background).",
@@ -250,10 +260,14 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     return result
 
 
-def _row(condition: str, delay_s: float, variant: str, ttft_s: float, compute_s: float, transfer_s: float, recompute_s: float) -> Row:
+def _row(condition: str, delay_s: float, variant: str, ttft_s: float, compute_s: float, transfer_s: float, recompute_s: float,
+         copy_s: float = 0.0, copied_bytes: int = 0) -> Row:
     hidden = (transfer_s + compute_s - ttft_s) / transfer_s if variant.startswith("layerwise") and transfer_s > 0 else float("nan")
     return {
         "condition": condition, "delay_ms_per_range_call": delay_s * 1e3, "variant": variant, "ttft_ms": ttft_s * 1e3,
         "compute_alone_ms": compute_s * 1e3, "transfer_alone_ms": transfer_s * 1e3, "hidden_fraction": hidden,
         "speedup_vs_recompute": ratio(recompute_s, ttft_s),
+        # receive thread: verifying staged layers and copying them out of staging into the cache
+        "staging_copy_ms": copy_s * 1e3,
+        "staging_copy_gb_s": copied_bytes / copy_s / 1e9 if copy_s > 0 else 0.0,
     }

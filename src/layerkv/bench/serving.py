@@ -7,13 +7,16 @@ Driver thread: this process makes the model, runs the master and drives six engi
     engine             connector                                      serves
     plain              none                                           recompute; local prefix cache (ceiling)
     layerkv-producer   LayerKVConnector kv_producer                   fills the pool; local-cache reference
-    layerkv            LayerKVConnector kv_consumer                   pool hits (layerkv, defaults)
-    layerkv-groups     LayerKVConnector kv_consumer, groups of 4      pool hits (layerkv, grouped reads)
+    layerkv            LayerKVConnector kv_consumer                   pool hits (layerkv, defaults: staging only)
+    layerkv-direct     LayerKVConnector kv_consumer, register_kv_cache pool hits (layerkv, the live cache registered)
     mooncake-producer  MooncakeStoreConnector kv_producer, no lookup  fills the pool; local-cache reference
     mooncake           MooncakeStoreConnector kv_consumer             pool hits (MooncakeStoreConnector)
 
 Producers never load, so their reference run (prefix in their local cache, suffix computed) has
-exactly the pool run's schedule; consumers never save, so a pool run sees only the prefix.
+exactly the pool run's schedule; consumers never save, so a pool run sees only the prefix. Per
+cell, this process also times reading the prefix's layerkv objects whole into its own memory
+with a bare Mooncake client (the transfer alone, no compute): max(ceiling, transfer alone)
+bounds what any pool could reach.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ from typing import Any
 from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_GROUPS, MOONCAKE, RECOMPUTE, LoadRun, Run, Step
+from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, TRANSFER, LoadRun, Run, Step
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
 from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
 
@@ -39,9 +44,9 @@ NAME = "serving"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
-GROUPS_EXTRA = {"transfer_plan": "groups", "read_layers_per_range": 4}  # contender LAYERKV_GROUPS
-ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-groups", "mooncake-producer", "mooncake")
-ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_GROUPS: "layerkv-groups",
+DIRECT_EXTRA = {"register_kv_cache": True}  # contender LAYERKV_DIRECT
+ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-direct", "mooncake-producer", "mooncake")
+ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_DIRECT: "layerkv-direct",
              MOONCAKE: "mooncake"}
 LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
 LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
@@ -131,6 +136,8 @@ class Rig:
         progress.case(f"{NAME}: pool")
         self.master = LocalMaster(segment_size=str(grid.pool_bytes()))
         self.engines: dict[str, EngineProcess] = {}
+        self._reader: Any = None  # this process's Mooncake client for the transfer alone (lazy)
+        self._read_buffer: Any = None
         try:
             layerkv_config = work_dir / "mooncake-layerkv.json"
             layerkv_config.write_text(json.dumps(self.master.client_config))
@@ -159,7 +166,7 @@ class Rig:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
         if name.startswith("layerkv"):
             role = "kv_producer" if name.endswith("producer") else "kv_consumer"
-            extra = {**LAYERKV_EXTRA, **(GROUPS_EXTRA if name == "layerkv-groups" else {})}
+            extra = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
                 "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
@@ -176,11 +183,40 @@ class Rig:
             env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
         return kwargs, engine_env(self.pythonpath, env)
 
+    def pool_keys(self) -> set[str]:
+        """Every key in the pool, from the master's key listing."""
+        with urllib.request.urlopen(self.master.info["metrics_url"] + "/get_all_keys", timeout=30) as answer:
+            return {line for line in answer.read().decode().splitlines() if line}
+
+    def transfer_alone_ms(self, keys: list[str]) -> tuple[float, int]:
+        """(ms, objects read) for one whole-object batch read of `keys` into this process's
+        registered memory: what the transfer costs with no compute beside it."""
+        import numpy as np
+
+        from layerkv.store.mooncake import MooncakeStore
+
+        object_bytes = self.grid.kv_bytes_per_token * BLOCK_SIZE + 4096  # header <= 4 KiB
+        if self._reader is None:
+            self._reader = MooncakeStore.from_mooncake_config(self.master.client_config)
+        need = object_bytes * len(keys)
+        if self._read_buffer is None or self._read_buffer.nbytes < need:
+            if self._read_buffer is not None:
+                self._reader.unregister_buffer(self._read_buffer.ctypes.data)
+            self._read_buffer = np.ones(need, dtype=np.uint8)  # pages mapped before the timed read
+            self._reader.register_buffer(self._read_buffer.ctypes.data, need)
+        base = self._read_buffer.ctypes.data
+        start = time.perf_counter()
+        got = self._reader.batch_get_into(keys, [base + i * object_bytes for i in range(len(keys))], [object_bytes] * len(keys))
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        return elapsed_ms, sum(1 for n in got if isinstance(n, int) and n > 0)
+
     def close(self) -> None:
         for engine in self.engines.values():  # all shut down at once, then each is waited for
             engine.request_stop()
         for engine in self.engines.values():
             engine.stop()
+        if self._reader is not None:
+            self._reader.close()
         self.master.stop()
 
 
@@ -199,8 +235,11 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     prompt = prefix + suffix_ids(step.cell[1], step.repeat)
     # A producer that already holds the prefix recomputes one block and skips existing objects.
     e["mooncake-producer"].generate([prefix])
+    before = rig.pool_keys()
     e["layerkv-producer"].generate([prefix], settle=True)  # settle: layerkv commits before returning
-    runs = []
+    prefix_keys = sorted(rig.pool_keys() - before)  # this prefix's layerkv objects (each cell's prefix is new)
+    transfer_ms, found = rig.transfer_alone_ms(prefix_keys)
+    runs = [Run(TRANSFER, step.cell, step.repeat, transfer_ms, found * BLOCK_SIZE, (), ())]
     for contender in step.contenders:
         if contender == RECOMPUTE:
             reply = e["plain"].generate([prompt], reset_prefix_cache=True)
@@ -210,7 +249,8 @@ def measure(rig: Rig, step: Step) -> list[Run]:
         else:
             reply = e[ENGINE_OF[contender]].generate([prompt], reset_prefix_cache=True)
         runs.append(_run(contender, step, reply))
-    runs.append(_run(LAYERKV, step, e["layerkv-producer"].generate([prompt]), reference=True))
+    # settled: its suffix blocks are in the pool before the next cell lists the keys
+    runs.append(_run(LAYERKV, step, e["layerkv-producer"].generate([prompt], settle=True), reference=True))
     runs.append(_run(MOONCAKE, step, e["mooncake-producer"].generate([prompt]), reference=True))
     return runs
 
@@ -329,9 +369,13 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         f"one `layerkv master` pool (Mooncake over TCP loopback, one {grid.pool_bytes() >> 20} MiB segment in the "
         "master's process); both connectors' clients mount nothing (MooncakeStoreConnector in its standalone-store "
         "mode), so every load crosses a process boundary.",
-        f"layerkv: kv_consumer with defaults plus {json.dumps(LAYERKV_EXTRA)} (transfer_plan auto, prefetch 2); "
-        f"{LAYERKV_GROUPS}: the same plus {json.dumps(GROUPS_EXTRA)} (layer 0 alone, then 4 layers per range "
-        "through host staging; a fixed setting, not tuned per cell). "
+        f"layerkv: kv_consumer with defaults plus {json.dumps(LAYERKV_EXTRA)} (transfer_plan auto, prefetch 2; "
+        "only the staging area registered, every layer verified there before it is copied into the cache); "
+        f"{LAYERKV_DIRECT}: the same plus {json.dumps(DIRECT_EXTRA)} (the live KV cache registered too, so the "
+        "auto plan may also read layer by layer straight into it: the pre-staging data path). "
+        f"{TRANSFER}: this benchmark process reads the prefix's layerkv objects whole (one batch_get_into) into "
+        "its own registered memory with a bare Mooncake client, no compute; x_bound = TTFT / max(ceiling, "
+        "transfer alone), the most any pool could reach in the cell. "
         "MooncakeStoreConnector: kv_consumer with its defaults (whole-block objects loaded before the forward pass, "
         "load_async). Producers: kv_producer engines of the same connector that computed the prefix.",
         f"VLLM_CPU_KVCACHE_SPACE={grid.engine_cache_gib()} GiB and VLLM_CPU_OMP_THREADS_BIND={omp_bind()} in every "
@@ -393,7 +437,8 @@ def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> 
     ttft = bar_plot(out_dir / "serving_ttft.png", labels, {c: series(c, "ttft_ms_median") for c in report.CONTENDERS},
                     title="TTFT in vLLM (median)", ylabel="ms", logy=True)
     ratios = {f"{LAYERKV} / {MOONCAKE}": series(LAYERKV, "x_mooncake_connector"),
-              f"{LAYERKV_GROUPS} / {MOONCAKE}": series(LAYERKV_GROUPS, "x_mooncake_connector"),
+              f"{LAYERKV_DIRECT} / {MOONCAKE}": series(LAYERKV_DIRECT, "x_mooncake_connector"),
+              f"{LAYERKV} / bound": series(LAYERKV, "x_bound"),
               f"{LAYERKV} / ceiling": series(LAYERKV, "x_ceiling"), f"{MOONCAKE} / ceiling": series(MOONCAKE, "x_ceiling")}
     ratio = bar_plot(out_dir / "serving_ratio.png", labels, ratios,
                      title="TTFT ratios (median / median; < 1: the first is faster)", ylabel="ratio")

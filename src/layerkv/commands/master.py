@@ -42,6 +42,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--client-segment-size", default="0", help="global_segment_size in the printed client config")
     parser.add_argument("--lease-ttl-ms", type=int, default=None, help="master --default_kv_lease_ttl")
     parser.add_argument("--config-out", type=Path, default=None, help="also write the client config JSON here")
+    parser.add_argument("--info-out", type=Path, default=None,
+                        help="write the deployment's addresses here (JSON: master, metadata_url, metrics_url, pid)")
     parser.add_argument("--log-file", type=Path, default=None, help="mooncake_master log (default: a temp file)")
     add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
@@ -70,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
         master.check_serving()  # still ours after the holder mounted: only then announce it
         client_config = master.config(global_segment_size=client_segment_bytes,
                                       local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES)
+        if args.info_out is not None:  # before the config line: whoever reads that line may read this
+            args.info_out.write_text(json.dumps({"master": master.address, "metadata_url": master.metadata_url,
+                                                 "metrics_url": master.metrics_url, "pid": master.pid}) + "\n")
         _announce(master, client_config, segment_bytes, args.config_out)
         while not stop.wait(timeout=WATCH_INTERVAL_S):
             if not master.running():
@@ -110,6 +115,7 @@ def _announce(master: MasterProcess, client_config: dict[str, Any], segment_byte
     print(
         f"layerkv master: mooncake_master pid {master.pid} serving {master.address} and metadata {master.metadata_url}, "
         f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}; log {master.log_path}.\n"
+        f"Metrics and the key listing (/get_all_keys, unauthenticated) on {master.metrics_url}.\n"
         f"Clients: save the JSON below and export MOONCAKE_CONFIG_PATH=<file>"
         + (f" (written to {config_out})" if config_out else "")
         + ". Ctrl-C stops.",

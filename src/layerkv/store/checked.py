@@ -81,6 +81,7 @@ class CheckedStore:
         self._stats_lock = threading.Lock()
         self._stats: dict[str, CallStats] = {}  # guarded by _stats_lock
         self._buffers: dict[int, int] = {}  # guarded by _stats_lock: registered ptr -> registrations
+        self._registering = threading.Lock()  # one (un)registration at a time: check and call stay one step
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> dict[str, CallStats]:
@@ -197,29 +198,32 @@ class CheckedStore:
     # ---- KVStore -----------------------------------------------------------------------------
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """Register `ptr` with the backend once, however many callers register it (the per-group
-        workers of a hybrid model share cache tensors); each call needs its unregister."""
-        with self._stats_lock:
-            if ptr in self._buffers:
-                self._buffers[ptr] += 1
-                return
-        try:
-            self.backend.register_buffer(ptr, nbytes)
-        except Exception as exc:
-            raise StoreError(f"{self.name}: register_buffer(ptr={ptr:#x}, nbytes={nbytes}) failed: {exc}") from exc
-        with self._stats_lock:
-            self._buffers[ptr] = self._buffers.get(ptr, 0) + 1
+        workers of a hybrid model share cache tensors, and may register from their own threads);
+        each call needs its unregister."""
+        with self._registering:
+            with self._stats_lock:
+                if ptr in self._buffers:
+                    self._buffers[ptr] += 1
+                    return
+            try:
+                self.backend.register_buffer(ptr, nbytes)
+            except Exception as exc:
+                raise StoreError(f"{self.name}: register_buffer(ptr={ptr:#x}, nbytes={nbytes}) failed: {exc}") from exc
+            with self._stats_lock:
+                self._buffers[ptr] = self._buffers.get(ptr, 0) + 1
 
     def unregister_buffer(self, ptr: int) -> None:
-        with self._stats_lock:
-            count = self._buffers.get(ptr, 0)
-            if count > 1:
-                self._buffers[ptr] = count - 1
-                return
-            self._buffers.pop(ptr, None)
-        try:
-            self.backend.unregister_buffer(ptr)
-        except Exception as exc:
-            raise StoreError(f"{self.name}: unregister_buffer(ptr={ptr:#x}) failed: {exc}") from exc
+        with self._registering:
+            with self._stats_lock:
+                count = self._buffers.get(ptr, 0)
+                if count > 1:
+                    self._buffers[ptr] = count - 1
+                    return
+                self._buffers.pop(ptr, None)
+            try:
+                self.backend.unregister_buffer(ptr)
+            except Exception as exc:
+                raise StoreError(f"{self.name}: unregister_buffer(ptr={ptr:#x}) failed: {exc}") from exc
 
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
         return self._run("batch_is_exist", keys)

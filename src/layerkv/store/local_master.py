@@ -28,12 +28,13 @@ class LocalMaster:
     def __init__(self, segment_size: str = "512MB", startup_timeout_s: float = 60.0) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="layerkv-master-")
         self.config_path = Path(self._dir.name) / "mooncake.json"
+        self.info_path = Path(self._dir.name) / "master.json"
         self.stderr_path = Path(self._dir.name) / "layerkv-master.stderr"
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
         with open(self.stderr_path, "wb") as stderr_file:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "layerkv.cli", "master", "--port", "0", "--http-port", "0",
-                 "--segment-size", segment_size, "--config-out", str(self.config_path)],
+                 "--segment-size", segment_size, "--config-out", str(self.config_path), "--info-out", str(self.info_path)],
                 stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env,
             )
         line = _first_line(self._proc, startup_timeout_s)
@@ -47,6 +48,8 @@ class LocalMaster:
             self.stop()
             raise StoreError(f"layerkv master (local child) {state}; its stderr:\n{tail}")
         self.client_config: dict[str, Any] = json.loads(line)
+        # written before the config line is printed: master, metadata_url, metrics_url, pid
+        self.info: dict[str, Any] = json.loads(self.info_path.read_text()) if self.info_path.exists() else {}
 
     def check_alive(self) -> None:
         """Raise StoreError with the child's stderr tail if `layerkv master` has exited (its

@@ -8,8 +8,13 @@ Master down (observed 0.3.13.post1): every call returns -900, but most after ~4.
 reconnecting, not at once; callers on a latency path need their own back-off.
 
 Loopback: if the client config's local_hostname is a loopback address and MC_TCP_BIND_ADDRESS
-is unset, it is set to 127.0.0.1 before mooncake is imported, so the transfer engine listens on
-loopback only (otherwise it binds every interface).
+is unset, it is set to 127.0.0.1 before mooncake is imported (the address the client publishes
+and connects from). That does NOT keep 0.3.13's listeners on loopback: its transfer-engine data
+port listens on `*` and its RPC port on 0.0.0.0 whatever it is told, and any peer that reaches
+them can read and write every buffer this client registered (the HTTP metadata server publishes
+their addresses and lengths). So the worker registers only its staging areas, never the live KV
+cache unless `register_kv_cache` (docs/data-safety.md §1), and the test suite runs inside a
+network namespace with only loopback (scripts/isolated.sh).
 """
 
 from __future__ import annotations

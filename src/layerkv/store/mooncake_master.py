@@ -115,6 +115,12 @@ class MasterProcess:
         return f"http://{LOOPBACK}:{self.ports.http_port}/metadata"
 
     @property
+    def metrics_url(self) -> str:
+        """The master's HTTP server for metrics and its key listing (`/get_all_keys`:
+        unauthenticated, every object key in the pool)."""
+        return f"http://{LOOPBACK}:{self.ports.metrics_port}"
+
+    @property
     def pid(self) -> int:
         assert self.popen is not None, "master not started"
         return self.popen.pid

@@ -6,8 +6,8 @@ wants it, renews the sessions when the step outlives `renew_after_s`, and ends t
 last read returned. Objects whose bytes fail their checksum (or whose header is wrong) are
 removed from the pool. With `staged` (GROUPS / WHOLE plans: the default, and the only plans
 unless the KV cache itself is registered) it reads groups of layers (or whole objects) as one range
-per key into its staging rows, verifies them there and only then scatters them into the cache
-(staged.py). More keys than staging rows stream through the rows a wave at a time, and their get
+per key into its staging rows and copies them into the cache, verified where no peer can change
+them any more (in the cache for host caches, in a private copy for device caches; staged.py). More keys than staging rows stream through the rows a wave at a time, and their get
 sessions are opened for one wave and ended behind it (a sliding session window): the sessions and
 staging a step holds are bounded whatever the prompt length. A job that gave up touches nothing
 any more: no copy into the cache, no verification, no removal of objects.
@@ -67,6 +67,8 @@ class LoadOutcome:
     range_calls: int = 0  # range calls made (the store may split each into chunks)
     read_s: float = 0.0
     transfer_s: float = 0.0  # from the start of the job to its last layer read (0: not every layer read)
+    copy_s: float = 0.0  # staging: verifying and copying into the cache (receive thread)
+    copied_bytes: int = 0  # staging: bytes copied into the cache (fan-out copies included)
     header_failures: int = 0
     checksum_failures: int = 0
     fenced_keys: int = 0  # failed because the store had an outage after their session started
@@ -236,17 +238,20 @@ class LoadJob(JobState):
         self._open[:] = False
         if rows.size:
             self._store.batch_get_session_end([self.keys[i].key for i in rows])
+        # every check ran on bytes this job owned (checks and copies stop at a give-up, under
+        # the cache-writes lock): what failed one is bad in the pool
         bad = [self.keys[i].key for i in np.flatnonzero(self._checks.bad).tolist()]
-        if bad and not self.cancelled:  # (checks stop at a give-up; this is belt and braces)  # never fail every later hit on the same bad bytes
+        if bad:  # never fail every later hit on the same bad bytes
             self._store.batch_remove(bad)
             self.outcome.removed_keys.extend(bad)
             log.warning("layerkv: removed %d objects that failed verification from the pool", len(bad))
 
-    def _fence(self) -> None:
+    def _fence(self, rows: np.ndarray | None = None) -> None:
         """After a store outage, sessions opened before it may read memory the store has given
-        to other objects: stop reading them (their blocks are recomputed)."""
+        to other objects: stop reading them (their blocks are recomputed). `rows`: only those
+        (a window's, whose sessions are the ones just opened); default every active row."""
         if self._store.outage_epoch != self._epoch:
-            rows = self._active()
+            rows = self._active() if rows is None else rows[~self._failed_snapshot()[rows]]
             self.outcome.fenced_keys += int(rows.size)
             self._fail(rows, "the store had an outage after these get sessions started")
 
@@ -298,21 +303,22 @@ class LoadJob(JobState):
 
     def _read_staged(self, group: LayerGroup, windowed: bool = False) -> None:
         """`group`'s span of every active key (a whole object with WHOLE plans) through this
-        job's staging rows, a wave of rows at a time, each wave split over the lanes; verify
-        header and checksums in staging; scatter to every block wanting the key. `windowed`:
-        each wave opens its get sessions first and ends them after its read."""
+        job's staging rows, a wave of rows at a time, each wave split over the lanes; then the
+        header check and the copy into the cache (`_publish`). `windowed`: each wave opens its
+        get sessions first and ends them after its read (a sliding session window)."""
         assert self._staged is not None
         staged, staging, slots = self._staged, self._staging, self._slots
-        active = self._active()
-        slot_of_row = np.full(len(self.keys), -1, dtype=np.int64)
-        for begin in range(0, active.size, slots.size):
+        for begin in range(0, len(self.keys), slots.size):
             if self.cancelled:  # given up: no new reads, nothing more into the cache
                 return
-            wave = active[begin : begin + slots.size]
+            wave = np.arange(begin, min(len(self.keys), begin + slots.size), dtype=np.int64)
+            wave = wave[~self._failed_snapshot()[wave]]
+            if wave.size == 0:
+                continue
             if windowed:
                 if not self._start_sessions(wave):
                     continue
-                self._fence()
+                self._fence(wave)
                 opened = wave[self._open[wave] & ~self._failed_snapshot()[wave]]
                 if opened.size == 0:
                     self._end_rows(wave)
@@ -334,25 +340,54 @@ class LoadJob(JobState):
             if self.cancelled:  # the read returned after a give-up: its bytes stay in staging
                 return
             good_slots = np.array([slot_of[int(r)] for r in good.tolist()], dtype=np.int64)
-            copy_start = time.perf_counter()  # header / checksum checks and the scatter
+            copy_start = time.perf_counter()  # header / checksum checks and the copies
             if group.first_layer == 0:
-                checked = self._verify_headers(good, good_slots)
+                checked = self._verify_headers(good, good_slots)  # parsed now: later writes to staging change nothing
                 good, good_slots = good[checked], good_slots[checked]
-            if self._checks.enabled:
-                sums = staged.checksums(group, staging, good_slots)  # [good, layers of group]
-                checked = self._verify_sums(group.first_layer, good, sums)
-                good, good_slots = good[checked], good_slots[checked]
-            slot_of_row[good] = good_slots  # -1 everywhere else
-            extra = slot_of_row[self._extra_rows] >= 0 if self._extra_rows.size else np.zeros(0, dtype=bool)
-            targets = np.concatenate([self._rows.block_ids[good], self._extra_blocks[extra]])
-            sources = np.concatenate([good_slots, slot_of_row[self._extra_rows[extra]]])
-            with self._cache_writes:
-                if self.cancelled:
-                    return
-                staged.scatter(group, staging, sources, targets)
+            copied = self._publish(group, good, good_slots)
+            if copied < 0:
+                return  # given up meanwhile
+            copy_s = time.perf_counter() - copy_start
+            self.outcome.copy_s += copy_s
+            self.outcome.copied_bytes += copied
             if self._costs is not None:
-                self._costs.observe_copy(time.perf_counter() - copy_start, int(good.size) * group.span_nbytes)
-            slot_of_row[wave] = -1
+                self._costs.observe_copy(copy_s, int(good.size) * group.span_nbytes)
+
+    def _publish(self, group: LayerGroup, rows: np.ndarray, slots: np.ndarray) -> int:
+        """Copy `group` of `rows` (read into staging `slots`) into their cache blocks, verified
+        where a peer cannot change them any more: host caches are copied first and checked in
+        the cache (the staging rows stay writable by anyone who reaches the store's ports);
+        device caches are checked in a private host copy, then copied from it. Fan-out targets
+        get verified bytes. All under the cache-writes lock, and not at all once the job gave up
+        (-1): blocks it no longer owns are neither written nor checked. Returns bytes copied."""
+        assert self._staged is not None
+        staged, views = self._staged, self._views
+        layers = range(group.first_layer, group.end_layer)
+        layer_nbytes = sum(self._layout.layer_nbytes(l) for l in layers)
+        with self._cache_writes:
+            if self.cancelled:
+                return -1
+            if views.on_host:
+                staged.scatter(group, self._staging, slots, self._rows.block_ids[rows])
+                if self._checks.enabled and rows.size:
+                    sums = np.stack([views.checksums(l, self._rows.block_ids[rows]) for l in layers], axis=1)
+                    rows = rows[self._verify_sums(group.first_layer, rows, sums)]
+                fan = np.isin(self._extra_rows, rows)
+                for l in layers:
+                    views.copy_blocks(l, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
+                return layer_nbytes * (int(rows.size) + int(fan.sum()))
+            private = self._staging[slots, : group.span_nbytes]  # fancy indexing: an unregistered copy
+            local = np.arange(rows.size, dtype=np.int64)
+            if self._checks.enabled and rows.size:
+                ok = self._verify_sums(group.first_layer, rows, staged.checksums(group, private, local))
+                rows, local = rows[ok], local[ok]
+            local_of_row = np.full(len(self.keys), -1, dtype=np.int64)
+            local_of_row[rows] = local
+            fan = local_of_row[self._extra_rows] >= 0 if self._extra_rows.size else np.zeros(0, dtype=bool)
+            targets = np.concatenate([self._rows.block_ids[rows], self._extra_blocks[fan]])
+            sources = np.concatenate([local, local_of_row[self._extra_rows[fan]]])
+            staged.scatter(group, private, sources, targets)
+            return layer_nbytes * int(targets.size)
 
     def _get_concurrently(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int,
                           what: str) -> np.ndarray:

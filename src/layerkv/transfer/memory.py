@@ -45,6 +45,7 @@ class RegisteredMemory:
         self._lock = threading.Lock()
         self._registered: list[int] = []  # guarded by _lock
         self._unregistered: list[tuple[int, int]] = []  # guarded by _lock
+        self._closed = False  # guarded by _lock: unregister() ran; a late retry undoes what it registers
         self._next_try_s = 0.0  # compute thread
         self._retry: _Retry | None = None  # compute thread: the retry in flight
 
@@ -81,6 +82,7 @@ class RegisteredMemory:
         with self._lock:
             registered, self._registered = self._registered, []
             self._unregistered.clear()
+            self._closed = True
         for ptr in registered:
             try:
                 self._store.unregister_buffer(ptr)
@@ -90,8 +92,8 @@ class RegisteredMemory:
     def _register_pending(self) -> bool:
         while True:
             with self._lock:
-                if not self._unregistered:
-                    return True
+                if not self._unregistered or self._closed:
+                    return not self._closed
                 ptr, nbytes = self._unregistered[0]
             try:
                 self._store.register_buffer(ptr, nbytes)
@@ -100,8 +102,16 @@ class RegisteredMemory:
                             "the pool, retrying every %.1f s", self._who, exc, self._retry_interval_s)
                 return False
             with self._lock:
-                self._unregistered.pop(0)
-                self._registered.append(ptr)
+                closed = self._closed
+                if not closed:
+                    self._unregistered.pop(0)
+                    self._registered.append(ptr)
+            if closed:  # shut down while this call was in the store: undo it
+                try:
+                    self._store.unregister_buffer(ptr)
+                except StoreError as exc:
+                    log.warning("layerkv: %s", exc)
+                return False
 
 
 class _Retry(JobState):

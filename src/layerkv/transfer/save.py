@@ -66,6 +66,7 @@ class SaveOutcome:
     saved_bytes: int = 0
     range_calls: int = 0
     write_s: float = 0.0
+    copy_s: float = 0.0  # staged: copying the cache into the images and checksumming them (send thread)
     revoked_keys: list[ObjectKey] = field(default_factory=list)
     error: BaseException | None = None
 
@@ -213,9 +214,11 @@ class SaveJob(JobState):
             if event is not None:
                 event.synchronize()  # the layer's KV is written on the device before we read it
             if layer_idx not in self._sent_layers:
+                start = time.perf_counter()
                 self._sent_layers.add(layer_idx)
                 self._staged.gather(layer_idx, self._staging, rows, self._rows.block_ids)
                 self._checksums[:, layer_idx] = self._staged.layer_checksums(layer_idx, self._staging, rows)
+                self.outcome.copy_s += time.perf_counter() - start
         with self.cond:
             complete = len(self._sent_layers) == self._layout.num_layers and not self.cancelled
         if not complete:

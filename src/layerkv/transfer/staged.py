@@ -101,6 +101,8 @@ class StagedLayers:
                     seg.blocks[ids] = src
                 else:
                     seg.blocks[ids] = _to_device(src, seg.blocks)
+        if not self.on_host:
+            _synchronize(self._views[group.first_layer][0].blocks)
 
     def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
         """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
@@ -136,8 +138,19 @@ def _device_ids(block_ids: np.ndarray, like: Any) -> Any:
 
 
 def _to_device(rows: np.ndarray, like: Any) -> Any:
-    """Staged rows (host) as a tensor on the cache's device (a synchronous copy: the device
-    path's streams and pinned staging are the GPU work's)."""
+    """Staged rows (host) as a tensor on the cache's device (pageable memory: the copy itself
+    is synchronous; pinned staging and side streams are the GPU work's)."""
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)
+
+
+def _synchronize(like: Any) -> None:
+    """Wait on the receive thread until the device copies it queued have landed, so a layer is
+    published (and a give-up returns) only after its bytes are in the cache, whatever stream
+    the compute runs on. A device-wide wait, on the transfer thread only (never in the layer
+    loop of the compute thread); events are the GPU work's."""
+    import torch
+
+    if like.device.type != "cpu":
+        torch.accelerator.synchronize(like.device)

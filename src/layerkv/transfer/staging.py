@@ -1,10 +1,11 @@
 """The staging area: a fixed number of host rows, allocated and registered with the store once at
-start-up, and the only memory of this worker the store can read or write (unless the user opts
-into `register_kv_cache`). Rows are lent to one job at a time: a row whose last job has not
-finished is never lent again (a store call that outlived its job, or a background write, may
-still read or write it), so a late read lands in rows nobody else holds. Never grows: a job gets
-at most the rows that are free. Compute thread only (jobs are created there); the rows stay
-registered until `close`.
+start-up (transfer/memory.py), and the only memory of the engine's that the worker hands the
+store (unless the user opts into `register_kv_cache`; a Mooncake client that mounts a global
+segment in this process exposes that segment too). Rows are lent to one job at a time: a row
+whose last job has not finished is never lent again (a store call that outlived its job, or a
+background write, may still read or write it), so a late read lands in rows nobody else holds.
+Never grows: a job gets at most the rows that are free. Compute thread only (jobs are created
+there); the rows stay registered until the worker shuts down.
 
     area:   row 0 | row 1 | ... | row R-1      (R x width bytes, one registration)
     lease:  job A -> rows [0, 1, 2]   job B -> rows [3, 4]   free: [5 .. R-1]
@@ -21,6 +22,7 @@ from layerkv.errors import ConfigError
 from layerkv.layout import CacheLayout
 
 HEADER_AREA_NBYTES = 64 << 20  # header rows of the direct plans (register_kv_cache), at most
+WARM_NBYTES = 64 << 20  # rows of each area mapped at start-up (the rest on first use, as rows go lowest first)
 
 
 @dataclass(slots=True)
@@ -31,8 +33,10 @@ class _Lease:
 
 @dataclass(slots=True)
 class StagingArea:
-    """`num_rows` rows of `width` bytes (`array`: uint8 [num_rows, width]). `register` once
-    before use; `take` then `lend` for every job."""
+    """`num_rows` rows of `width` bytes (`array`: uint8 [num_rows, width]), registered by the
+    worker once (transfer/memory.py); `take` then `lend` for every job. Rows are taken lowest
+    first, so the first WARM_NBYTES, mapped at start-up, serve most steps; the rest of the area
+    is zero pages the kernel maps on first use (memory grows with what is used)."""
 
     name: str
     num_rows: int
@@ -43,8 +47,9 @@ class StagingArea:
     def __post_init__(self) -> None:
         if self.num_rows < 1 or self.width < 1:
             raise ConfigError(f"staging area {self.name!r}: {self.num_rows} rows x {self.width} bytes must be >= 1 x 1")
-        self.array = np.empty((self.num_rows, self.width), dtype=np.uint8)  # [rows, width]
-        self.array.fill(0)  # every page mapped now, not inside the first transfer into it
+        self.array = np.zeros((self.num_rows, self.width), dtype=np.uint8)  # [rows, width]
+        warm = min(self.num_rows, max(1, WARM_NBYTES // self.width))
+        self.array[:warm].fill(0)  # these pages mapped now (written), not inside the first transfer into them
 
     @property
     def ptr(self) -> int:
@@ -94,18 +99,20 @@ class StagingAreas:
 
     @classmethod
     def for_layout(cls, layout: CacheLayout, staging_nbytes: int, direct: bool) -> StagingAreas:
-        """Half of `staging_nbytes` per side in object-sized rows, each side at most what the
-        cache could use (loads: one row per block; saves: two, for writes still in flight).
-        ConfigError when a side cannot hold one object."""
+        """A quarter of `staging_nbytes` for loads (they stream through their rows a wave at a
+        time) and the rest for saves (a step's new blocks must all fit: what does not is not
+        saved), in object-sized rows, each side at most what the cache could use (loads: one
+        row per block; saves: two, for writes still in flight). ConfigError when the loads'
+        quarter cannot hold one object."""
         row = layout.object_nbytes
-        per_side = staging_nbytes // 2
-        if per_side < row:
+        load_nbytes = staging_nbytes // 4
+        if load_nbytes < row:
             raise ConfigError(
-                f"staging_nbytes={staging_nbytes} must be >= {2 * row} for this layout (one {row}-byte object for "
-                "loads and one for saves); default is 512 MiB"
+                f"staging_nbytes={staging_nbytes} must be >= {4 * row} for this layout (a quarter of it, the loads' "
+                f"side, must hold one {row}-byte object); default is 512 MiB"
             )
-        loads = StagingArea("loads", min(per_side // row, layout.num_blocks), row)
-        saves = StagingArea("saves", min(per_side // row, 2 * layout.num_blocks), row)
+        loads = StagingArea("loads", min(load_nbytes // row, layout.num_blocks), row)
+        saves = StagingArea("saves", min((staging_nbytes - load_nbytes) // row, 2 * layout.num_blocks), row)
         headers = None
         if direct:
             width = layout.header_nbytes
