@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -50,6 +51,7 @@ ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_D
              MOONCAKE: "mooncake"}
 LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
 LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
+LAYERKV_KEY = re.compile(r"[^@]+@[0-9a-f]{16,}@[0-9]+")  # keys.block_keys: namespace @ block hash @ storage rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,7 @@ class Rig:
         self.engines: dict[str, EngineProcess] = {}
         self._reader: Any = None  # this process's Mooncake client for the transfer alone (lazy)
         self._read_buffer: Any = None
+        self.prefix_keys: dict[tuple[int, int], list[str]] = {}  # (prefix tokens, repeat) -> its layerkv objects
         try:
             layerkv_config = work_dir / "mooncake-layerkv.json"
             layerkv_config.write_text(json.dumps(self.master.client_config))
@@ -183,10 +186,12 @@ class Rig:
             env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
         return kwargs, engine_env(self.pythonpath, env)
 
-    def pool_keys(self) -> set[str]:
-        """Every key in the pool, from the master's key listing."""
+    def layerkv_keys(self) -> set[str]:
+        """layerkv's object keys in the pool (`<namespace>@<block hash hex>@<storage rank>`), from
+        the master's key listing; MooncakeStoreConnector's keys have another shape."""
         with urllib.request.urlopen(self.master.info["metrics_url"] + "/get_all_keys", timeout=30) as answer:
-            return {line for line in answer.read().decode().splitlines() if line}
+            lines = answer.read().decode().splitlines()
+        return {k for k in lines if LAYERKV_KEY.fullmatch(k)}
 
     def transfer_alone_ms(self, keys: list[str]) -> tuple[float, int]:
         """(ms, objects read) for one whole-object batch read of `keys` into this process's
@@ -235,9 +240,10 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     prompt = prefix + suffix_ids(step.cell[1], step.repeat)
     # A producer that already holds the prefix recomputes one block and skips existing objects.
     e["mooncake-producer"].generate([prefix])
-    before = rig.pool_keys()
+    before = rig.layerkv_keys()
     e["layerkv-producer"].generate([prefix], settle=True)  # settle: layerkv commits before returning
-    prefix_keys = sorted(rig.pool_keys() - before)  # this prefix's layerkv objects (each cell's prefix is new)
+    # this prefix's objects: what its first save added (the cells of one prefix and repeat share it)
+    prefix_keys = rig.prefix_keys.setdefault((step.cell[0], step.repeat), sorted(rig.layerkv_keys() - before))
     transfer_ms, found = rig.transfer_alone_ms(prefix_keys)
     runs = [Run(TRANSFER, step.cell, step.repeat, transfer_ms, found * BLOCK_SIZE, (), ())]
     for contender in step.contenders:
