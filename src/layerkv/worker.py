@@ -33,10 +33,10 @@ from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
 from layerkv.transfer.pending import PendingPuts
-from layerkv.transfer.planner import WHOLE, Costs
+from layerkv.transfer.planner import Costs
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.settle import SettleJob, revoke_all
-from layerkv.transfer.staged import StagedLayers
+from layerkv.transfer.staged import StagedLayers, completion_event
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
@@ -61,9 +61,8 @@ class WorkerConnector:
       layer is written or, after `save_timeout_s`, with the job cancelled (it revokes).
     * Verdicts in a plan run first on the write thread (SettleJob); a step whose verdict never
       arrives is revoked after `commit_timeout_s`; shutdown revokes what is pending.
-    * Only the staging areas are registered (register_kv_cache: false, the default): every read
-      lands in staging rows, is verified there and then scattered into the cache; every save
-      gathers the cache into staging images. A late store call lands in rows nobody else holds.
+    * Only the staging areas are registered (register_kv_cache: false, the default): reads land
+      in staging and are verified as they reach the cache, saves gather the cache into staging.
     """
 
     def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> None:
@@ -222,7 +221,7 @@ class WorkerConnector:
         load, save = self._load, self._save
         plan = self._plan
         step_s = time.perf_counter() - self._step_start_s if self._step_start_s else 0.0
-        if plan is not None and self.layout is not None and step_s and not _overlapped(load):
+        if plan is not None and self.layout is not None and step_s and not (load is not None and not load.cancelled and load.plan.reads_beside_compute):
             # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
             # their kind's finish factor accounts for, not every kind's compute estimate
             self.costs.observe_compute(step_s - self._step_wait_s, self.layout.num_layers, plan.num_tokens)
@@ -370,7 +369,7 @@ class WorkerConnector:
             return
         assert self.layout is not None
         self._handed.add(layer_idx)
-        self._save.hand_layer(layer_idx, _completion_event(self.layout.device_type))
+        self._save.hand_layer(layer_idx, completion_event(self.layout.device_type))
 
     def _hand_layers_before(self, layer_idx: int) -> None:
         """The compute thread moved past every layer < layer_idx: those whose save was asked
@@ -399,20 +398,3 @@ class WorkerConnector:
             n = revoke_all(self.store, puts, f"no commit verdict within {self.config.commit_timeout_s:.0f} s")
             with self._lock:
                 self._expired += n
-
-
-def _overlapped(load: LoadJob | None) -> bool:
-    """A load whose reads ran beside the step's compute (per-layer or group plans)."""
-    return load is not None and not load.cancelled and load.plan.mode != WHOLE
-
-
-def _completion_event(device_type: str) -> Any:
-    """A marker the send thread waits on before it reads a layer the device just wrote: a
-    device event on any accelerator (CUDA, NPU, XPU, ...), None for host memory."""
-    if device_type == "cpu":
-        return None
-    import torch  # pragma: no cover - no accelerator here
-
-    event = torch.Event(device=device_type)
-    event.record()
-    return event

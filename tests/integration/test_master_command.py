@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,32 @@ def test_healthy_master_prints_no_mooncake_error_or_warning() -> None:
     assert command.config is not None and code == 0, stderr
     assert "layerkv master: mooncake_master pid" in stderr  # layerkv's own lines stay
     assert not MOONCAKE_PROBLEM_LINE.search(stderr), stderr
+
+
+def test_a_killed_layerkv_master_takes_its_mooncake_master_with_it() -> None:
+    """SIGKILL (as the OOM killer does) of `layerkv master` must not leave its mooncake_master
+    running: an orphan keeps listening on every interface with nobody to stop it."""
+    require_mooncake()
+    from layerkv.store.local_master import LocalMaster
+
+    master = LocalMaster(segment_size="64MB")
+    try:
+        child = int(master.info["pid"])
+        os.kill(child, 0)  # running
+        os.kill(master._proc.pid, signal.SIGKILL)
+        master._proc.wait(10)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and _alive(child):  # bounded: the kernel delivers the death signal
+            time.sleep(0.05)
+        assert not _alive(child), f"mooncake_master pid {child} outlived the layerkv master that started it"
+    finally:
+        master.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (a killed orphan's entry lingers until its new parent reaps it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"

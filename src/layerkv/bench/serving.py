@@ -24,12 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import tempfile
-import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ from typing import Any
 from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
+from layerkv.bench.pool_reader import PoolReader
 from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, TRANSFER, LoadRun, Run, Step
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
 from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
@@ -51,7 +49,6 @@ ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_D
              MOONCAKE: "mooncake"}
 LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
 LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
-LAYERKV_KEY = re.compile(r"[^@]+@[0-9a-f]{16,}@[0-9]+")  # keys.block_keys: namespace @ block hash @ storage rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +135,8 @@ class Rig:
         progress.case(f"{NAME}: pool")
         self.master = LocalMaster(segment_size=str(grid.pool_bytes()))
         self.engines: dict[str, EngineProcess] = {}
-        self._reader: Any = None  # this process's Mooncake client for the transfer alone (lazy)
-        self._read_buffer: Any = None
+        self.reader = PoolReader(self.master.info["metrics_url"], self.master.client_config,
+                                 grid.kv_bytes_per_token * BLOCK_SIZE + 4096)  # header <= 4 KiB
         self.prefix_keys: dict[tuple[int, int], list[str]] = {}  # (prefix tokens, repeat) -> its layerkv objects
         try:
             layerkv_config = work_dir / "mooncake-layerkv.json"
@@ -186,42 +183,12 @@ class Rig:
             env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
         return kwargs, engine_env(self.pythonpath, env)
 
-    def layerkv_keys(self) -> set[str]:
-        """layerkv's object keys in the pool (`<namespace>@<block hash hex>@<storage rank>`), from
-        the master's key listing; MooncakeStoreConnector's keys have another shape."""
-        with urllib.request.urlopen(self.master.info["metrics_url"] + "/get_all_keys", timeout=30) as answer:
-            lines = answer.read().decode().splitlines()
-        return {k for k in lines if LAYERKV_KEY.fullmatch(k)}
-
-    def transfer_alone_ms(self, keys: list[str]) -> tuple[float, int]:
-        """(ms, objects read) for one whole-object batch read of `keys` into this process's
-        registered memory: what the transfer costs with no compute beside it."""
-        import numpy as np
-
-        from layerkv.store.mooncake import MooncakeStore
-
-        object_bytes = self.grid.kv_bytes_per_token * BLOCK_SIZE + 4096  # header <= 4 KiB
-        if self._reader is None:
-            self._reader = MooncakeStore.from_mooncake_config(self.master.client_config)
-        need = object_bytes * len(keys)
-        if self._read_buffer is None or self._read_buffer.nbytes < need:
-            if self._read_buffer is not None:
-                self._reader.unregister_buffer(self._read_buffer.ctypes.data)
-            self._read_buffer = np.ones(need, dtype=np.uint8)  # pages mapped before the timed read
-            self._reader.register_buffer(self._read_buffer.ctypes.data, need)
-        base = self._read_buffer.ctypes.data
-        start = time.perf_counter()
-        got = self._reader.batch_get_into(keys, [base + i * object_bytes for i in range(len(keys))], [object_bytes] * len(keys))
-        elapsed_ms = (time.perf_counter() - start) * 1e3
-        return elapsed_ms, sum(1 for n in got if isinstance(n, int) and n > 0)
-
     def close(self) -> None:
         for engine in self.engines.values():  # all shut down at once, then each is waited for
             engine.request_stop()
         for engine in self.engines.values():
             engine.stop()
-        if self._reader is not None:
-            self._reader.close()
+        self.reader.close()
         self.master.stop()
 
 
@@ -240,11 +207,11 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     prompt = prefix + suffix_ids(step.cell[1], step.repeat)
     # A producer that already holds the prefix recomputes one block and skips existing objects.
     e["mooncake-producer"].generate([prefix])
-    before = rig.layerkv_keys()
+    before = rig.reader.layerkv_keys()
     e["layerkv-producer"].generate([prefix], settle=True)  # settle: layerkv commits before returning
     # this prefix's objects: what its first save added (the cells of one prefix and repeat share it)
-    prefix_keys = rig.prefix_keys.setdefault((step.cell[0], step.repeat), sorted(rig.layerkv_keys() - before))
-    transfer_ms, found = rig.transfer_alone_ms(prefix_keys)
+    prefix_keys = rig.prefix_keys.setdefault((step.cell[0], step.repeat), sorted(rig.reader.layerkv_keys() - before))
+    transfer_ms, found = rig.reader.read_whole_ms(prefix_keys)
     runs = [Run(TRANSFER, step.cell, step.repeat, transfer_ms, found * BLOCK_SIZE, (), ())]
     for contender in step.contenders:
         if contender == RECOMPUTE:
@@ -354,7 +321,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs], "counters": counters}
     (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
     result.notes += _notes(grid, rig, startup_s)
-    result.notes += [f"{name} engine's connector counters at the end (non-zero): " + _counters_text(values)
+    result.notes += [f"{name} engine's connector counters at the end (non-zero): " + report.counters_text(values)
                      for name, values in counters.items()]
     if load_error:
         result.notes.append(f"throughput under load FAILED (the TTFT grid above is complete): {load_error}")
@@ -412,25 +379,6 @@ def _counters(rig: Rig) -> dict[str, dict[str, Any]]:
         except (RuntimeError, TimeoutError) as exc:
             out[name] = {"error": str(exc).splitlines()[0]}
     return out
-
-
-def _counters_text(values: dict[str, Any]) -> str:
-    """`vllm:layerkv_total{counter=load_blocks}` -> `load_blocks`, Mooncake's
-    `vllm:mooncake_store_operation_keys_total{operation=get,status=ok}` -> `operation_keys{get,ok}`."""
-    if "error" in values:
-        return f"unavailable ({values['error']})"
-    shown = []
-    for key, value in sorted(values.items()):
-        name, _, labels = key.partition("{")
-        labels = labels.rstrip("}")
-        if name.startswith("vllm:layerkv"):
-            label = labels.removeprefix("counter=")
-        else:
-            label = name.removeprefix("vllm:mooncake_store_").removesuffix("_total") + "{" + ",".join(
-                part.partition("=")[2] for part in labels.split(",") if part) + "}"
-        if value:
-            shown.append(f"{label}={value:g}")
-    return ", ".join(shown) or "none"
 
 
 def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from layerkv.bench.common import Row, ratio
 
@@ -224,3 +225,22 @@ def load_rows(runs: Sequence[LoadRun]) -> list[Row]:
             "requests_tokens_equal_ceiling": sum(a == b for a, b in vs_ceiling) if contender != CEILING else None,
         })
     return rows
+
+
+def counters_text(values: dict[str, Any]) -> str:
+    """`vllm:layerkv_total{counter=load_blocks}` -> `load_blocks`, Mooncake's
+    `vllm:mooncake_store_operation_keys_total{operation=get,status=ok}` -> `operation_keys{get,ok}`."""
+    if "error" in values:
+        return f"unavailable ({values['error']})"
+    shown = []
+    for key, value in sorted(values.items()):
+        name, _, labels = key.partition("{")
+        labels = labels.rstrip("}")
+        if name.startswith("vllm:layerkv"):
+            label = labels.removeprefix("counter=")
+        else:
+            label = name.removeprefix("vllm:mooncake_store_").removesuffix("_total") + "{" + ",".join(
+                part.partition("=")[2] for part in labels.split(",") if part) + "}"
+        if value:
+            shown.append(f"{label}={value:g}")
+    return ", ".join(shown) or "none"

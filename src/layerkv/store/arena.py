@@ -112,3 +112,30 @@ def copy_ranges(dst_ptrs: Sequence[int], src_ptrs: Sequence[int], sizes: Sequenc
         memmove(d, s, k)
         total += k
     return total
+
+
+class HostRegions:
+    """Registered host memory regions `[ptr, ptr + nbytes)` of one client, sorted by start; a
+    region registered again keeps its larger extent. Not thread-safe (the store's lock)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []  # parallel to _starts
+
+    def add(self, ptr: int, nbytes: int) -> None:
+        i = bisect.bisect_left(self._starts, ptr)
+        if i < len(self._starts) and self._starts[i] == ptr:
+            self._ends[i] = max(self._ends[i], ptr + nbytes)
+            return
+        self._starts.insert(i, ptr)
+        self._ends.insert(i, ptr + nbytes)
+
+    def remove(self, ptr: int) -> None:
+        i = bisect.bisect_left(self._starts, ptr)
+        if i < len(self._starts) and self._starts[i] == ptr:
+            del self._starts[i], self._ends[i]
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        """[ptr, ptr + nbytes) lies inside one region."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return i >= 0 and ptr + nbytes <= self._ends[i]

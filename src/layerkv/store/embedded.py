@@ -11,7 +11,6 @@ its own put/get sessions, as a second Mooncake client would have.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import operator
 import time
@@ -19,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from layerkv.errors import ConfigError, StoreError
-from layerkv.store.arena import copy_ranges
+from layerkv.store.arena import HostRegions, copy_ranges
 from layerkv.store.base import Code, ObjectKey, Placement
 from layerkv.store.object_table import ClientId, GetSession, ObjectState, ObjectTable, StoredObject
 
@@ -90,8 +89,7 @@ class EmbeddedStore:
                 raise StoreError(f"embedded store {self.name!r} is closed")
             self._client_id: ClientId = next(table.client_ids)
             self._closed = False
-            self._buffer_starts: list[int] = []  # guarded by table.lock: registered regions, sorted
-            self._buffer_ends: list[int] = []  # parallel to _buffer_starts
+            self._buffers = HostRegions()  # guarded by table.lock: what this handle registered
             table.num_handles += 1
             table.get_sessions[self._client_id] = {}
 
@@ -101,25 +99,15 @@ class EmbeddedStore:
         if not _is_index(ptr) or not _is_index(nbytes) or ptr <= 0 or nbytes <= 0:
             raise StoreError(f"embedded store: register_buffer(ptr={ptr!r}, nbytes={nbytes!r}): both must be > 0")
         with self._table.lock:
-            i = bisect.bisect_left(self._buffer_starts, ptr)
-            if i < len(self._buffer_starts) and self._buffer_starts[i] == ptr:  # again: the larger extent
-                self._buffer_ends[i] = max(self._buffer_ends[i], ptr + nbytes)
-                return
-            self._buffer_starts.insert(i, ptr)
-            self._buffer_ends.insert(i, ptr + nbytes)
+            self._buffers.add(ptr, nbytes)
 
     def unregister_buffer(self, ptr: int) -> None:
         with self._table.lock:
-            i = bisect.bisect_left(self._buffer_starts, ptr)
-            if i < len(self._buffer_starts) and self._buffer_starts[i] == ptr:
-                del self._buffer_starts[i], self._buffer_ends[i]
+            self._buffers.remove(ptr)
 
     def _registered(self, ptr: int, nbytes: int) -> bool:  # under lock
         """[ptr, ptr + nbytes) lies inside one registered region (always, without strict_buffers)."""
-        if not self.strict_buffers:
-            return True
-        i = bisect.bisect_right(self._buffer_starts, ptr) - 1
-        return i >= 0 and ptr + nbytes <= self._buffer_ends[i]
+        return not self.strict_buffers or self._buffers.holds(ptr, nbytes)
 
     @property
     def used_bytes(self) -> int:

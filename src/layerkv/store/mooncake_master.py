@@ -9,6 +9,7 @@ stops a `MasterProcess`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import http.client
 import logging
 import os
@@ -29,9 +30,20 @@ from layerkv.store import port_owner
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses smaller global segments (setup -> -600)
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
 MASTER_BINARY = "mooncake_master"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL when the process that started it dies, even by
+    SIGKILL or the OOM killer. An orphaned mooncake_master keeps listening on every interface
+    (0.3.13 ignores the loopback it is told) with no owner to stop it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the owner's stop() is the only guard
+        pass
 
 
 def find_master_binary() -> Path:
@@ -151,6 +163,7 @@ class MasterProcess:
             self.popen = subprocess.Popen(
                 self.argv(binary), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop it in order
+                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -22,7 +22,6 @@ rows marked failed, whose blocks the engine recomputes.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -36,12 +35,14 @@ from layerkv.header import Header
 from layerkv.layout import CacheLayout
 from layerkv.messages import BlockHash
 from layerkv.ranges import RangeLists
-from layerkv.store.base import UNCERTAIN_CODES, ObjectKey
+from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.checks import ObjectChecks
-from layerkv.transfer.lanes import Lanes, split_rows
+from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, Costs, LoadPlan
 from layerkv.transfer.rows import KeyRows
+from layerkv.transfer.reads import JobReads
+from layerkv.transfer.sessions import GetSessions
 from layerkv.transfer.staged import LayerGroup, StagedLayers, groups_of
 from layerkv.transfer.thread import JobState
 from layerkv.transfer.views import CacheViews
@@ -125,11 +126,10 @@ class LoadJob(JobState):
         self.layers_done = 0  # guarded by cond
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.outcome = LoadOutcome()  # receive thread; read after finished
-        self._open = np.zeros(len(keys), dtype=bool)  # receive thread: sessions started, not ended
+        self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
+        self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome, costs)  # receive thread
         self._checks = ObjectChecks(header, [k.key for k in keys], [k.block_hash for k in keys], layout.num_layers,
                                     verify_checksums)  # receive thread
-        self._epoch = 0
-        self._session_start_s = 0.0
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> bool:
@@ -212,32 +212,16 @@ class LoadJob(JobState):
 
     def _start_sessions(self, rows: np.ndarray) -> bool:
         """Start get sessions for `rows`; failed starts fail their rows. True if any opened."""
-        self._epoch = self._store.outage_epoch
-        self._session_start_s = time.monotonic()
-        results = np.asarray(self._store.batch_get_session_start([self.keys[i].key for i in rows]), dtype=np.int64)
+        results = self._sessions.start(rows)
         ok = results == 0
-        self._open[rows[ok]] = True
-        uncertain = rows[np.isin(results, list(UNCERTAIN_CODES))]
-        if uncertain.size:  # the store may have opened these: end them (0 also for unknown keys)
-            self._store.batch_get_session_end([self.keys[i].key for i in uncertain])
         if not ok.all():
             self._fail(rows[~ok], f"get session start returned {sorted(set(results[~ok].tolist()))}")
         return bool(ok.any())
 
-    def _end_rows(self, rows: np.ndarray) -> None:
-        """End the open sessions of `rows` (a window's, behind its last read)."""
-        rows = rows[self._open[rows]]
-        if rows.size:
-            self._open[rows] = False
-            self._store.batch_get_session_end([self.keys[i].key for i in rows.tolist()])
-
     def _end_sessions(self) -> None:
         self.outcome.header_failures = self._checks.header_failures
         self.outcome.checksum_failures = self._checks.checksum_failures
-        rows = np.flatnonzero(self._open)
-        self._open[:] = False
-        if rows.size:
-            self._store.batch_get_session_end([self.keys[i].key for i in rows])
+        self._sessions.end()
         # every check ran on bytes this job owned (checks and copies stop at a give-up, under
         # the cache-writes lock): what failed one is bad in the pool
         bad = [self.keys[i].key for i in np.flatnonzero(self._checks.bad).tolist()]
@@ -250,7 +234,7 @@ class LoadJob(JobState):
         """After a store outage, sessions opened before it may read memory the store has given
         to other objects: stop reading them (their blocks are recomputed). `rows`: only those
         (a window's, whose sessions are the ones just opened); default every active row."""
-        if self._store.outage_epoch != self._epoch:
+        if self._sessions.fenced():
             rows = self._active() if rows is None else rows[~self._failed_snapshot()[rows]]
             self.outcome.fenced_keys += int(rows.size)
             self._fail(rows, "the store had an outage after these get sessions started")
@@ -259,13 +243,12 @@ class LoadJob(JobState):
         """A step that outlives `renew_after_s` restarts its sessions (end + start) so the
         lease cannot expire mid-step; checksums re-verify every later layer against the header
         read with layer 0, so a replaced object is caught."""
-        if time.monotonic() - self._session_start_s < self._renew_after_s:
+        if not self._sessions.older_than(self._renew_after_s):
             return
-        rows = np.flatnonzero(self._open & ~self._failed_snapshot())
+        rows = np.flatnonzero(self._sessions.open & ~self._failed_snapshot())
         if rows.size == 0:
             return
-        self._store.batch_get_session_end([self.keys[i].key for i in rows])
-        self._open[rows] = False
+        self._sessions.end(rows)
         self.outcome.lease_renewals += 1
         self._start_sessions(rows)
 
@@ -319,9 +302,9 @@ class LoadJob(JobState):
                 if not self._start_sessions(wave):
                     continue
                 self._fence(wave)
-                opened = wave[self._open[wave] & ~self._failed_snapshot()[wave]]
+                opened = wave[self._sessions.open[wave] & ~self._failed_snapshot()[wave]]
                 if opened.size == 0:
-                    self._end_rows(wave)
+                    self._sessions.end(wave)
                     continue
                 wave = opened
             slot_of = {int(row): int(slot) for row, slot in zip(wave.tolist(), slots.tolist())}
@@ -336,7 +319,7 @@ class LoadJob(JobState):
                     good = self._get_concurrently(wave, ranges, group.first_layer, group.label)
             finally:
                 if windowed:
-                    self._end_rows(wave)
+                    self._sessions.end(wave)  # behind the window's read
             if self.cancelled:  # the read returned after a give-up: its bytes stay in staging
                 return
             good_slots = np.array([slot_of[int(r)] for r in good.tolist()], dtype=np.int64)
@@ -355,91 +338,35 @@ class LoadJob(JobState):
 
     def _publish(self, group: LayerGroup, rows: np.ndarray, slots: np.ndarray) -> int:
         """Copy `group` of `rows` (read into staging `slots`) into their cache blocks, verified
-        where a peer cannot change them any more: host caches are copied first and checked in
-        the cache (the staging rows stay writable by anyone who reaches the store's ports);
-        device caches are checked in a private host copy, then copied from it. Fan-out targets
-        get verified bytes. All under the cache-writes lock, and not at all once the job gave up
-        (-1): blocks it no longer owns are neither written nor checked. Returns bytes copied."""
+        where no peer can change them any more (StagedLayers.publish); under the cache-writes
+        lock, and not at all once the job gave up (-1): blocks it no longer owns are neither
+        written nor checked. Returns bytes copied."""
         assert self._staged is not None
-        staged, views = self._staged, self._views
-        layers = range(group.first_layer, group.end_layer)
-        layer_nbytes = sum(self._layout.layer_nbytes(l) for l in layers)
+
+        def check(checked: np.ndarray, sums: np.ndarray) -> np.ndarray:
+            return self._verify_sums(group.first_layer, checked, sums)
+
         with self._cache_writes:
             if self.cancelled:
                 return -1
-            if views.on_host:
-                staged.scatter(group, self._staging, slots, self._rows.block_ids[rows])
-                if self._checks.enabled and rows.size:
-                    sums = np.stack([views.checksums(l, self._rows.block_ids[rows]) for l in layers], axis=1)
-                    rows = rows[self._verify_sums(group.first_layer, rows, sums)]
-                fan = np.isin(self._extra_rows, rows)
-                for l in layers:
-                    views.copy_blocks(l, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
-                return layer_nbytes * (int(rows.size) + int(fan.sum()))
-            private = self._staging[slots, : group.span_nbytes]  # fancy indexing: an unregistered copy
-            local = np.arange(rows.size, dtype=np.int64)
-            if self._checks.enabled and rows.size:
-                ok = self._verify_sums(group.first_layer, rows, staged.checksums(group, private, local))
-                rows, local = rows[ok], local[ok]
-            local_of_row = np.full(len(self.keys), -1, dtype=np.int64)
-            local_of_row[rows] = local
-            fan = local_of_row[self._extra_rows] >= 0 if self._extra_rows.size else np.zeros(0, dtype=bool)
-            targets = np.concatenate([self._rows.block_ids[rows], self._extra_blocks[fan]])
-            sources = np.concatenate([local, local_of_row[self._extra_rows[fan]]])
-            staged.scatter(group, private, sources, targets)
-            return layer_nbytes * int(targets.size)
+            return self._staged.publish(group, self._staging, rows, slots, self._rows.block_ids,
+                                        (self._extra_rows, self._extra_blocks), check if self._checks.enabled else None)
 
     def _get_concurrently(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int,
                           what: str) -> np.ndarray:
-        """Range reads of `rows` split over the plan's lanes; fails short reads and returns the
-        rows whose read moved every byte."""
-        parts = split_rows(rows, self.plan.lanes)
-        lists = [ranges(part) for part in parts]
-        start = time.perf_counter()
-        results = self._lanes.run([functools.partial(self._call_ranges, part, rl, layer_idx) for part, rl in zip(parts, lists)])
-        elapsed = time.perf_counter() - start
-        expected = int(np.sum(lists[0].sizes[0]))
-        got = np.concatenate(results)
-        ok = got == expected
-        self.outcome.read_s += elapsed
-        self.outcome.range_calls += len(parts)
-        self.outcome.loaded_bytes += expected * int(ok.sum())
-        if self._costs is not None:
-            self._costs.observe_ranges(elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments,
-                                       expected * int(rows.size))
+        """Range reads of `rows` over the plan's lanes; fails short reads, returns the rest."""
+        ok, why = self._reads.ranges(rows, ranges, layer_idx, what)
         if not ok.all():
-            self._fail(rows[~ok], f"{what} read returned {sorted(set(got[~ok].tolist()))} (expected {expected} bytes)")
+            self._fail(rows[~ok], why)
         return rows[ok]
 
-    def _call_ranges(self, rows: np.ndarray, ranges: RangeLists, layer_idx: int) -> np.ndarray:
-        return np.asarray(
-            self._store.batch_get_into_multi_buffer_ranges(
-                [self.keys[i].key for i in rows], ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx
-            ),
-            dtype=np.int64,
-        )
-
     def _get_whole(self, rows: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
-        """Whole-object reads of `rows` into their staging slots, split over the lanes."""
-        staging, nbytes = self._staging, self._layout.object_nbytes
-        parts = split_rows(rows, self.plan.lanes)
-
-        def read(part: np.ndarray) -> np.ndarray:
-            ptrs = [staging.ctypes.data + slot_of[int(r)] * staging.strides[0] for r in part.tolist()]
-            return np.asarray(self._store.batch_get_into([self.keys[i].key for i in part], ptrs, [nbytes] * len(part)),
-                              dtype=np.int64)
-
-        start = time.perf_counter()
-        got = np.concatenate(self._lanes.run([functools.partial(read, part) for part in parts]))
-        elapsed = time.perf_counter() - start
-        ok = got == nbytes
-        self.outcome.read_s += elapsed
-        self.outcome.range_calls += len(parts)
-        self.outcome.loaded_bytes += nbytes * int(ok.sum())
-        if self._costs is not None:
-            self._costs.observe_whole(elapsed, max(len(p) for p in parts), nbytes * int(rows.size))
+        """Whole-object reads of `rows` into their staging slots, over the lanes."""
+        staging = self._staging
+        ok, why = self._reads.whole(rows, lambda r: staging.ctypes.data + slot_of[r] * staging.strides[0],
+                                    self._layout.object_nbytes)
         if not ok.all():
-            self._fail(rows[~ok], f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)")
+            self._fail(rows[~ok], why)
         return rows[ok]
 
     def _verify_headers(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:

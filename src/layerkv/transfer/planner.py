@@ -54,6 +54,11 @@ class LoadPlan:
     explored: bool = False  # chosen to measure a mode whose estimates were the oldest (Exploration)
 
     @property
+    def reads_beside_compute(self) -> bool:
+        """Per-layer and group reads run beside the step's compute; whole-object reads end before it."""
+        return self.mode != WHOLE
+
+    @property
     def label(self) -> str:
         sizes = [e - b for b, e in zip((0, *self.group_ends), self.group_ends)]
         return f"{self.mode}:{'+'.join(map(str, sizes))}x{self.lanes}"

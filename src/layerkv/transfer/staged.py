@@ -12,6 +12,7 @@ once per worker on the compute thread; read-only afterwards, used by the transfe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,7 @@ class StagedLayers:
         layout = views.layout
         self.on_host = views.on_host
         self.layout = layout
+        self._cache = views
         self.row_nbytes = layout.object_nbytes  # staging row width: any group, or the whole object
         self._views = views.layers  # [layer][segment]
 
@@ -103,6 +105,39 @@ class StagedLayers:
                     seg.blocks[ids] = _to_device(src, seg.blocks)
         if not self.on_host:
             _synchronize(self._views[group.first_layer][0].blocks)
+
+    def publish(self, group: LayerGroup, staging: np.ndarray, rows: np.ndarray, slots: np.ndarray,
+                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray],
+                check: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> int:
+        """Copy `group` of the keys `rows` (block `block_ids[row]`, read into staging `slots`)
+        into the cache, verified where no peer can change the bytes any more: host caches are
+        copied first and checked in the cache (staging stays writable by anyone who reaches
+        the store's ports), device caches are checked in a private host copy and copied from
+        it. `check(rows, sums [rows, layers of group])` returns the rows whose layers match
+        (None: unchecked); `fan_out` = (row, block) pairs that also want a key, copied only
+        from a verified key. Returns the bytes copied. The caller holds its cache-writes lock."""
+        extra_rows, extra_blocks = fan_out
+        layers = range(group.first_layer, group.end_layer)
+        layer_nbytes = sum(self.layout.layer_nbytes(l) for l in layers)
+        if self.on_host:
+            self.scatter(group, staging, slots, block_ids[rows])
+            if check is not None and rows.size:
+                rows = rows[check(rows, np.stack([self._cache.checksums(l, block_ids[rows]) for l in layers], axis=1))]
+            fan = np.isin(extra_rows, rows)
+            for l in layers:
+                self._cache.copy_blocks(l, block_ids[extra_rows[fan]], extra_blocks[fan])
+            return layer_nbytes * (int(rows.size) + int(fan.sum()))
+        private = staging[slots, : group.span_nbytes]  # fancy indexing: an unregistered copy
+        local = np.arange(rows.size, dtype=np.int64)
+        if check is not None and rows.size:
+            ok = check(rows, self.checksums(group, private, local))
+            rows, local = rows[ok], local[ok]
+        local_of_row = np.full(len(block_ids), -1, dtype=np.int64)
+        local_of_row[rows] = local
+        fan = local_of_row[extra_rows] >= 0 if extra_rows.size else np.zeros(0, dtype=bool)
+        targets = np.concatenate([block_ids[rows], extra_blocks[fan]])
+        self.scatter(group, private, np.concatenate([local, local_of_row[extra_rows[fan]]]), targets)
+        return layer_nbytes * int(targets.size)
 
     def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
         """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
@@ -154,3 +189,15 @@ def _synchronize(like: Any) -> None:
 
     if like.device.type != "cpu":
         torch.accelerator.synchronize(like.device)
+
+
+def completion_event(device_type: str) -> Any:
+    """A marker the send thread waits on before it reads a layer the device just wrote: a
+    device event on any accelerator (CUDA, NPU, XPU, ...), None for host memory."""
+    if device_type == "cpu":
+        return None
+    import torch  # pragma: no cover - no accelerator here
+
+    event = torch.Event(device=device_type)
+    event.record()
+    return event
