@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from layerkv.bench import OPT_IN_SUITES, SUITES
-from layerkv.bench.common import SuiteResult
+from layerkv.bench.common import BenchOptions, SuiteResult
 from layerkv.bench.runner import markdown
-from layerkv.bench.serving import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
+from layerkv.bench.serving_grid import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
 from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
                                           correctness, load_rows, percentile, schedule, suite_rows)
 from layerkv.cli import main
@@ -184,6 +184,18 @@ def test_grid_sizes_the_engines_and_the_pool() -> None:
     assert 2 * per_connector < grid.pool_bytes() < 3 * per_connector
     assert Grid((8192,), (2048,), 3, load_requests=8).engine_cache_gib() == 1
     assert Grid((16384,), (2048,), 3).engine_cache_gib() == 2
+
+
+def test_quick_grid_leaves_out_the_register_kv_cache_engine_and_the_load_batch(tmp_path: Path) -> None:
+    quick = Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path))
+    assert LAYERKV_DIRECT not in quick.contenders and "layerkv-direct" not in quick.engines
+    assert quick.load_repeats == 0 and quick.repeats == 1 and len(quick.engines) == 5
+    full = Grid.for_options(BenchOptions(quick=False, out_dir=tmp_path))
+    assert full.contenders == CONTENDERS and "layerkv-direct" in full.engines and full.load_repeats == 2
+    assert all(c in full.contenders for s in schedule(full.prefixes, full.suffixes, full.repeats, full.contenders)
+               for c in s.contenders)
+    assert all(LAYERKV_DIRECT not in s.contenders
+               for s in schedule(quick.prefixes, quick.suffixes, quick.repeats, quick.contenders))
 
 
 def test_serving_is_opt_in_and_checks_the_engine_python(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,76 +37,14 @@ from layerkv.bench.plots import bar_plot
 from layerkv.bench.pool_reader import PoolReader
 from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, TRANSFER, LoadRun, Run, Step
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
-from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
+from layerkv.bench.serving_grid import (BLOCK_SIZE, ENGINES, LOAD_MAX_TOKENS, LOAD_MISS_EVERY, LOAD_PREFIX_TOKENS,
+                                       LOAD_PREFIXES, LOAD_SUFFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids)
 
 NAME = "serving"
-BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
-GiB = 1 << 30
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
 DIRECT_EXTRA = {"register_kv_cache": True}  # contender LAYERKV_DIRECT
-ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-direct", "mooncake-producer", "mooncake")
 ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_DIRECT: "layerkv-direct",
              MOONCAKE: "mooncake"}
-LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
-LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
-
-
-@dataclass(frozen=True, slots=True)
-class Grid:
-    """The model and the TTFT grid. `--quick`: 2 x 2 cells, 2 repeats, one 8-request load batch;
-    full: 2 x 3 cells (2,048-token suffixes), 3 repeats, two 12-request load batches."""
-
-    prefixes: tuple[int, ...]
-    suffixes: tuple[int, ...]
-    repeats: int
-    num_layers: int = 8
-    hidden_size: int = 1024
-    dtype: str = "float32"
-    load_requests: int = 16  # throughput under load: concurrent requests over LOAD_PREFIXES prefixes
-    load_repeats: int = 2
-
-    @classmethod
-    def for_options(cls, options: BenchOptions) -> Grid:
-        if options.quick:
-            return cls((512, 2048), (32, 512), 2, dtype=native_dtype(), load_requests=8, load_repeats=1)
-        # 8,192-token prefixes are left out: six engines hold ~15 GB of this machine's 23 GB and
-        # that row's pool would need ~5 GB more (Grid.pool_bytes)
-        return cls((512, 2048), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=12)
-
-    @property
-    def max_model_len(self) -> int:
-        return max(self.prefixes) + max(self.suffixes) + BLOCK_SIZE
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.hidden_size, self.dtype)
-
-    def engine_cache_gib(self) -> int:
-        """VLLM_CPU_KVCACHE_SPACE: the longest prompt (its prefix blocks are the cached ones) or
-        the load batch (shared prefixes once, own prefixes), with a tenth to spare (a batch
-        that does not fit waits in vLLM's queue). Every GiB is allocated
-        and zeroed in each of the six engines."""
-        own_prefixes = self.load_requests // LOAD_MISS_EVERY
-        load_tokens = ((LOAD_PREFIXES + own_prefixes) * LOAD_PREFIX_TOKENS
-                       + self.load_requests * (LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS))
-        return max(1, math.ceil(max(self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.1 / GiB))
-
-    def pool_bytes(self) -> int:
-        """Both connectors' objects: every prefix once, every reference run's suffix blocks,
-        the load prefixes, the warm-up (one step per prefix size); nothing has to be evicted."""
-        num_tokens = self.repeats * (sum(self.prefixes) + len(self.prefixes) * sum(self.suffixes))
-        num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS
-        num_tokens += sum(self.prefixes) + len(self.prefixes) * min(self.suffixes)  # the warm-up
-        return int(2 * num_tokens * self.kv_bytes_per_token * 1.15) + GiB // 2
-
-
-def prefix_ids(prefix_tokens: int, repeat: int) -> list[int]:
-    return tokens(1000 * prefix_tokens + repeat + 1, prefix_tokens)
-
-
-def suffix_ids(suffix_tokens: int, repeat: int) -> list[int]:
-    """Distinct per length too: a 32-token suffix must not be the first block of the 512 one."""
-    return tokens(500_000 + 1000 * suffix_tokens + repeat, suffix_tokens)
 
 
 def omp_bind() -> str:
@@ -138,6 +76,7 @@ class Rig:
         self.reader = PoolReader(self.master.info["metrics_url"], self.master.client_config,
                                  grid.kv_bytes_per_token * BLOCK_SIZE + 4096)  # header <= 4 KiB
         self.prefix_keys: dict[tuple[int, int], list[str]] = {}  # (prefix tokens, repeat) -> its layerkv objects
+        self.stopped_counters: dict[str, dict[str, Any]] = {}
         try:
             layerkv_config = work_dir / "mooncake-layerkv.json"
             layerkv_config.write_text(json.dumps(self.master.client_config))
@@ -146,8 +85,8 @@ class Rig:
             connector_config = work_dir / "mooncake-connector.json"
             connector_config.write_text(json.dumps({**self.master.client_config, "mode": "standalone-store",
                                                     "global_segment_size": 0, "local_buffer_size": 512 << 20}))
-            progress.case(f"{NAME}: starting {len(ENGINES)} vLLM engines")
-            for name in ENGINES:
+            progress.case(f"{NAME}: starting {len(grid.engines)} vLLM engines")
+            for name in grid.engines:
                 kwargs, env = self._spec(name, layerkv_config, connector_config)
                 self.engines[name] = EngineProcess(name, self.python, kwargs, env, work_dir)
             for engine in self.engines.values():
@@ -182,6 +121,11 @@ class Rig:
                                             "kv_connector_extra_config": extra}
             env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
         return kwargs, engine_env(self.pythonpath, env)
+
+    def stop_engine(self, name: str) -> None:
+        """Stop one engine now (its counters are read first and kept in `stopped_counters`)."""
+        self.stopped_counters[name] = _engine_counters(self.engines[name])
+        self.engines[name].stop()
 
     def close(self) -> None:
         for engine in self.engines.values():  # all shut down at once, then each is waited for
@@ -228,20 +172,6 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     return runs
 
 
-def load_prompts(num_requests: int, repeat: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(the shared prefixes, one prompt per request + its own suffix): request i's prefix is
-    shared prefix i % LOAD_PREFIXES, except every LOAD_MISS_EVERY-th request's, which is its
-    own (never saved: a pool miss, recomputed in every contender)."""
-    prefixes = [tokens(900_000 + 100 * repeat + k, LOAD_PREFIX_TOKENS) for k in range(LOAD_PREFIXES)]
-
-    def prefix(i: int) -> list[int]:
-        if i % LOAD_MISS_EVERY == LOAD_MISS_EVERY - 1:
-            return tokens(700_000 + 1000 * repeat + i, LOAD_PREFIX_TOKENS)
-        return prefixes[i % LOAD_PREFIXES]
-
-    return prefixes, [prefix(i) + tokens(800_000 + 1000 * repeat + i, LOAD_SUFFIX_TOKENS) for i in range(num_requests)]
-
-
 def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[LoadRun]:
     """The producers save the shared prefixes; then each contender serves every request in one
     batch (submitted at once), its local prefix cache reset first (the ceiling: filled with the
@@ -264,14 +194,18 @@ def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[Loa
 
 
 def _measure_loads(rig: Rig, progress: Progress, load_runs: list[LoadRun]) -> str:
-    """Every repeat of the load batch (contender order rotated); returns the error that ended
-    it early ("" if none): the TTFT grid is kept either way."""
+    """Every repeat of the load batch (contender order rotated), without the `register_kv_cache`
+    engine (stopped first: its memory); returns the error that ended it early ("" if none): the
+    TTFT grid is kept either way."""
     grid = rig.grid
+    contenders = tuple(c for c in grid.contenders if c != LAYERKV_DIRECT)
+    if grid.load_repeats and "layerkv-direct" in rig.engines:
+        rig.stop_engine("layerkv-direct")
     try:
         for r in range(grid.load_repeats):
             progress.case(f"{NAME} load {r + 1}/{grid.load_repeats}: {grid.load_requests} concurrent requests")
-            k = r % len(report.CONTENDERS)
-            load_runs += measure_load(rig, r, report.CONTENDERS[k:] + report.CONTENDERS[:k])
+            k = r % len(contenders)
+            load_runs += measure_load(rig, r, contenders[k:] + contenders[:k])
     except (RuntimeError, TimeoutError) as exc:
         return str(exc).splitlines()[0]
     return ""
@@ -280,7 +214,7 @@ def _measure_loads(rig: Rig, progress: Progress, load_runs: list[LoadRun]) -> st
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     grid = Grid.for_options(options)
     cells = [(p, s) for p in grid.prefixes for s in grid.suffixes]
-    steps = report.schedule(grid.prefixes, grid.suffixes, grid.repeats)
+    steps = report.schedule(grid.prefixes, grid.suffixes, grid.repeats, grid.contenders)
     vllm_version = check_engine_python(options.engine_python)
     work_dir = Path(tempfile.mkdtemp(prefix="layerkv-bench-serving-"))
     try:
@@ -295,7 +229,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         # one untimed step per prefix size, every contender alike
         for k, prefix in enumerate(grid.prefixes):
             progress.case(f"{NAME}: warm-up, prefix {prefix}")
-            measure(rig, Step((prefix, min(grid.suffixes)), -1 - k, report.CONTENDERS))
+            measure(rig, Step((prefix, min(grid.suffixes)), -1 - k, grid.contenders))
         for i, step in enumerate(steps):
             progress.case(f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}")
             runs += measure(rig, step)
@@ -372,13 +306,15 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
 def _counters(rig: Rig) -> dict[str, dict[str, Any]]:
     """Each connector engine's counters; an engine that cannot tell reports {"error": ...}
     (the measurements stand without them)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in ENGINES[1:]:
-        try:
-            out[name] = rig.engines[name].call("counters", timeout_s=60)["counters"]
-        except (RuntimeError, TimeoutError) as exc:
-            out[name] = {"error": str(exc).splitlines()[0]}
-    return out
+    return {name: rig.stopped_counters.get(name) or _engine_counters(rig.engines[name])
+            for name in rig.grid.engines[1:]}
+
+
+def _engine_counters(engine: EngineProcess) -> dict[str, Any]:
+    try:
+        return engine.call("counters", timeout_s=60)["counters"]
+    except (RuntimeError, TimeoutError) as exc:
+        return {"error": str(exc).splitlines()[0]}
 
 
 def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> list[str]:
