@@ -82,13 +82,28 @@ class LayerKVConfig:
     # After the store answers RPC_FAIL / RPC_TIMEOUT (master unreachable or hung), serve without
     # the pool this long before probing it again.
     store_retry_interval_s: float = field(default=5.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600))
-    # Readers check every layer against the checksum in the header (host caches). Turn off only
-    # to measure what the check costs (`layerkv bench plans`); producers always write checksums.
-    verify_checksums: bool = field(default=True, metadata=_rule("true or false", lambda v: True))
     # Pins the identity of the model weights in the namespace (default: the engine's revision,
     # else a fingerprint of the checkpoint files). Deployments with different values never share.
     model_fingerprint: str = field(default="", metadata=_rule("a string", lambda v: True))
     tenant: str = field(default="default", metadata=_rule("a non-empty string without '@'", lambda v: bool(v) and "@" not in v))
+    # The Mooncake tenant this engine's client claims (empty: the `tenant` label). A master
+    # started with multi-tenant mode (`layerkv master --tenant NAME=BYTES`) keeps each tenant's
+    # objects apart and within its quota; Mooncake does not authenticate it (any client can claim
+    # any tenant): it bounds what a tenant's own bugs can do, the tenant key protects the bytes.
+    mooncake_tenant_id: str = field(default="", metadata=_rule("a string", lambda v: True))
+    # vLLM engines on a shared pool (Mooncake) with --prefix-caching-hash-algo xxhash*: refused
+    # at start-up (crafted prompts can collide with another user's prefix) unless true.
+    allow_weak_block_hashes: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
+    # The tenant's secret (a file readable by its owner only, as `layerkv keygen` writes it;
+    # default $LAYERKV_TENANT_KEY_FILE). With it object names are keyed hashes nobody else can
+    # compute and every object is authenticated (BLAKE3-keyed MACs); engines share objects only
+    # with engines holding the same key. Without it, anyone who reaches the pool can read, list
+    # and forge objects (docs/security.md).
+    tenant_key_file: str | None = field(default=None, metadata=_rule("a path or null", lambda v: v is None or bool(v)))
+    # Encrypt every layer (AES-256-GCM under a subkey of the tenant key, a fresh key per object
+    # write), in private memory before it reaches staging; readers decrypt in private memory
+    # before the cache. Needs tenant_key_file. Nothing stored in clear says anything of the KV.
+    encrypt_objects: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
     # Placement of new objects (Mooncake ReplicateConfig).
     replica_num: int = field(default=1, metadata=_rule("1 <= value <= 16", lambda v: 1 <= v <= 16))
     preferred_segment: str = field(default="", metadata=_rule("a segment name or ''", lambda v: True))
@@ -109,13 +124,20 @@ class LayerKVConfig:
             if not f.metadata["check"](value):
                 fix = f"; {f.metadata['fix']}" if f.metadata["fix"] else ""
                 raise ConfigError(f"{f.name}={value!r} must be {f.metadata['rule']}{fix}")
+        if self.backend == "embedded" and self.lease_renew_after_s >= self.embedded_lease_ttl_s:
+            raise ConfigError(f"lease_renew_after_s={self.lease_renew_after_s!r} must be below embedded_lease_ttl_s="
+                              f"{self.embedded_lease_ttl_s!r}: a load's leases would expire before it renews them")
+        if self.encrypt_objects and not self.tenant_key_file:
+            raise ConfigError("encrypt_objects=true needs tenant_key_file (the key the objects are encrypted with; "
+                              "`layerkv keygen FILE` writes one)")
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> LayerKVConfig:
         """Validate `extra` (the engine's kv_connector_extra_config) and the environment.
 
         Unknown keys, wrong types and out-of-range values raise `ConfigError` naming the key.
-        Environment: MOONCAKE_CONFIG_PATH, MOONCAKE_MASTER, LAYERKV_RANGE_DEBUG (exactly 0 or 1).
+        Environment: MOONCAKE_CONFIG_PATH, MOONCAKE_MASTER, LAYERKV_TENANT_KEY_FILE (each
+        overridden by the key in `extra`), LAYERKV_RANGE_DEBUG (exactly 0 or 1).
         """
         env = os.environ if env is None else env
         extra = dict(extra or {})
@@ -131,6 +153,8 @@ class LayerKVConfig:
             values["mooncake_config_path"] = env["MOONCAKE_CONFIG_PATH"]
         if env.get("MOONCAKE_MASTER"):
             values["mooncake_master"] = env["MOONCAKE_MASTER"]
+        if env.get("LAYERKV_TENANT_KEY_FILE"):
+            values["tenant_key_file"] = env["LAYERKV_TENANT_KEY_FILE"]
         values.update(extra)
         debug = env.get("LAYERKV_RANGE_DEBUG")
         if debug is not None:

@@ -6,6 +6,7 @@ smoke checks.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -15,9 +16,11 @@ from layerkv.config import LayerKVConfig
 from layerkv.header import Header
 from layerkv.keys import block_keys, namespace_for
 from layerkv.transfer.rows import KeyRows
+from layerkv.transfer.views import CacheViews
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.ranges import RangeLists
+from layerkv.seal import NONCE_NBYTES, context
 from layerkv.store.base import KVStore
 from layerkv.store.factory import open_checked_store
 
@@ -69,7 +72,11 @@ def run_datapath_demo(
         for a in arrays.values():
             store.register_buffer(a.ctypes.data, a.nbytes)
     staging = np.zeros((num_blocks, src_layout.header_nbytes), dtype=np.uint8)  # [blocks, header]
-    header.encode_into(staging, np.arange(num_blocks), hashes)
+    nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * num_blocks), dtype=np.uint8).reshape(num_blocks, -1)
+    contexts = [context(k, n.tobytes()) for k, n in zip(keys, nonces)]
+    views = CacheViews(src_layout, src)
+    tags = np.stack([views.tags(l, np.arange(num_blocks), contexts, header.sealer) for l in range(num_layers)], axis=1)
+    header.encode_into(staging, np.arange(num_blocks), hashes, keys, nonces, tags)
     read_headers = np.zeros_like(staging)
     for h in (staging, read_headers):
         store.register_buffer(h.ctypes.data, h.nbytes)
@@ -92,7 +99,7 @@ def run_datapath_demo(
         timings.append(LayerTiming(layer, ranges.num_keys * ranges.num_segments, ranges.num_keys * sum(ranges.sizes[0]), put_ms[layer], get_ms))
     store.batch_get_session_end(keys)
     for row, block_hash in enumerate(hashes):
-        header.verify(read_headers[row], block_hash)
+        header.verify(read_headers[row], block_hash, keys[row])
     identical = all(np.array_equal(src[name], dst[name]) for name in src)
     store.batch_remove(keys)
     for arrays in (src, dst):

@@ -2,7 +2,11 @@
 scheduler builds every storage rank's keys for exists queries, the worker builds its own rank's
 keys for sessions. Any thread.
 
-    key = <namespace>@<block_hash_hex>@<storage_rank>      namespace = <model-basename>-<digest16hex>
+    key = <namespace>@<block_id_hex>@<storage_rank>      namespace = <model-basename>-<digest16hex>
+
+With a tenant key (layerkv.tenant_key) the digest and every block id are keyed BLAKE3 hashes
+under the key's names subkey: nobody without the key can compute, probe or squat the keys.
+Without one, the digest is a sha256 of the deployment and the block id is the engine's hash.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import blake3
 
 from layerkv.errors import ConfigError, UnsupportedSetupError
 from layerkv.header import DIGEST_NBYTES, SCHEMA_VERSION
@@ -22,10 +28,12 @@ from layerkv.store.base import ObjectKey
 
 if TYPE_CHECKING:
     from layerkv.layout import CacheLayout
+    from layerkv.tenant_key import TenantKeys
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]+")
 _SHORT_DIGEST_HEX = 16
 _MAX_BASENAME = 64
+_KEYED_ID_NBYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +48,24 @@ class StorageRole:
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """`name` prefixes every key; `digest` (16 bytes) goes into the object header."""
+    """`name` prefixes every key; `digest` (16 bytes) goes into the object header; `names_key`
+    (a tenant key's names subkey, never shown) keys the block ids."""
 
     name: str
     digest: bytes
+    names_key: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def keyed(self) -> bool:
+        return self.names_key is not None
+
+    def block_id(self, block_hash: bytes) -> bytes:
+        """What names a block in keys and headers: the engine's hash, or with a key its keyed
+        hash (16 bytes) bound to this namespace."""
+        raw = block_hash_bytes(block_hash)
+        if self.names_key is None:
+            return raw
+        return blake3.blake3(b"B" + self.digest + raw, key=self.names_key).digest(_KEYED_ID_NBYTES)
 
 
 def storage_role(deployment: Deployment) -> StorageRole:
@@ -76,7 +98,7 @@ def storage_role(deployment: Deployment) -> StorageRole:
 
 
 def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
-                  model_fingerprint: str = "") -> Namespace:
+                  model_fingerprint: str = "", names_key: bytes | None = None) -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
     JSON; never Python's hash()) of everything that makes objects incompatible. The worker's own
     tp_rank / pp_rank within a stage are excluded where they do not change the objects.
@@ -84,7 +106,8 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     `model_fingerprint` (the user's pin, config `model_fingerprint`) replaces the engine's
     `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
     scheduler has no tensors) or, when that is empty, as the registered `layout`'s signature.
-    The object header carries the exact layout digest, checked on every read."""
+    The object header carries the exact layout digest, checked on every read. `names_key`: the
+    digest is keyed with it (and so are the block ids)."""
     role = storage_role(deployment)
     if model_fingerprint:
         deployment = dataclasses.replace(deployment, model_fingerprint=model_fingerprint)
@@ -107,8 +130,18 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
         "pp_size": d.pp_size,
         "pp_rank": d.pp_rank,  # each pipeline stage holds different layers
     }
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()[:DIGEST_NBYTES]
-    return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest)
+    canonical = json.dumps(fields, sort_keys=True).encode()
+    if names_key is None:
+        digest = hashlib.sha256(canonical).digest()[:DIGEST_NBYTES]
+    else:
+        digest = blake3.blake3(b"N" + canonical, key=names_key).digest(DIGEST_NBYTES)
+    return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest, names_key)
+
+
+def tenant_namespace(deployment: Deployment, tenant: str, model_fingerprint: str, keys: TenantKeys | None) -> Namespace:
+    """`namespace_for` under the current tenant key's names subkey (None: unkeyed)."""
+    return namespace_for(deployment, tenant, model_fingerprint=model_fingerprint,
+                         names_key=keys.current.names_key if keys is not None else None)
 
 
 def _kv_signature(deployment: Deployment, layout: CacheLayout | None) -> str:
@@ -140,14 +173,12 @@ def block_hash_bytes(block_hash: bytes) -> bytes:
     raise ConfigError(f"block hash must be bytes (convert engine hashes at the adapter), got {type(block_hash).__name__}")
 
 
-def block_key(namespace: Namespace | str, block_hash: bytes, storage_rank: int) -> ObjectKey:
-    """`<namespace>@<block_hash_hex>@<storage_rank>`."""
-    name = namespace.name if isinstance(namespace, Namespace) else namespace
-    return f"{name}@{block_hash_bytes(block_hash).hex()}@{storage_rank}"
+def block_key(namespace: Namespace, block_hash: bytes, storage_rank: int) -> ObjectKey:
+    """`<namespace>@<block_id_hex>@<storage_rank>`."""
+    return f"{namespace.name}@{namespace.block_id(block_hash).hex()}@{storage_rank}"
 
 
-def block_keys(namespace: Namespace | str, block_hashes: Iterable[bytes], storage_rank: int) -> list[ObjectKey]:
+def block_keys(namespace: Namespace, block_hashes: Iterable[bytes], storage_rank: int) -> list[ObjectKey]:
     """Keys of many blocks for one storage rank, in the order of `block_hashes`."""
-    name = namespace.name if isinstance(namespace, Namespace) else namespace
     suffix = f"@{storage_rank}"
-    return [f"{name}@{block_hash_bytes(h).hex()}{suffix}" for h in block_hashes]
+    return [f"{namespace.name}@{namespace.block_id(h).hex()}{suffix}" for h in block_hashes]

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.keys import block_keys, namespace_for, storage_role
+from layerkv.keys import Namespace, block_keys, storage_role, tenant_namespace
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.plan import BlockSpec, StepPlan, StepVerdict
 from layerkv.stats import SchedulerStats
 from layerkv.store.checked import CheckedStore
+from layerkv.tenant_key import tenant_keys
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,11 @@ class PoolLookup:
     """Asks the store which blocks are readable: a block counts only if every storage rank's
     key is COMPLETE. Results outside {0, 1} are errors, never hits."""
 
-    def __init__(self, store: CheckedStore, namespace: str | Sequence[str], num_storage_ranks: int, window_blocks: int,
-                 stats: SchedulerStats) -> None:
+    def __init__(self, store: CheckedStore, namespace: Namespace | Sequence[Namespace], num_storage_ranks: int,
+                 window_blocks: int, stats: SchedulerStats) -> None:
         self._store = store
         # every (pipeline stage namespace, storage rank) pair must hold a block for a hit
-        namespaces = [namespace] if isinstance(namespace, str) else list(namespace)
+        namespaces = [namespace] if isinstance(namespace, Namespace) else list(namespace)
         self._ranks = [(ns, rank) for ns in namespaces for rank in range(num_storage_ranks)]
         self._window_blocks = window_blocks
         self._stats = stats
@@ -96,12 +97,11 @@ class SchedulerConnector:
         self.config = config
         self.deployment = deployment
         self.store = store
-        self.namespace = namespace_for(deployment, config.tenant, model_fingerprint=config.model_fingerprint)
+        keys = tenant_keys(config.tenant_key_file)  # read once; never shown
+        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys)
         # with pipeline parallelism each stage writes its own layers under its own namespace
-        stage_namespaces = [
-            namespace_for(dataclasses.replace(deployment, pp_rank=s), config.tenant, model_fingerprint=config.model_fingerprint).name
-            for s in range(deployment.pp_size)
-        ]
+        stage_namespaces = [tenant_namespace(dataclasses.replace(deployment, pp_rank=s), config.tenant,
+                                             config.model_fingerprint, keys) for s in range(deployment.pp_size)]
         self._stats = SchedulerStats()
         role = storage_role(deployment)
         self._lookup = PoolLookup(self.store, stage_namespaces, role.num_storage_ranks, config.exists_window_blocks, self._stats)

@@ -1,5 +1,5 @@
-"""Worker side of the connector (one per TP rank and pipeline stage): registers its staging
-areas with the store (its live KV cache only with register_kv_cache), turns each step's plan into a load job (receive thread `layerkv-recv-<rank>`), a save job (its
+"""Worker side of the connector (one per TP rank and pipeline stage): registers its staging areas
+(its live KV cache only with register_kv_cache), turns each step's plan into a load job (receive thread `layerkv-recv-<rank>`), a save job (its
 copies on the send thread `layerkv-send-<rank>`, its store writes on the write thread
 `layerkv-write-<rank>`) and the commits of earlier steps (write thread), and reports which blocks
 failed to load and which step it ran. Hooks are called on the engine's compute thread; the jobs
@@ -23,12 +23,14 @@ from layerkv import worker_jobs
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, TransferError
 from layerkv.header import Header
-from layerkv.keys import namespace_for, storage_role
+from layerkv.keys import storage_role, tenant_namespace
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.plan import BlockSpec, StepPlan
+from layerkv.seal import sealer_for
 from layerkv.stats import WorkerStats
 from layerkv.store.checked import CheckedStore
+from layerkv.tenant_key import tenant_keys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
@@ -43,10 +45,9 @@ from layerkv.transfer.views import CacheViews
 from layerkv.worker_jobs import JobFactory, JobLedger, check_block_size
 
 log = logging.getLogger(__name__)
-# Save jobs of earlier steps still writing in the background (each holds its staging rows); with
-# this many, a step's saves are skipped: a write that does not return (a stalled segment holder)
-# must not make every later step queue a job and hold more rows. 2 dropped saves
-# of healthy steps on a loaded machine (writes a little slower than steps); 4 absorbs that.
+# Save jobs of earlier steps still writing (each holds its staging rows); with this many, a step's
+# saves are skipped: a write that never returns must not make every later step hold more rows.
+# 2 dropped saves of healthy steps on a loaded machine (writes a little slower); 4 absorbs that.
 MAX_SAVES_IN_FLIGHT = 4
 
 
@@ -72,7 +73,8 @@ class WorkerConnector:
         self.deployment = deployment
         self.store = store
         self.storage_role = storage_role(deployment)
-        self.namespace = namespace_for(deployment, config.tenant, model_fingerprint=config.model_fingerprint)
+        self.tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
+        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, self.tenant_keys)
         self.pending = PendingPuts()
         self.layout: CacheLayout | None = None
         self._jobs: JobFactory | None = None  # once the KV caches are registered
@@ -87,8 +89,7 @@ class WorkerConnector:
         self._late_settle: SettleJob | None = None  # a verdict-only step's commits that outlived their wait
         self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
         self._ledger = JobLedger(self._stats)  # jobs whose outcomes are not counted yet
-        self._invalid_block_ids: set[int] = set()
-        self._reported_steps: list[int] = []
+        self._invalid_block_ids, self._reported_steps = set[int](), list[int]()
         self._saved_names: dict[int, int] = {}  # layer -> names saved this step
         self._handed: set[int] = set()  # layers handed to the save job this step
         self._handed_invalid: set[int] = set()  # load failures of this step already reported
@@ -115,11 +116,10 @@ class WorkerConnector:
         self.layout = CacheLayout.from_caches(kv_caches, num_blocks, max_transfer_bytes=self.config.max_transfer_bytes)
         check_block_size(self.layout, self.deployment.block_size)
         if self.layout.device_type != "cpu" and self.config.backend == "embedded":
-            raise ConfigError(
-                f"backend='embedded' needs host memory; the KV caches live on {self.layout.device_type}. "
-                "Use backend='mooncake' for device memory"
-            )
-        header = Header(self.namespace.digest, self.layout.digest, self.layout.num_layers, self.layout.object_nbytes)
+            raise ConfigError(f"backend='embedded' needs host memory; the KV caches live on {self.layout.device_type}. "
+                              "Use backend='mooncake' for device memory")
+        sealer = sealer_for(self.tenant_keys, self.config.encrypt_objects)  # keyed MACs with a key
+        header = Header(self.namespace.digest, self.layout.digest, self.layout.num_layers, self.layout.object_nbytes, sealer)
         views = CacheViews(self.layout, kv_caches)
         self._names_per_layer = [len({e.layer_name for e in layer}) for layer in self.layout.layers]
         direct = self.config.register_kv_cache

@@ -56,6 +56,13 @@ class JobFactory:
     writer: TransferThread  # staged saves' writes go there
     stats: WorkerStats
     exploration: Exploration = field(default_factory=Exploration)  # auto plans: which mode to try
+
+    @property
+    def direct(self) -> bool:
+        """Per-layer transfers straight into / out of the cache: only a registered host cache
+        (register_kv_cache; a device cache's layers could not be tagged on the host) and plaintext
+        objects (encrypt_objects decrypts in private memory)."""
+        return self.config.register_kv_cache and self.views.on_host and not self.config.encrypt_objects
     last_predictions: dict[str, float] = field(default_factory=dict)  # the last auto plan's best per kind (ms)
 
     def start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
@@ -66,7 +73,7 @@ class JobFactory:
         for spec in specs:
             keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
             for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
-                by_key.setdefault(key, (block_hash, []))[1].append(block_id)
+                by_key.setdefault(key, (self.namespace.block_id(block_hash), []))[1].append(block_id)
         load_keys = [LoadKey(key, h, ids[0], tuple(ids[1:])) for key, (h, ids) in by_key.items()]
         self.stats.load_keys += len(load_keys)
         self.stats.load_blocks += sum(len(spec) for spec in specs)
@@ -87,8 +94,7 @@ class JobFactory:
         job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.header, staging=area.array,
                       slots=slots, views=self.views, plan=plan, lanes=self.load_lanes,
                       renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch,
-                      staged=self.staged if plan.mode != LAYERS else None, costs=self.costs,
-                      verify_checksums=self.config.verify_checksums)
+                      staged=self.staged if plan.mode != LAYERS else None, costs=self.costs)
         area.lend(slots, job)
         return job
 
@@ -97,7 +103,7 @@ class JobFactory:
         (transfer_plan="auto"), or the fixed knobs."""
         lanes, mode, L = self.config.transfer_lanes, self.config.transfer_plan, self.layout.num_layers
         if mode == "layers":  # straight into the cache only where the cache is registered
-            kind = LAYERS if self.config.register_kv_cache else GROUPS
+            kind = LAYERS if self.direct else GROUPS
             return LoadPlan(kind, tuple(range(1, L + 1)), lanes or 1), self.config.prefetch_layers
         if mode == "groups":
             ends = tuple(g.end_layer for g in layer_groups(self.layout, self.config.read_layers_per_range))
@@ -131,7 +137,7 @@ class JobFactory:
             header_nbytes=layout.header_nbytes,
             segments_per_layer=max(layout.template(l).num_segments for l in range(layout.num_layers)),
             staging_ok=True,
-            direct_ok=self.config.register_kv_cache,
+            direct_ok=self.direct,
         )
 
     def observe_load(self, job: LoadJob, step_s: float = 0.0, num_tokens: int = 0) -> None:
@@ -156,8 +162,8 @@ class JobFactory:
         for spec in specs:
             keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
             for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
-                by_key.setdefault(key, SaveKey(key, block_hash, block_id, spec.req_id))
-        direct = self.config.transfer_plan == "layers" and self.config.register_kv_cache
+                by_key.setdefault(key, SaveKey(key, self.namespace.block_id(block_hash), block_id, spec.req_id))
+        direct = self.config.transfer_plan == "layers" and self.direct
         area = self.areas.headers if direct else self.areas.saves
         assert area is not None
         slots = area.take(len(by_key))

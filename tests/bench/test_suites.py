@@ -169,5 +169,7 @@ def test_plans_rows_compare_every_plan_with_whole_objects(tmp_path: Path) -> Non
             assert (backend, "put", path) in paths
         for plan in ("layers", "groups", "whole", "auto"):
             assert (backend, "get", f"layerkv load ({plan})") in paths
+        for label in ("tenant key", "encrypted"):
+            assert {(backend, "put", f"layerkv save (auto), {label}"), (backend, "get", f"layerkv load (auto), {label}")} <= paths
     assert all(r["verified"] for r in result.rows if "verified" in r)
     _numbers_finite(result.rows)

@@ -15,6 +15,7 @@ from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, LayoutError
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
+from layerkv.seal import Sealer, context
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
@@ -117,7 +118,8 @@ def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend_name:
     else:
         harness = request.getfixturevalue("mooncake_harness")
         store_backend = MooncakeBackend.of(harness.make_store(64 << 20, lease_ttl_s=1.0))
-    rig = Rig(store_backend, num_layers=4, prefetch_layers=1, load_timeout_s=5.0, lease_renew_after_s=renew_after_s)
+    rig = Rig(store_backend, num_layers=4, prefetch_layers=1, load_timeout_s=5.0, lease_renew_after_s=renew_after_s,
+              embedded_lease_ttl_s=1000.0)  # the config's TTL; the backend above expires leases after 1 s
     try:
         tokens = _tokens(4)
         rig.run(Req("a", tokens))
@@ -147,7 +149,8 @@ def test_device_code_path_fans_out_with_torch_copies() -> None:
     assert not torch.equal(caches["model.layers.0.attn"][:, 5], caches["model.layers.0.attn"][:, 2])  # other layer untouched
     assert torch.equal(caches["model.layers.1.attn"][:, 5], caches["model.layers.1.attn"][:, 2])
     assert torch.equal(caches["model.layers.1.attn"][:, 6], caches["model.layers.1.attn"][:, 2])
-    assert host.checksums(1, np.array([2]))[0] == host.checksums(1, np.array([5]))[0]
+    ctx = [context("k", bytes(16))]
+    assert np.array_equal(host.tags(1, np.array([2]), ctx, Sealer(None)), host.tags(1, np.array([5]), ctx, Sealer(None)))
 
 
 def test_bad_setups_are_rejected_with_the_key_named() -> None:
@@ -176,8 +179,8 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
     worker = WorkerConnector(small, deployment, CheckedStore(root.client(), max_batch_keys=64))
     try:  # staging is bounded: it must hold one object per side
         big = {f"model.layers.{l}.attn": torch.zeros(2, 4, 16, 8, 128) for l in range(9)}  # 64 KiB per layer-block
-        with pytest.raises(ConfigError, match=r"staging_nbytes=1048576 must be >= 4719616 for this layout \(a quarter "
-                                              r"of it, the loads' side, must hold one 1179904-byte object\); default is 512 MiB"):
+        with pytest.raises(ConfigError, match=r"staging_nbytes=1048576 must be >= 4720128 for this layout \(a quarter "
+                                              r"of it, the loads' side, must hold one 1180032-byte object\); default is 512 MiB"):
             worker.register_kv_caches(big, 4)
     finally:
         worker.shutdown()

@@ -121,7 +121,8 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     layout = worker.layout
     header = Header(worker.namespace.digest, layout.digest, layout.num_layers, layout.object_nbytes)
     planted = np.zeros((1, layout.object_nbytes), dtype=np.uint8)
-    header.encode_into(planted, np.arange(1), [hashes[3]])
+    header.encode_into(planted, np.arange(1), [worker.namespace.block_id(hashes[3])], [keys[2]],
+                       np.zeros((1, 16), np.uint8), None)
     client = backend.client()
     client.register_buffer(planted.ctypes.data, planted.nbytes)
     try:
@@ -134,7 +135,7 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="layerkv.worker"):
         invalid = rig.step([s])
     assert invalid == {b.block_ids[2]}
-    assert "header field 'block_hash' mismatch" in caplog.text
+    assert "header field 'block_id' mismatch" in caplog.text
     later = {k for c in rig.faults[0].calls(GET_RANGES) if c.layer_idx == 1 for k in c.keys}
     assert keys[2] not in later and keys[3] in later
     rig.step([rig.chunk(b)])

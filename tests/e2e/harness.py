@@ -80,7 +80,7 @@ class PooledRun:
 
         hashes = block_hashes(list(prompt), self.engine.config.block_size)
         picked = hashes if blocks is None else [hashes[i] for i in blocks]
-        return block_keys(self.namespace, picked, storage_rank)
+        return block_keys(self.workers[0].namespace, picked, storage_rank)
 
     def range_reads(self) -> int:
         """Backend range-read calls of every rank (CheckedStore counters)."""

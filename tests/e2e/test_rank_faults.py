@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from layerkv.engine import ModelConfig, block_hashes
+from layerkv.header import NONCE_OFFSET
 from layerkv.keys import block_keys
 from layerkv.messages import KVRole
 from layerkv.store.base import Code, KVStore
@@ -104,12 +105,14 @@ def _engine(topology: Topology):  # type: ignore[no-untyped-def]
 
 
 def _pool_objects(client: KVStore, run, prompts) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
-    """Whole-object bytes of every readable object of `prompts`' full blocks, for every
-    (stage namespace, storage rank) of `run`."""
+    """What every readable object of `prompts`' full blocks holds, for every (stage namespace,
+    storage rank) of `run`: its header's fixed fields and every layer's bytes (the write's
+    nonce, and the header MAC and tags that depend on it, differ between writes)."""
     found: dict[str, bytes] = {}
     for worker in run.workers:
         keys = [k for prompt in prompts for k in block_keys(worker.namespace, _hashes(prompt), worker.storage_role.storage_rank)]
-        found.update(_objects(client, sorted(set(keys) - set(found)), worker.layout.object_nbytes))
+        objects = _objects(client, sorted(set(keys) - set(found)), worker.layout.object_nbytes)
+        found.update({k: content(v, worker.layout.header_nbytes) for k, v in objects.items()})
     return found
 
 
@@ -125,6 +128,11 @@ def _objects(client: KVStore, keys: list[str], nbytes: int) -> dict[str, bytes]:
         client.unregister_buffer(buf.ctypes.data)
     assert all(n == nbytes for n in got), f"whole-object reads returned {sorted(set(got))}"
     return {k: buf[i].tobytes() for i, k in enumerate(present)}
+
+
+def content(obj: bytes, header_nbytes: int) -> bytes:
+    """An object without what each write makes new: the header's nonce, MAC and tags."""
+    return obj[:NONCE_OFFSET] + obj[header_nbytes:]
 
 
 def _hashes(prompt: list[int]) -> list[bytes]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from layerkv.header import NONCE_OFFSET
 from layerkv.store.base import Code
 from layerkv.store.faults import GET_RANGES, PUT_START
 from tests.backends import BOTH_BACKENDS
@@ -60,7 +61,9 @@ def test_flipped_bytes_of_one_layer_are_recomputed_and_the_object_removed(make_o
         assert client.batch_get_into([key], [again.ctypes.data], [again.nbytes]) == [again.nbytes]
     finally:
         client.unregister_buffer(again.ctypes.data)
-    assert np.array_equal(again, buf)
+    # the same layers and header fields (a new write: its own nonce, so its own tags and MAC)
+    assert np.array_equal(again[layout.header_nbytes :], buf[layout.header_nbytes :])
+    assert np.array_equal(again[:NONCE_OFFSET], buf[:NONCE_OFFSET]) and not np.array_equal(again, buf)
     chunks = computed_chunks(consumer.engine, got.req_id)
     assert chunks[0][0] == 12  # block 3 and after recomputed
     engine, matched = _matched(oracle, 12)

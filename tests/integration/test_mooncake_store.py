@@ -237,6 +237,10 @@ def test_config_parsing() -> None:
     args = setup_args({"local_hostname": "h", "metadata_server": "P2PHANDSHAKE", "master_server_address": "m:1",
                        "device_name": "mlx5_0", "global_segment_size": "1GB"}, master_address="n:2")
     assert (args["master_server_addr"], args["rdma_devices"], args["global_segment_size"]) == ("n:2", "mlx5_0", 1 << 30)
+    assert args["tenant_id"] == "default"
+    base = {"local_hostname": "h", "metadata_server": "P2PHANDSHAKE", "master_server_address": "m:1"}
+    assert setup_args({**base, "tenant_id": "file-t"})["tenant_id"] == "file-t"
+    assert setup_args({**base, "tenant_id": "file-t"}, tenant_id="tenant-a")["tenant_id"] == "tenant-a"
 
 
 def test_loopback_bind_address_set_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:

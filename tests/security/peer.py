@@ -1,5 +1,6 @@
-"""Starts and drives tests/security/attacker.py (a separate process with a bare Mooncake
-TransferEngine) from a test; every answer is bounded in time."""
+"""Starts and drives an attacker process from a test: tests/security/attacker.py (a bare Mooncake
+TransferEngine) or tests/security/pool_attacker.py (a bare Mooncake store client); every answer
+is bounded in time."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Attacker:
-    def __init__(self, metadata_url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, *args: str, module: str = "tests.security.attacker", timeout_s: float = 30.0) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        env.pop("LAYERKV_TENANT_KEY_FILE", None)  # it never has the key
         self.timeout_s = timeout_s
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.security.attacker", metadata_url], cwd=ROOT, env=env,
+        self._proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, name="attacker-stdout", daemon=True).start()

@@ -72,7 +72,7 @@ def test_layer_rule_sees_the_layer_through_checked_store(faulty) -> None:
     assert checked.batch_put_session_revoke(["a"]) == [0]
 
 
-@pytest.mark.parametrize("bad", [[0], [True, True], None, "x"], ids=["short", "bool", "none", "str"])
+@pytest.mark.parametrize("bad", [[0], [True, True], None, "x", [1 << 64, 1]], ids=["short", "bool", "none", "str", "past int64"])
 def test_malformed_answers_become_malformed_codes_in_checked_store(faulty, bad) -> None:
     checked = CheckedStore(faulty, max_batch_keys=8)
     faulty.malformed(IS_EXIST, bad, times=1)

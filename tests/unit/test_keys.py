@@ -36,7 +36,7 @@ def test_namespace_format_and_key_format() -> None:
     assert ns.name.startswith("Llama-3.1-8B-") and len(ns.name.rsplit("-", 1)[1]) == 16
     assert len(ns.digest) == 16 and ns.digest.hex().startswith(ns.name.rsplit("-", 1)[1])
     assert block_key(ns, b"\xab\x01", 3) == f"{ns.name}@ab01@3"
-    assert block_key("ns", b"\x00", 0) == "ns@00@0"
+    assert block_key(Namespace("ns", bytes(16)), b"\x00", 0) == "ns@00@0"
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_model_basename_is_sanitised(model_id: str, basename: str) -> None:
 
 def test_block_hashes_are_bytes_end_to_end() -> None:
     assert block_hash_bytes(bytearray(b"\x01\x02")) == b"\x01\x02"
-    assert block_key("ns", b"\xff", 1) == "ns@ff@1"
+    assert block_key(Namespace("ns", bytes(16)), b"\xff", 1) == "ns@ff@1"
     for bad in (1, "ab", -1):
         with pytest.raises(ConfigError, match=f"block hash must be bytes .*got {type(bad).__name__}"):
             block_hash_bytes(bad)  # type: ignore[arg-type]
@@ -193,3 +193,22 @@ def test_kv_signature_names_the_layout_without_tensors() -> None:
     assert namespace_for(dataclasses.replace(with_sig, kv_signature="other"), "default") != namespace_for(with_sig, "default")
     with pytest.raises(ConfigError, match="Deployment.kv_signature is empty and no cache layout was given"):
         namespace_for(dataclasses.replace(BASE, kv_signature=""), "default")
+
+
+def test_keyed_names_cannot_be_computed_without_the_key() -> None:
+    """With a names key the namespace digest and every block id are keyed hashes: the same key
+    and deployment give the same names, another key (or none) names every block differently,
+    and no key contains the engine's block hash."""
+    layout, block_hash = make_layout(), bytes(range(32))
+    plain = namespace_for(BASE, "default", layout)
+    a = namespace_for(BASE, "default", layout, names_key=b"a" * 32)
+    again = namespace_for(BASE, "default", layout, names_key=b"a" * 32)
+    b = namespace_for(BASE, "default", layout, names_key=b"b" * 32)
+    assert a.keyed and not plain.keyed and a.name == again.name and block_key(a, block_hash, 0) == block_key(again, block_hash, 0)
+    assert len({plain.name, a.name, b.name}) == 3 and len({plain.digest, a.digest, b.digest}) == 3
+    assert a.name.startswith("Llama-3.1-8B-") and len(a.block_id(block_hash)) == 16
+    assert block_key(plain, block_hash, 0).split("@")[1] == block_hash.hex()
+    for ns in (a, b):
+        assert block_hash.hex() not in block_key(ns, block_hash, 0) and block_hash.hex()[:16] not in block_key(ns, block_hash, 0)
+    assert a.block_id(block_hash) != b.block_id(block_hash) != plain.block_id(block_hash)
+    assert "names_key" not in repr(a) and "a" * 8 not in repr(a)

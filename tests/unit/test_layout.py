@@ -36,12 +36,12 @@ def test_llama_style_layout_offsets_and_names() -> None:
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, nb, 16, 2, 8, dtype=torch.float16) for i in (1, 0)}
     layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
     block = 16 * 2 * 8 * 2
-    assert layout.num_layers == 2 and layout.header_nbytes == 192
-    assert layout.object_nbytes == 192 + 4 * block
+    assert layout.num_layers == 2 and layout.header_nbytes == 256
+    assert layout.object_nbytes == 256 + 4 * block
     assert layout.layer_index("model.layers.0.self_attn.attn") == 0
     assert layout.layer_index("model.layers.1.self_attn.attn") == 1
-    assert [layout.layer_offset(i) for i in range(2)] == [192, 192 + 2 * block]
-    assert layout.layers[1][1].object_offset == 192 + 3 * block
+    assert [layout.layer_offset(i) for i in range(2)] == [256, 256 + 2 * block]
+    assert layout.layers[1][1].object_offset == 256 + 3 * block
     k0 = layout.layers[0][0]
     t = caches["model.layers.0.self_attn.attn"]
     assert (k0.base_ptr, k0.block_stride_nbytes, k0.block_nbytes) == (t.data_ptr(), block, block)
@@ -119,7 +119,7 @@ def test_kv_adjacent_tuple_merges_and_large_segments_split() -> None:
     ranges = tpl.ranges(np.array([2, 0]))
     assert ranges.num_keys == 2 and ranges.num_segments == 4
     assert ranges.ptrs[0][0] == base[2].data_ptr() and ranges.ptrs[1][3] == base[0].data_ptr() + 900
-    assert ranges.offsets[0] == [192, 492, 792, 1092]
+    assert ranges.offsets[0] == [256, 556, 856, 1156]
     assert ranges.sizes[1] == [300, 300, 300, 124]
 
 
@@ -140,8 +140,8 @@ def test_header_template_and_join() -> None:
     out = join_ranges((hdr, np.array([5, 6])), (layout.template(0), np.array([3, 1])))
     assert out.num_segments == 2
     assert out.ptrs[0] == [staging.ctypes.data + 5 * 256, layout.layers[0][0].base_ptr + 3 * 256]
-    assert out.sizes[1] == [192, 256] and out.offsets[1] == [0, 192]
-    with pytest.raises(LayoutError, match="slot_stride_nbytes=100 must be >= header_nbytes=192"):
+    assert out.sizes[1] == [256, 256] and out.offsets[1] == [0, 256]
+    with pytest.raises(LayoutError, match="slot_stride_nbytes=100 must be >= header_nbytes=256"):
         layout.header_template(staging.ctypes.data, 8, 100)
     with pytest.raises(LayoutError, match=r"join_ranges needs one id per key in every part, got lengths \[1, 2\]"):
         join_ranges((hdr, np.array([0])), (layout.template(0), np.array([0, 1])))
@@ -378,7 +378,9 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
     num_keys = len(block_ids)
     staging = np.zeros((num_keys, layout.header_nbytes), np.uint8)
     header = Header(bytes(range(16)), layout.digest, layout.num_layers, layout.object_nbytes)
-    header.encode_into(staging, np.arange(num_keys), [bytes([b]) for b in block_ids.tolist()])
+    keys = [f"k@{b}@0" for b in block_ids.tolist()]
+    header.encode_into(staging, np.arange(num_keys), [bytes([b]) for b in block_ids.tolist()], keys,
+                       np.zeros((num_keys, 16), np.uint8), None)
     hdr = layout.header_template(staging.ctypes.data, num_keys)
     slots = np.arange(num_keys)
 
@@ -408,7 +410,7 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
     for k, b in enumerate(block_ids.tolist()):
         want = staging[k].tobytes() + b"".join(block_bytes(v, b) for layer in expected for v in layer)
         assert bytes(objects[k]) == want
-        header.verify(objects[k][: layout.header_nbytes], bytes([b]))
+        header.verify(objects[k][: layout.header_nbytes], bytes([b]), keys[k])
     again = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
     move(whole, again, to_object=True)
     assert again == objects

@@ -169,6 +169,23 @@ def test_embedded_pool_only_where_scheduler_and_worker_share_a_process(executor,
             check_pool_shared(LayerKVConfig(backend="embedded"), vllm_config)
 
 
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_a_shared_pool_refuses_xxhash_block_hashes_unless_acknowledged(algo):
+    """vLLM's real config with a non-cryptographic prefix hash: a shared pool refuses it at
+    start-up (crafted prompts could collide with another user's prefix), naming the fix."""
+    from layerkv.config import LayerKVConfig
+    from layerkv.errors import ConfigError
+    from layerkv.integrations.vllm_setup import check_pool_shared
+
+    vllm_config = make_vllm_config()
+    check_pool_shared(LayerKVConfig(backend="mooncake"), vllm_config)  # sha256, vLLM's default
+    object.__setattr__(vllm_config.cache_config, "prefix_caching_hash_algo", algo)
+    with pytest.raises(ConfigError, match=rf"prefix_caching_hash_algo='{algo}' with a shared pool .*allow_weak_block_hashes"):
+        check_pool_shared(LayerKVConfig(backend="mooncake"), vllm_config)
+    check_pool_shared(LayerKVConfig(backend="mooncake", allow_weak_block_hashes=True), vllm_config)
+    check_pool_shared(LayerKVConfig(backend="embedded"), vllm_config)  # one process: nobody else shares it
+
+
 # ---------------------------------------------------------------- supported vLLM versions
 
 

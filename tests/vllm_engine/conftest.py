@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from layerkv.tenant_key import write_key_file
 from tests.vllm_engine.engine_proc import TierEngine
 from tests.vllm_engine.tier import engine_env, layerkv_transfer, llm_kwargs, serve_process
 from tests.vllm_engine.tiny_model import TinyGemma3, TinyLlama
@@ -75,6 +76,7 @@ def mooncake_config(tier_dir: Path) -> Iterator[Path]:
     deployment = LocalMaster(segment_size="512MB")
     path = tier_dir / "mooncake.json"
     path.write_text(json.dumps(deployment.client_config))
+    (tier_dir / "master.json").write_text(json.dumps(deployment.info))  # metrics_url: the key listing
     try:
         yield path
     finally:
@@ -99,13 +101,14 @@ class Fleet:
 
     def _spec(self, name: str) -> tuple[dict[str, Any], dict[str, str]]:
         mooncake, faults = self.mooncake_config, self.fault_dir(name)
+        keyed = {"LAYERKV_TENANT_KEY_FILE": str(self.tenant_key_file())}  # the pair shares one tenant key
         if name == "producer":  # kv_both, layerkv as MultiConnector's only child (stats by name);
             # 24 blocks of KV: concurrent requests get preempted
             transfer = layerkv_transfer("kv_both", multi=True)
             return (llm_kwargs(self.model_dir, transfer, num_gpu_blocks_override=24, max_model_len=512),
-                    engine_env(mooncake, faults))
+                    engine_env(mooncake, faults, **keyed))
         if name == "consumer":  # kv_consumer
-            return llm_kwargs(self.model_dir, layerkv_transfer("kv_consumer")), engine_env(mooncake, faults)
+            return llm_kwargs(self.model_dir, layerkv_transfer("kv_consumer")), engine_env(mooncake, faults, **keyed)
         if name == "tp2":  # tensor parallel 2, one core per rank
             transfer = layerkv_transfer("kv_both", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector")
             transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
@@ -129,6 +132,12 @@ class Fleet:
             transfer = layerkv_transfer("kv_both", backend="embedded")
             return llm_kwargs(self.model_dir, transfer), engine_env(None, faults)
         raise KeyError(name)
+
+    def tenant_key_file(self) -> Path:
+        path = self.tier_dir / "tenant.key"
+        if not path.exists():
+            write_key_file(path)
+        return path
 
     def hybrid_model_dir(self) -> Path:
         path = self.tier_dir / "tiny-gemma3"

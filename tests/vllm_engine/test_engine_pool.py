@@ -110,3 +110,38 @@ def test_preempted_requests_resume_and_save_what_they_computed(pair):
         assert pooled["token_ids"] == local["token_ids"]
         drift = max(abs(float.fromhex(a) - float.fromhex(b)) for a, b in zip(pooled["logprobs"], local["logprobs"]))
         assert drift < 1e-4, f"request {i}: the blocks it saved are wrong (logprob moved by {drift:.3g})"
+
+
+def test_a_forged_object_in_the_pool_is_refused_and_recomputed(pair, fleet):
+    """Producer and consumer share a tenant key. An attacker without it (a separate process with
+    a bare Mooncake client, tests/security/pool_attacker.py) lists the objects the producer
+    just saved, reads one and overwrites another with a forgery (its layers, fresh unkeyed
+    checksums, a header rebuilt from the genuine one): the consumer refuses it, vLLM recomputes,
+    and the tokens are those of the producer's own prefix cache."""
+    import json
+
+    from tests.security.forge import forge
+    from tests.security.peer import Attacker
+
+    producer, consumer = pair
+    master = json.loads((fleet.tier_dir / "master.json").read_text())
+    attacker = Attacker(fleet.mooncake_config.read_text().strip(), master["metrics_url"], module="tests.security.pool_attacker")
+    try:
+        before = set(attacker.ask(op="list")["keys"])
+        prefix = prompt(40, 5 * BLOCK_SIZE)
+        request = prefix + prompt(41, 10)
+        producer.generate([prefix], reset_prefix_cache=True)
+        saved = sorted(set(attacker.ask(op="list")["keys"]) - before)
+        assert len(saved) == 5, saved  # one object per block; their names say nothing of the tokens
+        x, y = (bytes.fromhex(attacker.ask(op="get", key=k)["data"]) for k in saved[:2])
+        assert attacker.ask(op="overwrite", key=saved[0], data=forge("recomputed", x, y, saved[0]).hex())["rc"] == 0
+        failures = consumer.call("metrics")["layerkv"]
+        failures = failures.get("header_failures", 0) + failures.get("checksum_failures", 0)
+        (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
+        (local,) = producer.generate([request], max_tokens=4)
+        counters = consumer.call("metrics")["layerkv"]
+        assert counters.get("header_failures", 0) + counters.get("checksum_failures", 0) == failures + 1, pool_diagnosis(*pair)
+        assert pooled["token_ids"] == local["token_ids"]  # recomputed: the right tokens
+        assert saved[0] not in set(attacker.ask(op="list")["keys"])  # the forgery was removed from the pool
+    finally:
+        attacker.close()

@@ -2,14 +2,19 @@
 checksums and commits included) against whole-object reads and writes of the same bytes, side by
 side per backend and entry size. Loads: every layer waited for with no compute in between (the
 transfer alone); saves: every layer handed over at once, then the commit step, until the objects
-are readable. Checksum cost: the default plan with and without verifying. Driver thread only.
+are readable. What a tenant key costs: the default plan's save and load with one (BLAKE3-keyed
+MACs instead of xxh3-128 tags). Driver thread only.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +24,10 @@ from layerkv.config import LayerKVConfig
 from layerkv.keys import block_keys
 from layerkv.messages import Deployment
 from layerkv.plan import BlockSpec, StepPlan, StepVerdict
+from layerkv.encryption import LayerCipher
+from layerkv.seal import NONCE_NBYTES, Sealer, context
 from layerkv.store.checked import CheckedStore
+from layerkv.tenant_key import write_key_file
 from layerkv.worker import WorkerConnector
 
 NAME = "plans"
@@ -49,7 +57,7 @@ def cases(options: BenchOptions) -> list[Case]:
 class _Worker:
     """One WorkerConnector (its own CheckedStore client wrapper) over paged caches of `case`."""
 
-    def __init__(self, backend: Backend, case: Case, tag: str, **config: object) -> None:
+    def __init__(self, backend: Backend, case: Case, tag: str, **config: Any) -> None:
         self.case = case
         self.config = LayerKVConfig.from_dict({"max_transfer_blocks": MAX_BATCH_KEYS, "read_layers_per_range": 4, **config}, env={})
         width = case.entry_nbytes // BLOCK_SIZE
@@ -121,6 +129,44 @@ def _whole(backend: Backend, case: Case, nbytes: int, reps: int) -> tuple[float,
     return put_s, get_s
 
 
+def _keyed_rows(backend: Backend, case: Case, tag: str, label: str, extra: dict[str, object], base: Row, payload: int,
+                put_s: float, get_s: float, reps: int, progress: Progress) -> list[Row]:
+    """The default plan's save and load with a tenant key (`extra`) on both sides."""
+    keyed = _Worker(backend, case, tag, transfer_plan="auto", **extra)
+    try:
+        hashes = _hashes(f"{tag}:{label}", case.num_keys)
+        s = median_s(lambda: keyed.save(hashes), reps, setup=lambda: keyed.store.batch_remove(keyed.keys(hashes)))
+        rows: list[Row] = [{**base, "direction": "put", "path": f"layerkv save (auto), {label}", "ms": s * 1e3,
+                            "gbps": gbps(payload, s), "vs_whole": ratio(put_s, s)}]
+        keyed.save(hashes)
+        rows.append(_load_row(backend, case, tag, "auto", extra, keyed, hashes, base, payload, get_s, reps, progress, label))
+        keyed.store.batch_remove(keyed.keys(hashes))
+        return rows
+    finally:
+        keyed.close()
+
+
+def _load_row(backend: Backend, case: Case, tag: str, plan: str, extra: dict[str, object], producer: _Worker,
+              hashes: tuple[bytes, ...], base: Row, payload: int, get_s: float, reps: int, progress: Progress,
+              key_label: str = "") -> Row:
+    """One load plan's row: a fresh reader (same key as the producer) loading `hashes`."""
+    label = f"layerkv load ({plan})" + (f", {key_label}" if key_label else "")
+    progress.case(f"{NAME} {backend.name} load {plan}{', ' + key_label if key_label else ''}")
+    reader = _Worker(backend, case, tag, transfer_plan=plan, **extra)
+    try:
+        reader.load(hashes)  # warm-up: staging registered, lanes started, estimates seeded
+        for cache in reader.caches.values():
+            cache[:] = 0
+        s = median_s(lambda: reader.load(hashes), reps)
+        same = all(np.array_equal(reader.caches[n], producer.caches[n]) for n in reader.names)
+        stats = reader.worker.stats()
+        return {**base, "direction": "get", "path": label, "ms": s * 1e3, "gbps": gbps(payload, s),
+                "vs_whole": ratio(get_s, s), "verified": same and stats.load_failed_blocks == 0,
+                "plans l/g/w": f"{stats.load_plans_layers}/{stats.load_plans_groups}/{stats.load_plans_whole}"}
+    finally:
+        reader.close()
+
+
 def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> list[Row]:
     tag = f"{backend.name}-{next(_runs)}"
     producer = _Worker(backend, case, tag, transfer_plan="layers")
@@ -154,26 +200,39 @@ def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> lis
                 saver.close()
         hashes = _hashes(f"{tag}:load", case.num_keys)
         producer.save(hashes)
-        for plan, verify in [*((p, True) for p in LOAD_PLANS), ("auto", False)]:
-            progress.case(f"{NAME} {backend.name} load {plan}")
-            reader = _Worker(backend, case, tag, transfer_plan=plan, verify_checksums=verify)
-            try:
-                reader.load(hashes)  # warm-up: staging registered, lanes started, estimates seeded
-                for cache in reader.caches.values():
-                    cache[:] = 0
-                s = median_s(lambda: reader.load(hashes), reps)
-                same = all(np.array_equal(reader.caches[n], producer.caches[n]) for n in reader.names)
-                stats = reader.worker.stats()
-                label = f"layerkv load ({plan})" + ("" if verify else ", checksums off")
-                rows.append({**base, "direction": "get", "path": label, "ms": s * 1e3, "gbps": gbps(payload, s),
-                             "vs_whole": ratio(get_s, s), "verified": same and stats.load_failed_blocks == 0,
-                             "plans l/g/w": f"{stats.load_plans_layers}/{stats.load_plans_groups}/{stats.load_plans_whole}"})
-            finally:
-                reader.close()
+        for plan in LOAD_PLANS:
+            rows.append(_load_row(backend, case, tag, plan, {}, producer, hashes, base, payload, get_s, reps, progress))
+        with tempfile.TemporaryDirectory(prefix="layerkv-bench-key-") as tmp:
+            key_file = str(write_key_file(Path(tmp) / "tenant.key").path)
+            variants: list[tuple[str, dict[str, object]]] = [
+                ("tenant key", {"tenant_key_file": key_file}),
+                ("encrypted", {"tenant_key_file": key_file, "encrypt_objects": True})]
+            for label, extra in variants:
+                rows += _keyed_rows(backend, case, tag, label, extra, base, payload, put_s, get_s, reps, progress)
         producer.store.batch_remove(producer.keys(hashes))
     finally:
         producer.close()
     return rows
+
+
+def tag_rows(options: BenchOptions) -> list[Row]:
+    """GB/s of Sealer.layer_tags over 64 layers of one size (what a save or a load computes per
+    layer of each key), unkeyed and keyed, on this thread."""
+    out: list[Row] = []
+    for nbytes in ((16 * KiB,) if options.tiny else (4 * KiB, 64 * KiB, 1024 * KiB)):
+        rows = np.random.default_rng(nbytes).integers(0, 255, (64, nbytes), dtype=np.uint8)
+        contexts = [context(f"bench@{i}@0", bytes(NONCE_NBYTES)) for i in range(64)]
+        chunks = [[r] for r in rows]
+        times: dict[str, float] = {}
+        for name, sealer in (("unkeyed", Sealer(None)), ("keyed", Sealer(bytes(32)))):
+            times[name] = median_s(functools.partial(sealer.layer_tags, contexts, 3, chunks), options.reps)
+        cipher = Sealer(bytes(32), LayerCipher(bytes(32)))  # encrypts in place: a fresh copy per run
+        times["encrypted"] = median_s(lambda: cipher.seal_layers(contexts, 3, list(rows.copy())), options.reps)
+        out.append({"layer_nbytes": nbytes, "unkeyed_gbps": gbps(rows.nbytes, times["unkeyed"]),
+                    "keyed_gbps": gbps(rows.nbytes, times["keyed"]), "encrypted_gbps": gbps(rows.nbytes, times["encrypted"]),
+                    "keyed_vs_unkeyed": ratio(times["keyed"], times["unkeyed"]),
+                    "encrypted_vs_unkeyed": ratio(times["encrypted"], times["unkeyed"])})
+    return out
 
 
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
@@ -187,7 +246,13 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             result.summary[f"{row['backend']} {row['entry']} load auto vs whole"] = row["vs_whole"]
         if row["path"] == "layerkv save (auto)":
             result.summary[f"{row['backend']} {row['entry']} save auto vs whole"] = row["vs_whole"]
+    result.tables["Layer tags per core, one thread: xxh3-128 (no key), BLAKE3-keyed MAC (tenant key), "
+                  "AES-256-GCM (encrypt_objects; the copy it encrypts included)"] = tag_rows(options)
+    for row in result.tables[next(iter(result.tables))]:
+        result.summary[f"tags {kib(row['layer_nbytes'])} keyed / unkeyed time"] = row["keyed_vs_unkeyed"]
     result.notes = [
+        "layerkv save / load (auto), tenant key: the same with tenant_key_file (keyed names, keyed MACs per layer "
+        "and header) on both sides; encrypted: also encrypt_objects (AES-256-GCM per layer, in private memory)",
         "whole object: batch_get_into / batch_put_from of contiguous rows, no session, no checksum, no commit protocol",
         "layerkv load: one step of the WorkerConnector waiting for every layer with no compute (the transfer alone), "
         "bytes compared with the producer's caches afterwards; read_layers_per_range=4 for the groups plan",

@@ -45,6 +45,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--info-out", type=Path, default=None,
                         help="write the deployment's addresses here (JSON: master, metadata_url, metrics_url, pid)")
     parser.add_argument("--log-file", type=Path, default=None, help="mooncake_master log (default: a temp file)")
+    parser.add_argument("--tenant", action="append", default=[], metavar="NAME=SIZE",
+                        help="multi-tenant mode: this tenant (a layerkv `tenant` / mooncake_tenant_id) may hold up to "
+                             "SIZE (e.g. 512MB); repeat per tenant. Tenants then never see each other's objects and "
+                             "others cannot write; Mooncake does not authenticate tenant ids (docs/security.md)")
     add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         native_log.configure(args.mooncake_log)
         segment_bytes = parse_size(args.segment_size, "--segment-size")
         client_segment_bytes = parse_size(args.client_segment_size, "--client-segment-size")
+        quotas = _tenant_quotas(args.tenant, parse_size)
     except ConfigError as exc:
         print(f"layerkv master: {exc}", file=sys.stderr)
         return 2
@@ -67,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
     holder = None
     try:
         master = start_master(args.lease_ttl_ms, rpc_port=args.port or None, http_port=args.http_port or None,
-                              log_path=args.log_file)
-        holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes))
+                              log_path=args.log_file, tenant_quotas=quotas)
+        holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes),
+                                                    tenant_id=next(iter(quotas)) if quotas else None)
         master.check_serving()  # still ours after the holder mounted: only then announce it
         client_config = master.config(global_segment_size=client_segment_bytes,
                                       local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES)
@@ -97,6 +103,19 @@ def run(args: argparse.Namespace) -> int:
             holder.close()
         if master is not None:
             master.stop()
+
+
+def _tenant_quotas(specs: list[str], parse_size: Any) -> dict[str, int] | None:
+    """--tenant NAME=SIZE ... -> {name: bytes} (None: single-tenant). ConfigError names the flag."""
+    if not specs:
+        return None
+    quotas: dict[str, int] = {}
+    for spec in specs:
+        name, sep, size = spec.partition("=")
+        if not sep or not name or name in quotas:
+            raise ConfigError(f"--tenant {spec!r} must be NAME=SIZE (e.g. tenant-a=512MB), each name once")
+        quotas[name] = parse_size(size, f"--tenant {name}")
+    return quotas
 
 
 def _port_fix(port: int, args: argparse.Namespace) -> str:

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from layerkv.errors import UnsupportedSetupError
+from layerkv.errors import ConfigError, UnsupportedSetupError
 from layerkv.fingerprint import checkpoint_fingerprint, settings_digest
 from layerkv.messages import Deployment, KVRole
 
@@ -160,8 +160,11 @@ def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
     """Raise `UnsupportedSetupError` when `backend="embedded"` cannot be one pool: the embedded
     store lives in one process, so vLLM's scheduler (engine core) must run its only worker in
     that process ("uni" executor, or "external_launcher" with one rank). With the multiprocess
-    or Ray executor the scheduler would never see what the workers saved: no hit, ever."""
+    or Ray executor the scheduler would never see what the workers saved: no hit, ever.
+    A shared pool (Mooncake) with vLLM's non-cryptographic block hashes is refused unless
+    acknowledged (`check_block_hashes`)."""
     if config.backend != "embedded":
+        check_block_hashes(config, getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         return
     parallel = vllm_config.parallel_config
     backend = parallel.distributed_executor_backend
@@ -178,6 +181,20 @@ def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
         f"\"mooncake_config_path\": \"mooncake.json\" in kv_connector_extra_config), or run one process with "
         f"--distributed-executor-backend uni (tensor_parallel_size=1)"
     )
+
+
+def check_block_hashes(config: LayerKVConfig, hash_algo: str) -> None:
+    """ConfigError for a shared pool keyed by xxhash block hashes: engines sharing a pool must
+    share the hash seed (PYTHONHASHSEED), and with a known seed anyone who can send prompts can
+    craft a collision with another user's prefix and be served its KV (or poison it). sha256
+    (vLLM's default) is collision resistant. `allow_weak_block_hashes: true` acknowledges it."""
+    if str(hash_algo).startswith("xxhash") and not config.allow_weak_block_hashes:
+        raise ConfigError(
+            f"prefix_caching_hash_algo={hash_algo!r} with a shared pool (backend={config.backend!r}): xxhash block "
+            "hashes are not collision resistant, so prompts crafted by one user can collide with another's prefix "
+            "and be served its KV. Use --prefix-caching-hash-algo sha256 (vLLM's default), or set "
+            "\"allow_weak_block_hashes\": true in kv_connector_extra_config to accept the risk"
+        )
 
 
 def _layer_specs(group: Any) -> list[Any]:

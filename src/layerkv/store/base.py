@@ -32,6 +32,8 @@ class Code(IntEnum):
     TRANSFER_FAIL = -800
     RPC_FAIL = -900  # master unreachable
     RPC_TIMEOUT = -901  # the master did not answer in time (Mooncake: ~30 s; layerkv: store_call_timeout_s)
+    TENANT_QUOTA_EXCEEDED = -1700  # multi-tenant master: one object larger than the tenant's quota
+    TENANT_NOT_REGISTERED = -1701  # multi-tenant master: a write by a tenant its quota file does not list
     # layerkv's own: the backend's answer could not be trusted (wrong count, non-int, bool, raised)
     MALFORMED = -10_000
     # layerkv's own: not sent, the store is down (a short-circuited call); nothing to undo
@@ -184,14 +186,15 @@ def validate_results(results: object, num_keys: int, call: str) -> list[int]:
     """Return `results` as a list of exactly `num_keys` ints, or `[Code.MALFORMED] * num_keys`.
 
     A backend answer is trusted only if it is a list/tuple of exactly one `int` per key (`bool`
-    is not an int; numpy integers are accepted). Anything else fails the whole call for every
-    key: a partial answer cannot say which key it belongs to. Never raises.
+    is not an int; numpy integers are accepted) within int64 (callers keep answers in int64
+    arrays). Anything else fails the whole call for every key: a partial answer cannot say which
+    key it belongs to. Never raises.
     """
     ok = isinstance(results, (list, tuple)) and len(results) == num_keys
     if ok:
         out: list[int] = []
         for value in results:  # type: ignore[attr-defined]
-            if isinstance(value, bool) or not _is_integer(value):
+            if isinstance(value, bool) or not _is_integer(value) or not _INT64_MIN <= int(value) <= _INT64_MAX:
                 ok = False
                 break
             out.append(int(value))
@@ -208,10 +211,13 @@ def validate_results(results: object, num_keys: int, call: str) -> list[int]:
 
 def validate_single(result: object, call: str) -> int:
     """The one-int answer of `batch_get_session_end`; MALFORMED for anything else."""
-    if isinstance(result, bool) or not _is_integer(result):
+    if isinstance(result, bool) or not _is_integer(result) or not _INT64_MIN <= int(result) <= _INT64_MAX:  # type: ignore[call-overload]
         log.error("layerkv: %s returned a malformed result (%r)", call, _short(result))
         return int(Code.MALFORMED)
     return int(result)  # type: ignore[call-overload]
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _is_integer(value: object) -> bool:

@@ -122,8 +122,12 @@ def load_mooncake_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = None) -> dict[str, Any]:
-    """Mooncake JSON config (+ optional master override) -> the dict `setup(config)` accepts."""
+def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = None,
+               tenant_id: str | None = None) -> dict[str, Any]:
+    """Mooncake JSON config (+ optional master and tenant overrides) -> the dict `setup(config)`
+    accepts. The tenant: `tenant_id` (layerkv config mooncake_tenant_id, default the tenant
+    label), else the file's `tenant_id`, else Mooncake's "default". A master started with
+    --enable_multi_tenants keeps tenants' objects and quotas apart; it does not authenticate them."""
     missing = [key for key in REQUIRED_KEYS if not mooncake_config.get(key)]
     if missing:
         raise ConfigError(f"mooncake config lacks required key(s) {', '.join(missing)}; got {sorted(mooncake_config)}")
@@ -135,6 +139,7 @@ def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = 
         "protocol": str(mooncake_config.get("protocol") or "tcp"),
         "rdma_devices": str(mooncake_config.get("device_name") or ""),
         "master_server_addr": master_address or str(mooncake_config["master_server_address"]),
+        "tenant_id": tenant_id or str(mooncake_config.get("tenant_id") or "default"),
     }
 
 
@@ -188,18 +193,20 @@ class MooncakeStore:
             raise ConfigError("backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)")
         master = config.mooncake_master or os.environ.get("MOONCAKE_MASTER") or None
         return cls.from_mooncake_config(load_mooncake_config(path), master_address=master,
-                                        placement=Placement.from_config(config))
+                                        placement=Placement.from_config(config),
+                                        tenant_id=config.mooncake_tenant_id or config.tenant)
 
     @classmethod
     def from_mooncake_config(cls, mooncake_config: Mapping[str, Any], *, master_address: str | None = None,
-                             placement: Placement | None = None, client_cls: type | None = None) -> MooncakeStore:
+                             placement: Placement | None = None, client_cls: type | None = None,
+                             tenant_id: str | None = None) -> MooncakeStore:
         """Check version and methods, then set up a client. `client_cls` defaults to
         MooncakeDistributedStore (tests pass stand-ins / recording subclasses).
 
         Raises StoreVersionError (too old / methods missing), ConfigError (bad config), StoreError
         (master unreachable or setup rc != 0; the message names the master and the rc).
         """
-        args = setup_args(mooncake_config, master_address)
+        args = setup_args(mooncake_config, master_address, tenant_id)
         bind_loopback_if_local(args["local_hostname"])
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # the only mooncake import
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import http.client
+import json
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerkv.errors import PortInUseError, StoreError
+from layerkv.errors import ConfigError, PortInUseError, StoreError
 from layerkv.store import port_owner
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class MasterProcess:
     lease_ttl_ms: int | None
     log_path: Path
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    tenant_quotas_path: Path | None = None  # multi-tenant mode with these quotas (write_tenant_quotas)
 
     @property
     def address(self) -> str:
@@ -150,6 +152,9 @@ class MasterProcess:
         ]
         if self.lease_ttl_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
+        if self.tenant_quotas_path is not None:
+            args += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
+                     f"--tenant_quota_connector_uri={self.tenant_quotas_path}"]
         return args
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -300,6 +305,18 @@ class MasterProcess:
 START_ATTEMPTS = 3  # auto-picked ports can be taken between the pick and the bind
 
 
+def write_tenant_quotas(path: Path, quotas: dict[str, int]) -> Path:
+    """Mooncake's tenant quota policy file (YAML, version 1; JSON is YAML): each tenant's name
+    and its quota in bytes. Names: non-empty, no leading '_', no control characters."""
+    for name, nbytes in quotas.items():
+        if not name or name.startswith("_") or any(ord(c) < 32 for c in name) or "@" in name:
+            raise ConfigError(f"tenant name {name!r} must be non-empty, without a leading '_', '@' or control characters")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ConfigError(f"tenant {name!r} quota={nbytes!r} must be a positive number of bytes")
+    path.write_text(json.dumps({"version": 1, "tenants": [{"name": n, "quota": q} for n, q in quotas.items()]}) + "\n")
+    return path
+
+
 def start_master(
     lease_ttl_ms: int | None = None,
     *,
@@ -307,6 +324,7 @@ def start_master(
     http_port: int | None = None,
     log_path: str | os.PathLike[str] | None = None,
     timeout_s: float = 20.0,
+    tenant_quotas: dict[str, int] | None = None,
 ) -> MasterProcess:
     """Start a `mooncake_master` on loopback (free ports unless given) and wait until it serves
     its ports itself.
@@ -314,14 +332,22 @@ def start_master(
     `lease_ttl_ms` sets --default_kv_lease_ttl (Mooncake's default otherwise). The log goes to
     `log_path` (a fresh temp file by default). A port given here that another process holds
     raises PortInUseError; auto-picked ports lost to a race are picked again (3 attempts).
+    `tenant_quotas` (tenant -> bytes) starts it in multi-tenant mode: each tenant's objects are
+    invisible to the others and bounded by its quota (a put past it evicts the tenant's older
+    objects, or fails with TENANT_QUOTA_EXCEEDED); writes by a tenant not listed fail. Mooncake
+    does not authenticate tenant ids, and its metrics port lets anyone change quotas.
     Raises StoreError (log path and tail in the message) if it does not come up.
     """
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="mooncake_master-", suffix=".log")
         os.close(fd)
         log_path = name
+    quotas_path = None
+    if tenant_quotas is not None:
+        quotas_path = write_tenant_quotas(Path(str(log_path) + ".tenants.yaml"), tenant_quotas)
     for attempt in range(1, START_ATTEMPTS + 1):
-        master = MasterProcess(MasterPorts.pick(rpc_port, http_port), lease_ttl_ms, Path(log_path))
+        master = MasterProcess(MasterPorts.pick(rpc_port, http_port), lease_ttl_ms, Path(log_path),
+                               tenant_quotas_path=quotas_path)
         try:
             master.start(timeout_s)
             return master

@@ -1,8 +1,9 @@
 """What one load trusts of the objects it reads: each object's header (read with layer 0) must
-name the block it is read for, and each layer read later must match the checksum that header
-carried. `ObjectChecks` keeps, per key of the load (a row), the checksums to compare with and
-whether the object failed (to be removed from the pool once its session ended). It only
-answers masks; the load job fails the rows. Receive thread only.
+name the block and the key it is read for and, with a tenant key, carry a valid MAC; each layer
+read later must match the tag that header carried (layerkv.seal). There is no switch that turns
+a check off. `ObjectChecks` keeps, per key of the load (a row), the tags to compare with, the
+write's nonce and whether the object failed (to be removed from the pool once its session
+ended). It only answers masks; the load job fails the rows. Receive thread only.
 """
 
 from __future__ import annotations
@@ -14,58 +15,70 @@ import numpy as np
 
 from layerkv.errors import HeaderError
 from layerkv.header import Header
-from layerkv.messages import BlockHash
+from layerkv.seal import NONCE_NBYTES, TAG_NBYTES, Sealer, context
 from layerkv.store.base import ObjectKey
 
 log = logging.getLogger(__name__)
 
 
 class ObjectChecks:
-    def __init__(self, header: Header, keys: Sequence[ObjectKey], block_hashes: Sequence[BlockHash], num_layers: int,
-                 verify_checksums: bool) -> None:
+    def __init__(self, header: Header, keys: Sequence[ObjectKey], block_ids: Sequence[bytes], num_layers: int) -> None:
         self._header = header
         self._keys = keys
-        self._hashes = block_hashes
-        self.enabled = verify_checksums  # False: headers are still checked, layer sums are not
-        self._sums = np.zeros((len(keys), num_layers), dtype=np.uint64)
-        self._has_sums = np.zeros(len(keys), dtype=bool)  # the header carried checksums
+        self._ids = block_ids
+        self._tags = np.zeros((len(keys), num_layers, TAG_NBYTES), dtype=np.uint8)
+        self._nonces = np.zeros((len(keys), NONCE_NBYTES), dtype=np.uint8)
+        self._checked = np.zeros(len(keys), dtype=bool)  # the header verified: tags and nonce known
         self.bad = np.zeros(len(keys), dtype=bool)  # failed verification: remove after the session ends
         self.header_failures = 0
         self.checksum_failures = 0
 
+    @property
+    def sealer(self) -> Sealer:
+        return self._header.sealer
+
     def headers(self, rows: np.ndarray, headers: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
-        """(mask of `rows` whose header `headers[i]` matches, [(row, reason)] of the others);
-        keeps each good row's layer checksums."""
+        """(mask of `rows` whose header `headers[i]` verifies, [(row, reason)] of the others);
+        keeps each good row's tags and nonce."""
         if rows.size == 0:
             return np.ones(0, dtype=bool), []
-        ok, has_sums, sums = self._header.verify_many(headers, [self._hashes[r] for r in rows.tolist()])
+        keys = [self._keys[r] for r in rows.tolist()]
+        ok, nonces, tags = self._header.verify_many(headers, [self._ids[r] for r in rows.tolist()], keys)
         failures = []
         for i in np.flatnonzero(~ok).tolist():
             row = int(rows[i])
             try:
-                self._header.verify(headers[i], self._hashes[row])
+                self._header.verify(headers[i], self._ids[row], keys[i])
                 reason = "header mismatch"
             except HeaderError as exc:
                 reason = str(exc)
             failures.append((row, reason))
             self.bad[row] = True
         self.header_failures += len(failures)
-        keep = ok & has_sums
-        if self.enabled and keep.any():
-            self._has_sums[rows[keep]] = True
-            self._sums[rows[keep]] = sums[keep]
+        good = rows[ok]
+        self._tags[good], self._nonces[good], self._checked[good] = tags[ok], nonces[ok], True
         return ok, failures
 
-    def layers(self, first_layer: int, rows: np.ndarray, sums: np.ndarray) -> np.ndarray:
-        """Mask of `rows` whose layers match: `sums[i, j]` is the checksum of layer
-        first_layer + j as read for row rows[i]; rows whose header carried checksums must
-        match them (a mismatch marks the object bad)."""
+    def contexts(self, rows: np.ndarray) -> list[bytes]:
+        """What binds each row's tags to its key and write (the header verified first)."""
+        assert self._checked[rows].all(), "layers are checked only after their object's header"
+        return [context(self._keys[r], self._nonces[r].tobytes()) for r in rows.tolist()]
+
+    def expected(self, rows: np.ndarray, layer_idx: int) -> np.ndarray:
+        """The tags the headers of `rows` (verified) carry for `layer_idx`: uint8 [rows, 16]."""
+        assert self._checked[rows].all(), "layers are checked only after their object's header"
+        return self._tags[rows, layer_idx]
+
+    def layers(self, first_layer: int, rows: np.ndarray, tags: np.ndarray) -> np.ndarray:
+        """Mask of `rows` whose layers match: `tags[i, j]` (uint8 [16]) is the tag of layer
+        first_layer + j as read for row rows[i] (a mismatch marks the object bad)."""
         if rows.size == 0:
             return np.ones(0, dtype=bool)
-        want = self._sums[rows, first_layer : first_layer + sums.shape[1]]
-        bad = self._has_sums[rows] & (want != sums).any(axis=1)
-        for row, j in zip(rows[bad].tolist(), np.argmax(want[bad] != sums[bad], axis=1).tolist()):
-            log.warning("layerkv: checksum mismatch: key %s layer %d; the block is recomputed and the object removed",
+        want = self._tags[rows, first_layer : first_layer + tags.shape[1]]
+        differs = (want != tags).any(axis=2)  # [rows, layers]
+        bad = ~self._checked[rows] | differs.any(axis=1)
+        for row, j in zip(rows[bad].tolist(), np.argmax(differs[bad], axis=1).tolist()):
+            log.warning("layerkv: layer tag mismatch: key %s layer %d; the block is recomputed and the object removed",
                         self._keys[row], first_layer + j)
         self.checksum_failures += int(bad.sum())
         self.bad[rows[bad]] = True

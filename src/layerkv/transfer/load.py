@@ -55,7 +55,7 @@ class LoadKey:
     """One remote object to read: into `block_id`, then copied to `extra_block_ids`."""
 
     key: ObjectKey
-    block_hash: BlockHash
+    block_hash: BlockHash  # as named in the key and header: Namespace.block_id of the engine's hash
     block_id: int
     extra_block_ids: tuple[int, ...] = ()
 
@@ -97,7 +97,6 @@ class LoadJob(JobState):
         prefetch_layers: int | None = None,  # read at most this far ahead of compute (None: no cap)
         staged: StagedLayers | None = None,  # GROUPS / WHOLE plans
         costs: Costs | None = None,  # running estimates to update with what this job measures
-        verify_checksums: bool = True,
     ) -> None:
         super().__init__("layerkv load")
         self.keys = keys
@@ -114,6 +113,9 @@ class LoadJob(JobState):
         self._costs = costs
         if plan.mode != LAYERS and staged is None:
             raise LayoutError(f"a {plan.mode} load plan needs host staging")
+        if plan.mode == LAYERS and (not views.on_host or header.sealer.encrypts):
+            raise LayoutError("per-layer reads straight into a device cache (or of encrypted objects) cannot be "
+                              "verified there; they go through staging")
         if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
             raise LayoutError(f"{slots.size} staging rows for a {plan.mode} load of {len(keys)} keys")
         self._rows = KeyRows([k.block_id for k in keys], layout, staging, slots if plan.mode == LAYERS else None)
@@ -128,8 +130,8 @@ class LoadJob(JobState):
         self.outcome = LoadOutcome()  # receive thread; read after finished
         self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
         self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome, costs)  # receive thread
-        self._checks = ObjectChecks(header, [k.key for k in keys], [k.block_hash for k in keys], layout.num_layers,
-                                    verify_checksums)  # receive thread
+        self._checks = ObjectChecks(header, [k.key for k in keys], [k.block_hash for k in keys],
+                                    layout.num_layers)  # receive thread
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> bool:
@@ -279,8 +281,7 @@ class LoadJob(JobState):
                 return
             if layer_idx == 0:
                 good = good[self._verify_headers(good, self._slots[good])]
-            if self._views.on_host and self._checks.enabled:
-                good = good[self._verify_blocks(layer_idx, good)]
+            good = good[self._verify_blocks(layer_idx, good)]
             fan = np.isin(self._extra_rows, good)
             self._views.copy_blocks(layer_idx, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
 
@@ -342,15 +343,14 @@ class LoadJob(JobState):
         lock, and not at all once the job gave up (-1): blocks it no longer owns are neither
         written nor checked. Returns bytes copied."""
         assert self._staged is not None
-
-        def check(checked: np.ndarray, sums: np.ndarray) -> np.ndarray:
-            return self._verify_sums(group.first_layer, checked, sums)
-
         with self._cache_writes:
             if self.cancelled:
                 return -1
-            return self._staged.publish(group, self._staging, rows, slots, self._rows.block_ids,
-                                        (self._extra_rows, self._extra_blocks), check if self._checks.enabled else None)
+            copied, bad = self._staged.publish(group, self._staging, rows, slots, self._rows.block_ids,
+                                               (self._extra_rows, self._extra_blocks), self._checks)
+        if bad.size:
+            self._fail(bad, "layer tag mismatch")
+        return copied
 
     def _get_concurrently(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int,
                           what: str) -> np.ndarray:
@@ -377,16 +377,13 @@ class LoadJob(JobState):
         return ok
 
     def _verify_blocks(self, layer_idx: int, rows: np.ndarray) -> np.ndarray:
-        """Mask of `rows` whose freshly read layer matches the header's checksum."""
+        """Mask of `rows` whose freshly read layer (in the cache) matches the header's tag."""
         if rows.size == 0:
             return np.ones(0, dtype=bool)
-        sums = self._views.checksums(layer_idx, self._rows.block_ids[rows]).reshape(-1, 1)
-        return self._verify_sums(layer_idx, rows, sums)
-
-    def _verify_sums(self, first_layer: int, rows: np.ndarray, sums: np.ndarray) -> np.ndarray:
-        ok = self._checks.layers(first_layer, rows, sums)
+        tags = self._views.tags(layer_idx, self._rows.block_ids[rows], self._checks.contexts(rows), self._checks.sealer)
+        ok = self._checks.layers(layer_idx, rows, tags.reshape(rows.size, 1, -1))
         if not ok.all():
-            self._fail(rows[~ok], "layer checksum mismatch")
+            self._fail(rows[~ok], "layer tag mismatch")
         return ok
 
     def _fail(self, rows: np.ndarray, reason: str) -> None:

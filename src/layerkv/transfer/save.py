@@ -4,7 +4,8 @@ anything else (cancelled, incomplete, an exception) revokes every session it sta
 
 Staged (the default, and the only way unless the KV cache itself is registered): as the compute
 thread hands each layer over, the send thread copies it into the key's staging row (the object's
-image: the store never reads the cache) and checksums it; once every layer is
+image: the store never reads the cache) and tags it (layerkv.seal: with a tenant key a keyed MAC,
+bound to the key and this write's random nonce); once every layer is
 copied the compute thread is released (`released`), and the write thread then starts the put
 sessions and writes one range per key of the whole image (header included), split over the
 lanes: the store's latency never reaches the forward pass, nor the next step's copies.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ import numpy as np
 from layerkv.header import Header
 from layerkv.layout import CacheLayout
 from layerkv.messages import BlockHash, ReqId
+from layerkv.seal import NONCE_NBYTES, TAG_NBYTES, context
 from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.pending import PendingPut, PendingPuts
@@ -48,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class SaveKey:
     key: ObjectKey
-    block_hash: BlockHash
+    block_hash: BlockHash  # as named in the key and header: Namespace.block_id of the engine's hash
     block_id: int
     owner: ReqId  # the request whose block this object is written from
 
@@ -66,7 +69,7 @@ class SaveOutcome:
     saved_bytes: int = 0
     range_calls: int = 0
     write_s: float = 0.0
-    copy_s: float = 0.0  # staged: copying the cache into the images and checksumming them (send thread)
+    copy_s: float = 0.0  # staged: copying the cache into the images and tagging them (send thread)
     revoked_keys: list[ObjectKey] = field(default_factory=list)
     error: BaseException | None = None
 
@@ -115,7 +118,10 @@ class SaveJob(JobState):
         self.released = False  # guarded by cond: the job no longer reads the KV cache memory
         self._open = np.zeros(len(keys), dtype=bool)  # send thread: started, not yet handed over / revoked
         self._sent_layers: set[int] = set()  # send thread
-        self._checksums = np.zeros((len(keys), layout.num_layers), dtype=np.uint64)  # send thread
+        self._tags = np.zeros((len(keys), layout.num_layers, TAG_NBYTES), dtype=np.uint8)  # send thread
+        # one random nonce per object write: tags of an earlier write (or another object) never verify
+        self._nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * len(keys)), dtype=np.uint8).reshape(-1, NONCE_NBYTES)
+        self._contexts = [context(k.key, self._nonces[i].tobytes()) for i, k in enumerate(keys)]
         self._epoch = 0
         self.outcome = SaveOutcome()
 
@@ -216,8 +222,8 @@ class SaveJob(JobState):
             if layer_idx not in self._sent_layers:
                 start = time.perf_counter()
                 self._sent_layers.add(layer_idx)
-                self._staged.gather(layer_idx, self._staging, rows, self._rows.block_ids)
-                self._checksums[:, layer_idx] = self._staged.layer_checksums(layer_idx, self._staging, rows)
+                self._tags[:, layer_idx] = self._staged.gather_sealed(layer_idx, self._staging, rows, self._rows.block_ids,
+                                                                      self._contexts, self._header.sealer)
                 self.outcome.copy_s += time.perf_counter() - start
         with self.cond:
             complete = len(self._sent_layers) == self._layout.num_layers and not self.cancelled
@@ -225,7 +231,8 @@ class SaveJob(JobState):
             log.info("layerkv: %d of %d layers handed over this step; nothing saved", len(self._sent_layers),
                      self._layout.num_layers)
             return False
-        self._header.encode_into(self._staging, rows, [k.block_hash for k in self.keys], self._checksums)
+        self._header.encode_into(self._staging, rows, [k.block_hash for k in self.keys], [k.key for k in self.keys],
+                                 self._nonces, self._tags)
         return True
 
     def _write_images(self) -> None:
@@ -293,13 +300,14 @@ class SaveJob(JobState):
             return
         ok = self._put(active, self._rows.layer(layer_idx, active), layer_idx)
         written = active[ok]
-        if self._views.on_host and written.size:
-            self._checksums[written, layer_idx] = self._views.checksums(layer_idx, self._rows.block_ids[written])
+        if written.size:
+            self._tags[written, layer_idx] = self._views.tags(layer_idx, self._rows.block_ids[written],
+                                                              [self._contexts[i] for i in written.tolist()], self._header.sealer)
         if not ok.all():
             self._revoke(active[~ok], f"layer {layer_idx} write failed")
 
     def _hand_over(self) -> None:
-        """All layers written: headers (with checksums) go last, then the sessions wait for
+        """All layers written: headers (with the tags) go last, then the sessions wait for
         the step's verdict. An incomplete step revokes."""
         with self.cond:
             cancelled = self.cancelled
@@ -314,7 +322,7 @@ class SaveJob(JobState):
         if rows.size == 0:
             return
         self._header.encode_into(self._staging, self._slots[rows], [self.keys[i].block_hash for i in rows.tolist()],
-                                 self._checksums[rows] if self._views.on_host else None)
+                                 [self.keys[i].key for i in rows.tolist()], self._nonces[rows], self._tags[rows])
         ok = self._put(rows, self._rows.header(rows), None)
         if not ok.all():
             self._revoke(rows[~ok], "header write failed")

@@ -11,16 +11,20 @@ once per worker on the compute thread; read-only afterwards, used by the transfe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.layout import CacheLayout
 from layerkv.ranges import RangeLists
-from layerkv.transfer.views import CacheViews, staged_checksum
+from layerkv.seal import TAG_NBYTES, Sealer
+from layerkv.transfer.views import CacheViews
+
+if TYPE_CHECKING:
+    from layerkv.transfer.checks import ObjectChecks
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,37 +111,75 @@ class StagedLayers:
             _synchronize(self._views[group.first_layer][0].blocks)
 
     def publish(self, group: LayerGroup, staging: np.ndarray, rows: np.ndarray, slots: np.ndarray,
-                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray],
-                check: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> int:
+                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray], checks: ObjectChecks) -> tuple[int, np.ndarray]:
         """Copy `group` of the keys `rows` (block `block_ids[row]`, read into staging `slots`)
         into the cache, verified where no peer can change the bytes any more: host caches are
-        copied first and checked in the cache (staging stays writable by anyone who reaches
-        the store's ports), device caches are checked in a private host copy and copied from
-        it. `check(rows, sums [rows, layers of group])` returns the rows whose layers match
-        (None: unchecked); `fan_out` = (row, block) pairs that also want a key, copied only
-        from a verified key. Returns the bytes copied. The caller holds its cache-writes lock."""
+        copied first and their tags computed in the cache (staging stays writable by anyone who
+        reaches the store's ports), device caches are tagged in a private host copy and copied
+        from it. `fan_out` = (row, block) pairs that also want a key, copied only from a verified
+        key. Returns (bytes copied, the rows that failed). The caller holds its cache-writes lock."""
         extra_rows, extra_blocks = fan_out
         layers = range(group.first_layer, group.end_layer)
         layer_nbytes = sum(self.layout.layer_nbytes(l) for l in layers)
-        if self.on_host:
+        sealer = checks.sealer
+        bad = np.zeros(0, dtype=np.int64)
+        if self.on_host and not sealer.encrypts:
             self.scatter(group, staging, slots, block_ids[rows])
-            if check is not None and rows.size:
-                rows = rows[check(rows, np.stack([self._cache.checksums(l, block_ids[rows]) for l in layers], axis=1))]
+            if rows.size:
+                contexts = checks.contexts(rows)
+                tags = np.stack([self._cache.tags(l, block_ids[rows], contexts, sealer) for l in layers], axis=1)
+                ok = checks.layers(group.first_layer, rows, tags)
+                rows, bad = rows[ok], rows[~ok]
             fan = np.isin(extra_rows, rows)
             for l in layers:
                 self._cache.copy_blocks(l, block_ids[extra_rows[fan]], extra_blocks[fan])
-            return layer_nbytes * (int(rows.size) + int(fan.sum()))
+            return layer_nbytes * (int(rows.size) + int(fan.sum())), bad
+        # device caches and encrypted objects: verified (decrypted) in a private copy, then copied
         private = staging[slots, : group.span_nbytes]  # fancy indexing: an unregistered copy
         local = np.arange(rows.size, dtype=np.int64)
-        if check is not None and rows.size:
-            ok = check(rows, self.checksums(group, private, local))
-            rows, local = rows[ok], local[ok]
+        if rows.size:
+            contexts = checks.contexts(rows)
+            if sealer.encrypts:
+                tags = self.open(group, private, rows, contexts, checks)
+            else:
+                tags = self.tags(group, private, local, contexts, sealer)
+            ok = checks.layers(group.first_layer, rows, tags)
+            rows, local, bad = rows[ok], local[ok], rows[~ok]
         local_of_row = np.full(len(block_ids), -1, dtype=np.int64)
         local_of_row[rows] = local
         fan = local_of_row[extra_rows] >= 0 if extra_rows.size else np.zeros(0, dtype=bool)
         targets = np.concatenate([block_ids[rows], extra_blocks[fan]])
         self.scatter(group, private, np.concatenate([local, local_of_row[extra_rows[fan]]]), targets)
-        return layer_nbytes * int(targets.size)
+        return layer_nbytes * int(targets.size), bad
+
+    def open(self, group: LayerGroup, private: np.ndarray, rows: np.ndarray, contexts: Sequence[bytes],
+             checks: ObjectChecks) -> np.ndarray:
+        """Decrypt each layer of `group` in `private` (row i = key rows[i]'s span) in place;
+        returns the tags as `checks.layers` compares them: the header's tag where the layer
+        decrypted, its complement (never equal) where it did not."""
+        out = np.empty((rows.size, group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)
+        for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
+            col = self.layout.layer_offset(layer_idx) - group.span_start
+            width = self.layout.layer_nbytes(layer_idx)
+            want = checks.expected(rows, layer_idx)
+            ok = checks.sealer.open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
+            out[:, j] = np.where(ok[:, None], want, ~want)
+        return out
+
+    def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
+                      contexts: Sequence[bytes], sealer: Sealer) -> np.ndarray:
+        """`gather` then the layer's tags (uint8 [len(slots), 16]); an encrypting sealer gathers
+        into private memory, encrypts there and puts only ciphertext into staging."""
+        if not sealer.encrypts:
+            self.gather(layer_idx, staging, slots, block_ids)
+            return self.layer_tags(layer_idx, staging, slots, contexts, sealer)
+        col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+        private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
+        self.gather(layer_idx, private, np.arange(len(slots), dtype=np.int64), block_ids)
+        spans = [private[i, col:] for i in range(len(slots))]
+        tags = sealer.seal_layers(contexts, layer_idx, spans)
+        staging[slots, col : col + width] = private[:, col:]
+        return tags
 
     def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
         """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
@@ -148,20 +190,21 @@ class StagedLayers:
             src = seg.blocks[ids]
             staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if self.on_host else src.cpu().numpy()
 
-    def layer_checksums(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """xxh3-64 of `layer_idx` in the object images at `slots`: uint64 [len(slots)]."""
+    def layer_tags(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
+                   sealer: Sealer) -> np.ndarray:
+        """Tags of `layer_idx` in the object images at `slots`: uint8 [len(slots), 16]."""
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
-        return np.array([staged_checksum(staging[slot, col : col + width]) for slot in slots.tolist()], dtype=np.uint64)
+        return sealer.layer_tags(contexts, layer_idx, [[staging[slot, col : col + width]] for slot in slots.tolist()])
 
-    def checksums(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """xxh3-64 of each layer of `group` in staging rows `slots`: uint64 [len(slots), layers
-        in group] (the same values CacheViews.checksums gives for a block)."""
-        out = np.empty((len(slots), group.end_layer - group.first_layer), dtype=np.uint64)
+    def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
+             sealer: Sealer) -> np.ndarray:
+        """Tags of each layer of `group` in staging rows `slots` (spans of the group): uint8
+        [len(slots), layers in group, 16] (the same values CacheViews.tags gives for a block)."""
+        out = np.empty((len(slots), group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)
         for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
             col = self.layout.layer_offset(layer_idx) - group.span_start
             width = self.layout.layer_nbytes(layer_idx)
-            for i, slot in enumerate(slots.tolist()):
-                out[i, j] = staged_checksum(staging[slot, col : col + width])
+            out[:, j] = sealer.layer_tags(contexts, layer_idx, [[staging[slot, col : col + width]] for slot in slots.tolist()])
         return out
 
 

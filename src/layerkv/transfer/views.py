@@ -1,25 +1,25 @@
 """Views of the registered KV caches, one per cache segment, indexed by block id: what the
-transfer threads use to checksum a block's layer, fan a loaded block out to other blocks and
+transfer threads use to tag a block's layer, fan a loaded block out to other blocks and
 scatter staged rows. Built once at registration on the compute thread, read-only afterwards.
 
     segment s of layer l:  view[b] = the nbytes bytes of block b  (object bytes [offset, offset + nbytes))
 
-Host caches get numpy views (checksums, staging scatter); device caches get torch uint8 views on
+Host caches get numpy views (tags, staging scatter); device caches get torch uint8 views on
 their device (fan-out with device copies; no host reads of device memory).
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from layerkv.errors import LayoutError
 from layerkv.layout import CacheLayout
+from layerkv.seal import Sealer
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -48,23 +48,12 @@ class CacheViews:
             storages = _storages(caches)
             self.layers = tuple(_device_views(layout, l, storages) for l in range(layout.num_layers))
 
-    def checksums(self, layer_idx: int, block_ids: np.ndarray) -> np.ndarray:
-        """xxh3-64 of each block's layer bytes in object order: uint64 [len(block_ids)].
-        Host caches only (device caches are not read from the host)."""
-        assert self.on_host, "checksums of device caches are not computed on the host"
+    def tags(self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer) -> np.ndarray:
+        """Each block's tag of its layer bytes in object order (layerkv.seal): uint8
+        [len(block_ids), 16]. Host caches only (device caches are not read from the host)."""
+        assert self.on_host, "tags of device caches are not computed on the host"
         views = self.layers[layer_idx]
-        out = np.empty(len(block_ids), dtype=np.uint64)
-        if len(views) == 1:
-            blocks = views[0].blocks
-            for i, b in enumerate(block_ids.tolist()):
-                out[i] = xxhash.xxh3_64_intdigest(blocks[b])  # type: ignore[arg-type]
-            return out
-        for i, b in enumerate(block_ids.tolist()):
-            hasher = xxhash.xxh3_64()
-            for view in views:
-                hasher.update(view.blocks[b])  # type: ignore[arg-type]
-            out[i] = hasher.intdigest()
-        return out
+        return sealer.layer_tags(contexts, layer_idx, [[v.blocks[b] for v in views] for b in block_ids.tolist()])
 
     def copy_blocks(self, layer_idx: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """cache[dst_ids[j]] <- cache[src_ids[j]] for every segment of the layer (host: numpy,
@@ -79,11 +68,6 @@ class CacheViews:
 
                 dev = view.blocks.device
                 view.blocks[torch.as_tensor(dst_ids, device=dev)] = view.blocks[torch.as_tensor(src_ids, device=dev)]
-
-
-def staged_checksum(row: np.ndarray) -> int:
-    """xxh3-64 of one contiguous staged layer span (same value as CacheViews.checksums)."""
-    return xxhash.xxh3_64_intdigest(row)  # type: ignore[arg-type]
 
 
 def _host_views(layout: CacheLayout, layer_idx: int) -> tuple[SegmentView, ...]:

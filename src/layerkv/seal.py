@@ -1,0 +1,129 @@
+"""What lets a reader trust an object's bytes: one 16-byte tag per layer and, with a tenant key,
+a MAC over the header. Pure functions of (subkey, object key, write nonce, bytes); any thread.
+
+    context   = object key (UTF-8) || 0x00 || the write's 16-byte nonce
+    layer tag = H(b"L" || context || u32 layer || the layer's bytes in object order)[:16]
+    header    = H(b"H" || context || the header with its MAC field zeroed)[:32]   (keyed only)
+
+H is BLAKE3 keyed with the tenant key's MAC subkey (`Sealer(mac_key)`), or, without a key,
+xxh3-128 (`Sealer(None)`: a checksum against corruption, no protection against anyone who writes
+the pool). Binding the object key and the nonce means a layer (or a whole header) copied from
+another object, or from an earlier write of the same object, does not verify. With
+`encrypt_objects` (`Sealer(mac_key, LayerCipher(...))`) each layer is AES-256-GCM ciphertext
+and its tag is the GCM tag (layerkv.encryption): decrypting verifies it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+import blake3
+import numpy as np
+import xxhash
+
+from layerkv import encryption
+from layerkv.encryption import LayerCipher
+
+if TYPE_CHECKING:
+    from layerkv.tenant_key import TenantKeys
+
+TAG_NBYTES = 16
+MAC_NBYTES = 32
+NONCE_NBYTES = 16
+_LAYER = struct.Struct("<I")
+assert encryption.TAG_NBYTES == TAG_NBYTES
+
+
+def context(object_key: str, nonce: bytes) -> bytes:
+    """What binds a tag to one write of one object."""
+    return object_key.encode() + b"\0" + nonce
+
+
+class Sealer:
+    """Tags and header MACs under one subkey (None: unkeyed xxh3-128 tags, no header MAC).
+    Never shows the key (`repr` says only whether it is keyed)."""
+
+    __slots__ = ("_key", "_cipher")
+
+    def __init__(self, mac_key: bytes | None, cipher: LayerCipher | None = None) -> None:
+        if cipher is not None and mac_key is None:
+            raise ValueError("encryption needs the tenant key's MAC subkey too")
+        self._key = mac_key
+        self._cipher = cipher
+
+    @property
+    def keyed(self) -> bool:
+        return self._key is not None
+
+    @property
+    def encrypts(self) -> bool:
+        return self._cipher is not None
+
+    def __repr__(self) -> str:
+        return f"Sealer(keyed={self.keyed}, encrypts={self.encrypts})"
+
+    def seal_layers(self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray]) -> np.ndarray:
+        """Tags of each object's layer `layer_idx` (`spans[i]`: its bytes, one contiguous
+        writable uint8 array): uint8 [len(spans), 16]. An encrypting sealer replaces each span
+        by its ciphertext (call it on private memory: the plaintext must never sit where a peer
+        can read it)."""
+        if self._cipher is None:
+            return self.layer_tags(contexts, layer_idx, [[span] for span in spans])
+        out = np.empty((len(spans), TAG_NBYTES), dtype=np.uint8)
+        for i, (ctx, span) in enumerate(zip(contexts, spans, strict=True)):
+            ciphertext, tag = self._cipher.encrypt(self._cipher.object_cipher(ctx), ctx, layer_idx, span.data)
+            span[:] = np.frombuffer(ciphertext, dtype=np.uint8)
+            out[i] = np.frombuffer(tag, dtype=np.uint8)
+        return out
+
+    def open_layers(self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray],
+                    tags: np.ndarray) -> np.ndarray:
+        """Encrypting sealers: decrypt each span in place where its tag (uint8 [n, 16]) verifies;
+        returns the mask of those (a span that fails is left as it was)."""
+        assert self._cipher is not None, "open_layers is for encrypted objects"
+        ok = np.zeros(len(spans), dtype=bool)
+        for i, (ctx, span) in enumerate(zip(contexts, spans, strict=True)):
+            plain = self._cipher.decrypt(self._cipher.object_cipher(ctx), ctx, layer_idx, span.data, tags[i].tobytes())
+            if plain is not None:
+                span[:] = np.frombuffer(plain, dtype=np.uint8)
+                ok[i] = True
+        return ok
+
+    def _hasher(self, first: bytes) -> Any:
+        h = blake3.blake3(key=self._key) if self._key is not None else xxhash.xxh3_128()
+        h.update(first)
+        return h
+
+    def layer_tag(self, ctx: bytes, layer_idx: int, chunks: Sequence[Any]) -> bytes:
+        """The 16-byte tag of one layer whose bytes are `chunks` (buffers, in object order)."""
+        h = self._hasher(b"L" + ctx + _LAYER.pack(layer_idx))
+        for chunk in chunks:
+            h.update(chunk)
+        return h.digest(TAG_NBYTES) if self._key is not None else h.digest()
+
+    def layer_tags(self, contexts: Sequence[bytes], layer_idx: int, rows: Sequence[Sequence[Any]]) -> np.ndarray:
+        """Tags of many objects' layer `layer_idx`: uint8 [len(rows), 16]."""
+        out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
+        for i, (ctx, chunks) in enumerate(zip(contexts, rows, strict=True)):
+            out[i] = np.frombuffer(self.layer_tag(ctx, layer_idx, chunks), dtype=np.uint8)
+        return out
+
+    def header_mac(self, ctx: bytes, header: bytes) -> bytes:
+        """The header's MAC (`header` with its MAC field zeroed); 32 zero bytes when unkeyed."""
+        if self._key is None:
+            return bytes(MAC_NBYTES)
+        h = self._hasher(b"H" + ctx)
+        h.update(header)
+        return h.digest(MAC_NBYTES)
+
+
+def sealer_for(keys: TenantKeys | None, encrypt: bool) -> Sealer:
+    """The sealer of an engine with tenant `keys` (None: unkeyed checksums); `encrypt`
+    (config encrypt_objects, which needs a key) encrypts every layer."""
+    if keys is None:
+        return Sealer(None)
+    return Sealer(keys.current.mac_key, LayerCipher(keys.current.encryption_key) if encrypt else None)
