@@ -6,6 +6,9 @@ any address it likes. Driven by JSON lines on stdin, one JSON answer per line on
     {"op": "list", "segment": S}                          -> {"buffers": [[addr, nbytes], ...]}
     {"op": "read", "segment": S, "addr": A, "nbytes": N}   -> {"rc": rc, "data": hex}
     {"op": "write", "segment": S, "addr": A, "nbytes": N, "byte": B} -> {"rc": rc}
+    {"op": "put_bytes", "segment": S, "addr": A, "data": hex}  -> {"rc": rc}
+    {"op": "find", "segment": S, "magic": hex, "nbytes": N} -> {"found": [[addr, hex of N bytes], ...]}
+        (every place in the segment's published buffers where `magic` starts, read whole)
     {"op": "scribble", "segment": S, "skip": [[addr, nbytes], ...], "byte": B}
         -> {"written": [[addr, nbytes, rc], ...]}  (every published buffer not in skip)
     {"op": "quit"}
@@ -30,6 +33,30 @@ def published_buffers(metadata_url: str, segment: str) -> list[list[int]]:
     with urllib.request.urlopen(url, timeout=5) as answer:
         descriptor = json.loads(answer.read())
     return [[int(b["addr"]), int(b["length"])] for b in descriptor.get("buffers", [])]
+
+
+def find(engine: Any, local: np.ndarray, segment: str, buffers: list[list[int]], magic: bytes,
+         nbytes: int) -> list[list[Any]]:
+    """Scan every published buffer of `segment` (chunk by chunk, overlapping by `nbytes`) for
+    `magic`; return [addr, the `nbytes` bytes from there, hex] for each place (up to 256)."""
+    found: list[list[Any]] = []
+    step = CHUNK_NBYTES - nbytes
+    for addr, length in buffers:
+        at = addr
+        while at < addr + length and len(found) < 256:
+            n = min(CHUNK_NBYTES, addr + length - at)
+            if engine.transfer_sync_read(segment, local.ctypes.data, at, n) != 0:
+                break
+            chunk = local[:n].tobytes()
+            last = at + n >= addr + length
+            i = chunk.find(magic)
+            while 0 <= i <= n - nbytes and (i < step or last):  # the overlap is the next chunk's
+                found.append([at + i, chunk[i : i + nbytes].hex()])
+                i = chunk.find(magic, i + 1)
+            if last:
+                break
+            at += step
+    return found
 
 
 def main() -> None:
@@ -59,6 +86,13 @@ def main() -> None:
             n = min(int(cmd["nbytes"]), CHUNK_NBYTES)
             local[:n] = int(cmd["byte"])
             answer = {"rc": engine.transfer_sync_write(segment, local.ctypes.data, int(cmd["addr"]), n)}
+        elif op == "put_bytes":
+            data = np.frombuffer(bytes.fromhex(cmd["data"]), dtype=np.uint8)
+            local[: data.size] = data
+            answer = {"rc": engine.transfer_sync_write(segment, local.ctypes.data, int(cmd["addr"]), int(data.size))}
+        elif op == "find":
+            answer = {"found": find(engine, local, segment, published_buffers(metadata_url, segment),
+                                    bytes.fromhex(cmd["magic"]), int(cmd["nbytes"]))}
         elif op == "scribble":
             skip = {tuple(b) for b in cmd.get("skip", [])}
             local[:] = int(cmd["byte"])

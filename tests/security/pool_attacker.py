@@ -10,6 +10,7 @@ attacker would) decides what to write. Driven by JSON lines on stdin, one answer
     {"op": "squat", "keys": [...], "nbytes": N}     -> {"results": [...]}  (put sessions never ended)
     {"op": "unsquat", "keys": [...]}                -> {"results": [...]}  (revokes them)
     {"op": "wipe", "regex": R}                      -> {"removed": n}
+    {"op": "segment"}                               -> {"name": S}  (argv[3] > 0: it mounts a segment of that many MiB)
     {"op": "quit"}
 """
 
@@ -29,7 +30,8 @@ def main() -> None:
     config: dict[str, Any] = json.loads(sys.argv[1])
     metrics_url = sys.argv[2]
     client = MooncakeDistributedStore()
-    rc = client.setup(config["local_hostname"], config["metadata_server"], 0, 64 << 20, "tcp", "",
+    segment_mib = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # a segment holder: objects may land in its memory
+    rc = client.setup(config["local_hostname"], config["metadata_server"], segment_mib << 20, 64 << 20, "tcp", "",
                       config["master_server_address"])
     if rc != 0:
         raise SystemExit(f"pool attacker: setup failed ({rc})")
@@ -53,6 +55,8 @@ def main() -> None:
             answer = {"results": list(client.batch_put_session_start(cmd["keys"], [int(cmd["nbytes"])] * len(cmd["keys"])))}
         elif op == "unsquat":
             answer = {"results": list(client.batch_put_session_revoke(cmd["keys"]))}
+        elif op == "segment":
+            answer = {"name": client.get_hostname()}
         elif op == "wipe":
             answer = {"removed": client.remove_by_regex(cmd["regex"])}
         else:

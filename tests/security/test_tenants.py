@@ -215,3 +215,48 @@ def test_what_a_reader_of_the_pool_learns_of_the_kv(make_oracle, tmp_path: Path,
     got = serve(consumer.engine, [CONSUMER], MAX_TOKENS)
     assert got[0].num_external_tokens == 24
     _assert_local_compute(oracle, consumer, got, 24)
+
+
+@KEYED
+def test_a_segment_holder_rewrites_what_lands_in_its_segment(make_oracle, tmp_path: Path, mooncake_master: MasterProcess,
+                                                            keyed: bool | str) -> None:  # type: ignore[no-untyped-def]
+    """The attacker mounts a segment of the pool (A's objects are placed there); with a bare
+    transfer engine it finds them in its own memory by the header's magic and rewrites one in
+    place with a forgery (another of A's objects' layers, fresh unkeyed checksums)."""
+    from layerkv.header import MAGIC
+
+    holder = Attacker(json.dumps(mooncake_master.config(global_segment_size=0)), mooncake_master.metrics_url, "64",
+                      module="tests.security.pool_attacker")
+    engine = Attacker(mooncake_master.metadata_url)
+    try:
+        segment = holder.ask(op="segment")["name"]
+        extra: dict[str, object] = {"tenant_key_file": _key_file(tmp_path)} if keyed else {}
+        if keyed == "encrypted":
+            extra["encrypt_objects"] = True
+        oracle = make_oracle(engine_config=ENGINE, tenant="tenant-a", preferred_segment=segment, **extra)
+        producer = oracle.pooled()
+        serve(producer.engine, [PRODUCER], MAX_TOKENS)
+        layout = producer.workers[0].layout
+        assert layout is not None
+        found = engine.ask(op="find", segment=segment, magic=MAGIC.hex(), nbytes=layout.object_nbytes)["found"]
+        by_id = {}
+        for addr, data in found:
+            obj = bytes.fromhex(data)
+            by_id[obj[64 : 64 + int.from_bytes(obj[20:24], "little")].hex()] = (addr, obj)
+        key_x, key_y = producer.keys(PRODUCER, blocks=[4, 5])
+        assert {key_x.split("@")[1], key_y.split("@")[1]} <= set(by_id)  # A's objects in the attacker's memory
+        (addr_x, x), (_, y) = by_id[key_x.split("@")[1]], by_id[key_y.split("@")[1]]
+        forged = forge("recomputed", x, y, key_x)
+        assert engine.ask(op="put_bytes", segment=segment, addr=addr_x, data=forged.hex())["rc"] == 0
+        consumer = oracle.pooled()
+        got = serve(consumer.engine, [CONSUMER], MAX_TOKENS)
+        stats = consumer.workers[0].stats()
+        if not keyed:  # served silently
+            assert stats.header_failures == 0 and stats.checksum_failures == 0 and got[0].num_external_tokens == 24
+            assert not _same(got, _local(oracle))
+            return
+        assert stats.header_failures + stats.checksum_failures >= 1, stats
+        _assert_local_compute(oracle, consumer, got, 16)
+    finally:
+        engine.close()
+        holder.close()
