@@ -3,9 +3,9 @@ separate process with a bare Mooncake store client (tests/security/pool_attacker
 the master's addresses, layerkv's code, the public model, the block size and tenant A's tenant
 string -- everything but A's key. Tenant A runs the reference engine on a real mooncake_master.
 
-Each attack runs twice: against A without a tenant key (today's exposure: the attack works, the
-proof that the test can fail) and against A with one (the attack fails: A's outputs stay
-bit-identical to local compute, the failures are counted)."""
+Each attack runs against A without a tenant key (the exposure without one: the attack works,
+the proof that the test can fail), with one, and with encrypt_objects (the attack fails: A's
+outputs stay bit-identical to local compute, the failures are counted)."""
 
 from __future__ import annotations
 

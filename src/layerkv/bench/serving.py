@@ -27,7 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,10 @@ from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
 from layerkv.bench.pool_reader import PoolReader
+from layerkv.bench.serving_grid import (BLOCK_SIZE, LOAD_MAX_TOKENS, LOAD_MISS_EVERY, LOAD_PREFIX_TOKENS,
+                                       LOAD_PREFIXES, LOAD_SUFFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids)
 from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, TRANSFER, LoadRun, Run, Step
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
-from layerkv.bench.serving_grid import (BLOCK_SIZE, ENGINES, LOAD_MAX_TOKENS, LOAD_MISS_EVERY, LOAD_PREFIX_TOKENS,
-                                       LOAD_PREFIXES, LOAD_SUFFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids)
 
 NAME = "serving"
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
