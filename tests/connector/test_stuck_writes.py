@@ -37,7 +37,7 @@ def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
         _serve(rig, Req(f"r{i}", _tokens(4, base=100 * i)))
     assert worker._areas is areas and areas.nbytes() == held  # fixed at start-up: never grows
     assert areas.saves.rows_in_use() <= MAX_SAVES_IN_FLIGHT  # the saves in flight hold one row each
-    assert worker.stats().save_skipped_steps >= 20
+    assert worker.stats().save_skipped_steps >= 25 - MAX_SAVES_IN_FLIGHT - 1  # all but those in flight behind the write
     # held behind the write: the saves in flight and their settle jobs, not one job per step
     assert worker.open_sessions()["running_jobs"] <= 2 * MAX_SAVES_IN_FLIGHT, worker.open_sessions()
     # the six verdict-only steps: the first waits save_timeout_s for its commits (stuck behind
