@@ -14,6 +14,7 @@ the plaintext's length: the object layout does not change.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import blake3
@@ -22,6 +23,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 TAG_NBYTES = 16  # AES-GCM's tag: the layer's tag in the header (layerkv.seal.TAG_NBYTES)
 _LAYER = struct.Struct("<I")
+
+
+@functools.lru_cache(maxsize=4096)
+def _object_cipher(key: bytes, ctx: bytes) -> AESGCM:
+    return AESGCM(blake3.blake3(b"E" + ctx, key=key).digest(32))
 
 
 class LayerCipher:
@@ -38,8 +44,9 @@ class LayerCipher:
         return "LayerCipher()"
 
     def object_cipher(self, ctx: bytes) -> AESGCM:
-        """The AES-256-GCM cipher of one write of one object."""
-        return AESGCM(blake3.blake3(b"E" + ctx, key=self._key).digest(32))
+        """The AES-256-GCM cipher of one write of one object (derived once per object, not per
+        layer: the last few thousand are kept)."""
+        return _object_cipher(self._key, ctx)
 
     @staticmethod
     def encrypt(cipher: AESGCM, ctx: bytes, layer_idx: int, plaintext: bytes | memoryview) -> tuple[bytes, bytes]:

@@ -17,10 +17,12 @@ Checks, per case:
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,14 +141,14 @@ def _hashes(prompt: list[int]) -> list[bytes]:
     return block_hashes(list(prompt), BLOCK_SIZE)
 
 
-def _clean_pool(tag: str, topology: Topology, resume: int) -> dict[str, bytes]:
+def _clean_pool(tag: str, topology: Topology, resume: int, **layerkv: Any) -> dict[str, bytes]:
     """The objects a fault-free run with the consumer's schedule writes (fresh embedded pool,
     same model id, hence the same keys): the producer, then the consumer after the producer's
     objects from the resume block on were removed (so it loads the same blocks and computes the
     same chunks as the faulty run after its recovery)."""
     backend = EmbeddedBackend()
     backend.tag = tag
-    oracle = Oracle(backend, model=topology.model, engine_config=_engine(topology))
+    oracle = Oracle(backend, model=topology.model, engine_config=_engine(topology), **layerkv)
     try:
         producer = oracle.pooled()
         serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
@@ -164,12 +166,22 @@ def _clean_pool(tag: str, topology: Topology, resume: int) -> dict[str, bytes]:
 
 
 @BOTH_BACKENDS
+@pytest.mark.parametrize("keyed", [False, True], ids=["no key", "tenant key"])
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_one_workers_load_fault_poisons_nothing(make_oracle, backend, topology: str, fault: str) -> None:
+def test_one_workers_load_fault_poisons_nothing(make_oracle, backend, topology: str, fault: str, keyed: bool,
+                                                tmp_path: Path) -> None:
+    if keyed and backend.name != "embedded":
+        pytest.skip("the keyed variant runs on the embedded store (the same code path; the suite's time)")
     topo = TOPOLOGIES[topology]
     install, resume = FAULTS[fault]
-    oracle = make_oracle(model=topo.model, engine_config=_engine(topo), load_timeout_s=1.0)
+    key: dict[str, Any] = {}
+    if keyed:  # every object authenticated: the same faults, the same clean pool
+        key_file = tmp_path / "tenant.key"
+        key_file.write_text(secrets.token_bytes(32).hex())
+        key_file.chmod(0o600)
+        key = {"tenant_key_file": str(key_file)}
+    oracle = make_oracle(model=topo.model, engine_config=_engine(topo), load_timeout_s=1.0, **key)
     producer = oracle.pooled()
     serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
 
@@ -200,7 +212,7 @@ def test_one_workers_load_fault_poisons_nothing(make_oracle, backend, topology: 
 
     # every object left in the pool is what a clean run with this schedule writes
     pool = _pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
-    clean = _clean_pool(backend.tag, topo, resume)
+    clean = _clean_pool(backend.tag, topo, resume, **key)
     assert set(pool) == set(clean), f"objects only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
     poisoned = [k for k in pool if pool[k] != clean[k]]
     assert not poisoned, f"{len(poisoned)} objects differ from a clean run's: {poisoned[:2]}"

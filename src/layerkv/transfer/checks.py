@@ -29,6 +29,7 @@ class ObjectChecks:
         self._tags = np.zeros((len(keys), num_layers, TAG_NBYTES), dtype=np.uint8)
         self._nonces = np.zeros((len(keys), NONCE_NBYTES), dtype=np.uint8)
         self._checked = np.zeros(len(keys), dtype=bool)  # the header verified: tags and nonce known
+        self._contexts: dict[int, bytes] = {}  # row -> its tags' context (seal.context), once verified
         self.bad = np.zeros(len(keys), dtype=bool)  # failed verification: remove after the session ends
         self.header_failures = 0
         self.checksum_failures = 0
@@ -57,12 +58,14 @@ class ObjectChecks:
         self.header_failures += len(failures)
         good = rows[ok]
         self._tags[good], self._nonces[good], self._checked[good] = tags[ok], nonces[ok], True
+        for r in good.tolist():  # once per object, not per layer
+            self._contexts[r] = context(self._keys[r], self._nonces[r].tobytes())
         return ok, failures
 
     def contexts(self, rows: np.ndarray) -> list[bytes]:
         """What binds each row's tags to its key and write (the header verified first)."""
         assert self._checked[rows].all(), "layers are checked only after their object's header"
-        return [context(self._keys[r], self._nonces[r].tobytes()) for r in rows.tolist()]
+        return [self._contexts[r] for r in rows.tolist()]
 
     def expected(self, rows: np.ndarray, layer_idx: int) -> np.ndarray:
         """The tags the headers of `rows` (verified) carry for `layer_idx`: uint8 [rows, 16]."""
@@ -75,7 +78,13 @@ class ObjectChecks:
         if rows.size == 0:
             return np.ones(0, dtype=bool)
         want = self._tags[rows, first_layer : first_layer + tags.shape[1]]
-        differs = (want != tags).any(axis=2)  # [rows, layers]
+        return self.judge(first_layer, rows, (want != tags).any(axis=2))
+
+    def judge(self, first_layer: int, rows: np.ndarray, differs: np.ndarray) -> np.ndarray:
+        """Mask of `rows` none of whose layers first_layer + j failed (`differs[i, j]`: a tag
+        mismatch, or a layer that did not decrypt); the others are marked bad."""
+        if rows.size == 0:
+            return np.ones(0, dtype=bool)
         bad = ~self._checked[rows] | differs.any(axis=1)
         for row, j in zip(rows[bad].tolist(), np.argmax(differs[bad], axis=1).tolist()):
             log.warning("layerkv: layer tag mismatch: key %s layer %d; the block is recomputed and the object removed",

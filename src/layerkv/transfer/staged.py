@@ -140,10 +140,9 @@ class StagedLayers:
         if rows.size:
             contexts = checks.contexts(rows)
             if sealer.encrypts:
-                tags = self.open(group, private, rows, contexts, checks)
+                ok = checks.judge(group.first_layer, rows, ~self.open(group, private, rows, contexts, checks))
             else:
-                tags = self.tags(group, private, local, contexts, sealer)
-            ok = checks.layers(group.first_layer, rows, tags)
+                ok = checks.layers(group.first_layer, rows, self.tags(group, private, local, contexts, sealer))
             rows, local, bad = rows[ok], local[ok], rows[~ok]
         local_of_row = np.full(len(block_ids), -1, dtype=np.int64)
         local_of_row[rows] = local
@@ -154,16 +153,14 @@ class StagedLayers:
 
     def open(self, group: LayerGroup, private: np.ndarray, rows: np.ndarray, contexts: Sequence[bytes],
              checks: ObjectChecks) -> np.ndarray:
-        """Decrypt each layer of `group` in `private` (row i = key rows[i]'s span) in place;
-        returns the tags as `checks.layers` compares them: the header's tag where the layer
-        decrypted, its complement (never equal) where it did not."""
-        out = np.empty((rows.size, group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)
+        """Decrypt each layer of `group` in `private` (row i = key rows[i]'s span) in place,
+        against the tags the headers carry; returns bool [rows, layers of group]: decrypted."""
+        out = np.empty((rows.size, group.end_layer - group.first_layer), dtype=bool)
         for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
             col = self.layout.layer_offset(layer_idx) - group.span_start
             width = self.layout.layer_nbytes(layer_idx)
             want = checks.expected(rows, layer_idx)
-            ok = checks.sealer.open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
-            out[:, j] = np.where(ok[:, None], want, ~want)
+            out[:, j] = checks.sealer.open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
         return out
 
     def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
