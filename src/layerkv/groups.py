@@ -58,9 +58,11 @@ def _without_blocks(plan: Any, skip: frozenset[int]) -> Any:
             return specs
         out = []
         for spec in specs:
-            pairs = [(h, b) for h, b in zip(spec.block_hashes, spec.block_ids) if b not in skip]
-            if pairs:
-                out.append(BlockSpec(spec.req_id, tuple(h for h, _ in pairs), tuple(b for _, b in pairs)))
+            gens = spec.generations or (0,) * len(spec)
+            kept = [(h, b, g) for h, b, g in zip(spec.block_hashes, spec.block_ids, gens) if b not in skip]
+            if kept:
+                hashes, ids, generations = (tuple(column) for column in zip(*kept))
+                out.append(BlockSpec(spec.req_id, hashes, ids, generations if any(generations) else ()))
         return tuple(out)
 
     return dataclasses.replace(plan, loads=keep(plan.loads), saves=keep(plan.saves))

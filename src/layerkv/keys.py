@@ -140,8 +140,17 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
 
 def tenant_namespace(deployment: Deployment, tenant: str, model_fingerprint: str, keys: TenantKeys | None) -> Namespace:
     """`namespace_for` under the current tenant key's names subkey (None: unkeyed)."""
-    return namespace_for(deployment, tenant, model_fingerprint=model_fingerprint,
-                         names_key=keys.current.names_key if keys is not None else None)
+    return tenant_namespaces(deployment, tenant, model_fingerprint, keys)[0]
+
+
+def tenant_namespaces(deployment: Deployment, tenant: str, model_fingerprint: str,
+                      keys: TenantKeys | None) -> tuple[Namespace, ...]:
+    """One namespace per key of the key file, in its order (generation 0: the current key,
+    which writes; the older ones only read, after a rotation). Unkeyed: the one plain namespace."""
+    if keys is None:
+        return (namespace_for(deployment, tenant, model_fingerprint=model_fingerprint),)
+    return tuple(namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, names_key=k.names_key)
+                 for k in keys.all)
 
 
 def _kv_signature(deployment: Deployment, layout: CacheLayout | None) -> str:

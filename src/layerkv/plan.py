@@ -18,9 +18,13 @@ class BlockSpec:
     req_id: ReqId
     block_hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
+    # loads: per block, the tenant key (index in the key file) the pool holds it under; () = all
+    # the current key's (0), as every save is
+    generations: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) == len(self.block_ids), "hashes and block ids must pair up"
+        assert not self.generations or len(self.generations) == len(self.block_ids), "one generation per block"
 
     def __len__(self) -> int:
         return len(self.block_ids)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.keys import Namespace, block_keys, storage_role, tenant_namespace
+from layerkv.keys import Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.plan import BlockSpec, StepPlan, StepVerdict
 from layerkv.stats import SchedulerStats
@@ -29,27 +29,32 @@ log = logging.getLogger(__name__)
 
 class PoolLookup:
     """Asks the store which blocks are readable: a block counts only if every storage rank's
-    key is COMPLETE. Results outside {0, 1} are errors, never hits."""
+    key is COMPLETE. Results outside {0, 1} are errors, never hits.
 
-    def __init__(self, store: CheckedStore, namespace: Namespace | Sequence[Namespace], num_storage_ranks: int,
+    `generations[g]`: the pipeline stages' namespaces under tenant key g (0: the current key,
+    higher: older keys kept after a rotation, asked only for what the newer ones miss)."""
+
+    def __init__(self, store: CheckedStore, generations: Sequence[Sequence[Namespace]], num_storage_ranks: int,
                  window_blocks: int, stats: SchedulerStats) -> None:
         self._store = store
         # every (pipeline stage namespace, storage rank) pair must hold a block for a hit
-        namespaces = [namespace] if isinstance(namespace, Namespace) else list(namespace)
-        self._ranks = [(ns, rank) for ns in namespaces for rank in range(num_storage_ranks)]
+        self._ranks = [[(ns, rank) for ns in stages for rank in range(num_storage_ranks)] for stages in generations]
+        assert self._ranks, "at least the current key's namespaces"
         self._window_blocks = window_blocks
         self._stats = stats
 
-    def present(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        """Per block: are all storage ranks' keys readable? One exists call (the store splits it)."""
+    def present(self, hashes: Sequence[BlockHash], generation: int = 0) -> list[bool]:
+        """Per block: are all storage ranks' keys under `generation` readable? One exists call
+        (the store splits it)."""
         if not hashes:
             return []
-        keys_by_rank = [block_keys(ns, hashes, rank) for ns, rank in self._ranks]
+        ranks = self._ranks[generation]
+        keys_by_rank = [block_keys(ns, hashes, rank) for ns, rank in ranks]
         keys = [key for rank_keys in zip(*keys_by_rank) for key in rank_keys]  # block-major
         results = self._store.batch_is_exist(keys)
         self._stats.exists_calls += 1
         self._stats.keys_queried += len(keys)
-        table = np.asarray(results, dtype=np.int64).reshape(len(hashes), len(self._ranks))  # [blocks, ranks]
+        table = np.asarray(results, dtype=np.int64).reshape(len(hashes), len(ranks))  # [blocks, ranks]
         errors = ~np.isin(table, (0, 1)).all(axis=1)
         if errors.any():
             self._stats.lookup_errors += int(errors.sum())
@@ -57,18 +62,34 @@ class PoolLookup:
                         int(errors.sum()), len(hashes), sorted(set(table[errors].ravel().tolist()) - {0, 1}))
         return (table == 1).all(axis=1).tolist()
 
-    def count_hit_blocks(self, hashes: Sequence[BlockHash], start_block: int, end_block: int) -> int:
-        """Length of the run of present blocks from `start_block` (exclusive `end_block`),
-        asking one window at a time and stopping at the first window with a miss. A window that
-        hits entirely doubles the next one (a long full hit costs log-many queries, a low hit
-        rate still costs one window)."""
-        hit, window_start, window_blocks = 0, start_block, self._window_blocks
+    def locate(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Per block: the first key generation under which it is present (-1: under none). The
+        older keys are asked only for the blocks the newer ones miss."""
+        found = [-1] * len(hashes)
+        missing = list(range(len(hashes)))
+        for generation in range(len(self._ranks)):
+            if not missing:
+                break
+            present = self.present([hashes[i] for i in missing], generation)
+            for i, flag in zip(missing, present):
+                if flag:
+                    found[i] = generation
+            missing = [i for i in missing if found[i] < 0]
+        return found
+
+    def count_hit_blocks(self, hashes: Sequence[BlockHash], start_block: int, end_block: int) -> list[int]:
+        """The run of present blocks from `start_block` (exclusive `end_block`), as each one's
+        key generation, asking one window at a time and stopping at the first window with a
+        miss. A window that hits entirely doubles the next one (a long full hit costs
+        log-many queries, a low hit rate still costs one window)."""
+        hit: list[int] = []
+        window_start, window_blocks = start_block, self._window_blocks
         while window_start < end_block:
             window = hashes[window_start : min(window_start + window_blocks, end_block)]
-            for flag in self.present(window):
-                if not flag:
+            for generation in self.locate(window):
+                if generation < 0:
                     return hit
-                hit += 1
+                hit.append(generation)
             window_start += len(window)
             window_blocks *= 2
         return hit
@@ -78,6 +99,7 @@ class PoolLookup:
 class _PendingLoad:
     start_block: int
     num_blocks: int
+    generations: tuple[int, ...]  # per block: the tenant key it is found under (PoolLookup.locate)
 
 
 @dataclass(slots=True)
@@ -100,11 +122,12 @@ class SchedulerConnector:
         keys = tenant_keys(config.tenant_key_file)  # read once; never shown
         self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys)
         # with pipeline parallelism each stage writes its own layers under its own namespace
-        stage_namespaces = [tenant_namespace(dataclasses.replace(deployment, pp_rank=s), config.tenant,
-                                             config.model_fingerprint, keys) for s in range(deployment.pp_size)]
+        # after a key rotation, each older key's namespaces too (read, never written)
+        stages = [tenant_namespaces(dataclasses.replace(deployment, pp_rank=s), config.tenant, config.model_fingerprint,
+                                    keys) for s in range(deployment.pp_size)]
         self._stats = SchedulerStats()
         role = storage_role(deployment)
-        self._lookup = PoolLookup(self.store, stage_namespaces, role.num_storage_ranks, config.exists_window_blocks, self._stats)
+        self._lookup = PoolLookup(self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats)
         self._block_size = deployment.block_size
         self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
         self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc
@@ -126,12 +149,16 @@ class SchedulerConnector:
         if start_block >= end_block:
             return 0, False
         self._stats.lookups += 1
-        hit_blocks = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
-        if hit_blocks == 0:
+        generations = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
+        if not generations:
             return 0, False
-        self._stats.hit_blocks += hit_blocks
-        self._matched[request.req_id] = _PendingLoad(start_block, hit_blocks)
-        return hit_blocks * self._block_size, False
+        self._matched[request.req_id] = self._hit(start_block, generations)
+        return len(generations) * self._block_size, False
+
+    def _hit(self, start_block: int, generations: Sequence[int]) -> _PendingLoad:
+        self._stats.hit_blocks += len(generations)
+        self._stats.hit_blocks_older_key += sum(1 for g in generations if g)
+        return _PendingLoad(start_block, len(generations), tuple(generations) if any(generations) else ())
 
     def match_window(self, request: RequestView, num_computed_tokens: int, max_tokens: int | None = None) -> int:
         """A sliding-window group's hook in place of get_num_new_matched_tokens: the longest hit
@@ -150,12 +177,11 @@ class SchedulerConnector:
         self._stats.lookups += 1
         while end_block > start_block:
             first = max(start_block, end_block - window)
-            present = self._lookup.present(request.block_hashes[first:end_block])
-            if all(present):
-                self._stats.hit_blocks += end_block - start_block
-                self._matched[request.req_id] = _PendingLoad(start_block, end_block - start_block)
+            found = self._lookup.locate(request.block_hashes[first:end_block])
+            if min(found) >= 0:  # blocks before the window are the null block: not loaded
+                self._matched[request.req_id] = self._hit(start_block, [0] * (first - start_block) + found)
                 return (end_block - start_block) * self._block_size
-            end_block = first + max(i for i, p in enumerate(present) if not p)  # the hit ends before that miss
+            end_block = first + max(i for i, g in enumerate(found) if g < 0)  # the hit ends before that miss
         return 0
 
     def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
@@ -166,7 +192,8 @@ class SchedulerConnector:
         first, last = matched.start_block, matched.start_block + num_blocks
         if last > len(block_ids):
             raise ValueError(f"request {request.req_id}: {len(block_ids)} blocks allocated, {last} needed for the pool hit")
-        self._pending[request.req_id] = BlockSpec(request.req_id, tuple(request.block_hashes[first:last]), tuple(block_ids[first:last]))
+        self._pending[request.req_id] = BlockSpec(request.req_id, tuple(request.block_hashes[first:last]),
+                                                  tuple(block_ids[first:last]), matched.generations[:num_blocks])
 
     def build_connector_meta(self, step: SchedulerStep) -> StepPlan:
         scheduled = {r.req_id for r in step.requests}

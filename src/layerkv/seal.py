@@ -126,9 +126,56 @@ class Sealer:
         return h.digest(MAC_NBYTES)
 
 
+class RowSealers:
+    """Several sealers, one chosen per row (after a key rotation a load's objects may be named
+    and sealed under different keys): the per-row calls of Sealer, each row done by its own.
+    `picks[i]` indexes `sealers` for row i of every call (the rows of the contexts given)."""
+
+    __slots__ = ("_sealers", "_picks")
+
+    def __init__(self, sealers: Sequence[Sealer], picks: np.ndarray) -> None:
+        assert len({s.encrypts for s in sealers}) == 1, "every key of one engine encrypts, or none"
+        self._sealers = tuple(sealers)
+        self._picks = np.asarray(picks, dtype=np.int64)
+
+    @property
+    def keyed(self) -> bool:
+        return self._sealers[0].keyed
+
+    @property
+    def encrypts(self) -> bool:
+        return self._sealers[0].encrypts
+
+    def __repr__(self) -> str:
+        return f"RowSealers({len(self._sealers)} keys, keyed={self.keyed}, encrypts={self.encrypts})"
+
+    def _split(self, n: int) -> list[tuple[Sealer, list[int]]]:
+        assert self._picks.size == n, f"{self._picks.size} picks for {n} rows"
+        return [(self._sealers[g], np.flatnonzero(self._picks == g).tolist()) for g in np.unique(self._picks).tolist()]
+
+    def layer_tags(self, contexts: Sequence[bytes], layer_idx: int, rows: Sequence[Sequence[Any]]) -> np.ndarray:
+        out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
+        for sealer, idx in self._split(len(rows)):
+            out[idx] = sealer.layer_tags([contexts[i] for i in idx], layer_idx, [rows[i] for i in idx])
+        return out
+
+    def open_layers(self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray],
+                    tags: np.ndarray) -> np.ndarray:
+        ok = np.zeros(len(spans), dtype=bool)
+        for sealer, idx in self._split(len(spans)):
+            ok[idx] = sealer.open_layers([contexts[i] for i in idx], layer_idx, [spans[i] for i in idx], tags[idx])
+        return ok
+
+
 def sealer_for(keys: TenantKeys | None, encrypt: bool) -> Sealer:
     """The sealer of an engine with tenant `keys` (None: unkeyed checksums); `encrypt`
     (config encrypt_objects, which needs a key) encrypts every layer."""
+    return sealers_for(keys, encrypt)[0]
+
+
+def sealers_for(keys: TenantKeys | None, encrypt: bool) -> tuple[Sealer, ...]:
+    """One sealer per key of the key file, in its order (the first writes, all verify); one
+    unkeyed sealer without a key."""
     if keys is None:
-        return Sealer(None)
-    return Sealer(keys.current.mac_key, LayerCipher(keys.current.encryption_key) if encrypt else None)
+        return (Sealer(None),)
+    return tuple(Sealer(k.mac_key, LayerCipher(k.encryption_key) if encrypt else None) for k in keys.all)

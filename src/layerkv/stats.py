@@ -17,6 +17,7 @@ class SchedulerStats:
     keys_queried: int = 0
     lookup_errors: int = 0
     hit_blocks: int = 0
+    hit_blocks_older_key: int = 0  # hits under an older tenant key (a rotation: 0 once the pool turned over)
     load_blocks: int = 0
     save_blocks: int = 0
     save_skipped_existing: int = 0

@@ -7,9 +7,9 @@ and lines starting with '#' are ignored. The file must be a regular file readabl
 only (no group or other permission bits, as ssh requires of private keys). `layerkv keygen FILE`
 writes a new one (`--rotate` puts a new key first and keeps the older ones after it).
 
-The first key names, signs and encrypts what this process writes. Every key in the file verifies
-and decrypts; reading objects named under an older key is not done yet (a key rotation starts
-from a cold pool for now, see docs/security.md).
+The first key names, signs and encrypts what this process writes. Every key in the file reads:
+objects named under an older key are found (keys.tenant_namespaces, scheduler.PoolLookup.locate)
+and verified and decrypted with that key (docs/security.md §2, rotation).
 
 Subkeys: BLAKE3's key derivation mode with one context string per purpose, so a subkey of one
 purpose says nothing about another and none reveals the tenant key. Nothing here ever shows a

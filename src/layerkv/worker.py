@@ -22,12 +22,10 @@ from typing import Any
 from layerkv import worker_jobs
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, TransferError
-from layerkv.header import Header
-from layerkv.keys import storage_role, tenant_namespace
+from layerkv.keys import storage_role, tenant_namespaces
 from layerkv.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.plan import BlockSpec, StepPlan
-from layerkv.seal import sealer_for
 from layerkv.stats import WorkerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.tenant_key import tenant_keys
@@ -74,7 +72,8 @@ class WorkerConnector:
         self.store = store
         self.storage_role = storage_role(deployment)
         self.tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
-        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, self.tenant_keys)
+        self.namespaces = tenant_namespaces(deployment, config.tenant, config.model_fingerprint, self.tenant_keys)
+        self.namespace = self.namespaces[0]  # the current key's: it writes; every key's namespace reads
         self.pending = PendingPuts()
         self.layout: CacheLayout | None = None
         self._jobs: JobFactory | None = None  # once the KV caches are registered
@@ -118,14 +117,13 @@ class WorkerConnector:
         if self.layout.device_type != "cpu" and self.config.backend == "embedded":
             raise ConfigError(f"backend='embedded' needs host memory; the KV caches live on {self.layout.device_type}. "
                               "Use backend='mooncake' for device memory")
-        sealer = sealer_for(self.tenant_keys, self.config.encrypt_objects)  # keyed MACs with a key
-        header = Header(self.namespace.digest, self.layout.digest, self.layout.num_layers, self.layout.object_nbytes, sealer)
+        headers = worker_jobs.headers_for(self.namespaces, self.layout, self.tenant_keys, self.config.encrypt_objects)
         views = CacheViews(self.layout, kv_caches)
         self._names_per_layer = [len({e.layer_name for e in layer}) for layer in self.layout.layers]
         direct = self.config.register_kv_cache
         self._areas = StagingAreas.for_layout(self.layout, self.config.staging_nbytes, direct)
-        self._jobs = JobFactory(self.config, self.store, self.namespace, self.storage_role.storage_rank, self.layout,
-                                header, views, StagedLayers(views), self._areas, self.costs, self._load_lanes,
+        self._jobs = JobFactory(self.config, self.store, self.namespaces, self.storage_role.storage_rank, self.layout,
+                                headers, views, StagedLayers(views), self._areas, self.costs, self._load_lanes,
                                 self._save_lanes, self.pending, self._write, self._stats)
         # the store can reach these and nothing else of the engine's (the live cache only when the
         # user opts in; a Mooncake client that mounts a global segment in this process exposes it too)

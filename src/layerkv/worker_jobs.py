@@ -18,9 +18,11 @@ from layerkv.header import Header
 from layerkv.keys import Namespace, block_keys
 from layerkv.layout import CacheLayout
 from layerkv.plan import BlockSpec
+from layerkv.seal import sealers_for
 from layerkv.stats import WorkerStats
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
+from layerkv.tenant_key import TenantKeys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.pending import PendingPuts
@@ -36,16 +38,23 @@ from layerkv.transfer.views import CacheViews
 log = logging.getLogger(__name__)
 
 
+def headers_for(namespaces: tuple[Namespace, ...], layout: CacheLayout, keys: TenantKeys | None,
+                encrypt: bool) -> tuple[Header, ...]:
+    """The header codec of each key generation (parallel to `namespaces`: tenant_namespaces)."""
+    return tuple(Header(ns.digest, layout.digest, layout.num_layers, layout.object_nbytes, sealer)
+                 for ns, sealer in zip(namespaces, sealers_for(keys, encrypt), strict=True))
+
+
 @dataclass
 class JobFactory:
     """Everything a step's jobs are built from; `stats` is the worker's (compute thread)."""
 
     config: LayerKVConfig
     store: CheckedStore
-    namespace: Namespace
+    namespaces: tuple[Namespace, ...]  # one per tenant key, the current (which writes) first
     storage_rank: int
     layout: CacheLayout
-    header: Header
+    headers: tuple[Header, ...]  # parallel to namespaces
     views: CacheViews
     staged: StagedLayers  # staged group / whole-object reads, staged saves
     areas: StagingAreas
@@ -56,6 +65,14 @@ class JobFactory:
     writer: TransferThread  # staged saves' writes go there
     stats: WorkerStats
     exploration: Exploration = field(default_factory=Exploration)  # auto plans: which mode to try
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.namespaces[0]
+
+    @property
+    def header(self) -> Header:
+        return self.headers[0]
 
     @property
     def direct(self) -> bool:
@@ -69,12 +86,18 @@ class JobFactory:
         """One LoadKey per distinct object: read into the first local block, copied to the rest.
         None when no staging row is free (every one held by earlier jobs still in the store):
         the worker reports the step's blocks invalid."""
-        by_key: dict[ObjectKey, tuple[bytes, list[int]]] = {}
+        by_key: dict[ObjectKey, tuple[bytes, int, list[int]]] = {}
         for spec in specs:
-            keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
-            for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
-                by_key.setdefault(key, (self.namespace.block_id(block_hash), []))[1].append(block_id)
-        load_keys = [LoadKey(key, h, ids[0], tuple(ids[1:])) for key, (h, ids) in by_key.items()]
+            for gen, block_hash, block_id in zip(spec.generations or [0] * len(spec), spec.block_hashes, spec.block_ids):
+                if gen >= len(self.namespaces):  # the scheduler found it under a key this worker lacks
+                    log.error("layerkv: a pool hit under tenant key %d of the key file, which holds %d here: this "
+                              "step's loads are recomputed (give every process the same tenant_key_file)",
+                              gen + 1, len(self.namespaces))
+                    return None
+                namespace = self.namespaces[gen]
+                key = block_keys(namespace, (block_hash,), self.storage_rank)[0]
+                by_key.setdefault(key, (namespace.block_id(block_hash), gen, []))[2].append(block_id)
+        load_keys = [LoadKey(key, h, ids[0], tuple(ids[1:]), gen) for key, (h, gen, ids) in by_key.items()]
         self.stats.load_keys += len(load_keys)
         self.stats.load_blocks += sum(len(spec) for spec in specs)
         plan, prefetch = self.load_plan(len(load_keys), num_tokens)
@@ -91,7 +114,7 @@ class JobFactory:
             self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
                                   predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored,
                                   kinds_ms=self.last_predictions if plan.predicted_s else {})
-        job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.header, staging=area.array,
+        job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.headers, staging=area.array,
                       slots=slots, views=self.views, plan=plan, lanes=self.load_lanes,
                       renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch,
                       staged=self.staged if plan.mode != LAYERS else None, costs=self.costs)

@@ -10,7 +10,7 @@ import pytest
 from layerkv.config import LayerKVConfig
 from layerkv.encryption import LayerCipher
 from layerkv.errors import ConfigError
-from layerkv.seal import Sealer, context
+from layerkv.seal import RowSealers, Sealer, context
 
 CTX = context("ns@00ff@0", bytes(range(16)))
 
@@ -50,6 +50,31 @@ def test_encrypted_layers_round_trip_and_refuse_any_change() -> None:
     assert sealer.open_layers(contexts, 5, list(again), tags).all() and np.array_equal(again, plain)
     assert "LayerCipher()" in repr(sealer) or "encrypts=True" in repr(sealer)
     assert bytes(range(32)).hex()[:16] not in repr(sealer) + repr(LayerCipher(bytes(range(32))))
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["keyed", "encrypted"])
+def test_row_sealers_do_each_row_with_its_own_key(encrypt: bool) -> None:
+    """After a key rotation one load holds objects of two keys: row i is done by sealers[picks[i]]."""
+    sealers = [Sealer(bytes([k]) * 32, LayerCipher(bytes([k + 1]) * 32) if encrypt else None) for k in (1, 7)]
+    picks = np.array([1, 0, 1])
+    contexts = [context(f"ns@{i:02x}@0", bytes(16)) for i in range(3)]
+    data = [np.full(256, i, dtype=np.uint8) for i in range(3)]
+    mixed = RowSealers(sealers, picks)
+    assert mixed.encrypts is encrypt and mixed.keyed
+    if not encrypt:
+        tags = mixed.layer_tags(contexts, 2, [[d] for d in data])
+        for i, g in enumerate(picks.tolist()):
+            assert tags[i].tobytes() == sealers[g].layer_tag(contexts[i], 2, [data[i]])
+            assert tags[i].tobytes() != sealers[1 - g].layer_tag(contexts[i], 2, [data[i]])
+        return
+    spans = [d.copy() for d in data]
+    tags = np.stack([sealers[g].seal_layers([contexts[i]], 2, [spans[i]])[0] for i, g in enumerate(picks.tolist())])
+    assert mixed.open_layers(contexts, 2, spans, tags).all()
+    assert all(np.array_equal(s, d) for s, d in zip(spans, data))
+    swapped = [d.copy() for d in data]
+    for i, g in enumerate(picks.tolist()):
+        sealers[g].seal_layers([contexts[i]], 2, [swapped[i]])
+    assert not RowSealers(sealers, 1 - picks).open_layers(contexts, 2, swapped, tags).any()  # the other key: refused
 
 
 def test_encryption_needs_a_key() -> None:

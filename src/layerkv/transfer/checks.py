@@ -15,15 +15,22 @@ import numpy as np
 
 from layerkv.errors import HeaderError
 from layerkv.header import Header
-from layerkv.seal import NONCE_NBYTES, TAG_NBYTES, Sealer, context
+from layerkv.seal import NONCE_NBYTES, TAG_NBYTES, RowSealers, Sealer, context
 from layerkv.store.base import ObjectKey
 
 log = logging.getLogger(__name__)
 
 
 class ObjectChecks:
-    def __init__(self, header: Header, keys: Sequence[ObjectKey], block_ids: Sequence[bytes], num_layers: int) -> None:
-        self._header = header
+    """`headers[g]` verifies the rows of generation g (`generations[row]`; the key that named
+    and sealed the object: 0 the current key, higher an older one still in the key file)."""
+
+    def __init__(self, headers: Header | Sequence[Header], keys: Sequence[ObjectKey], block_ids: Sequence[bytes],
+                 num_layers: int, generations: Sequence[int] | None = None) -> None:
+        self._headers = (headers,) if isinstance(headers, Header) else tuple(headers)
+        self._gens = np.zeros(len(keys), dtype=np.int64) if generations is None else np.asarray(generations, dtype=np.int64)
+        if self._gens.shape != (len(keys),) or (self._gens.size and not 0 <= self._gens.min() <= self._gens.max() < len(self._headers)):
+            raise ValueError(f"generations {self._gens.tolist()} for {len(keys)} keys and {len(self._headers)} headers")
         self._keys = keys
         self._ids = block_ids
         self._tags = np.zeros((len(keys), num_layers, TAG_NBYTES), dtype=np.uint8)
@@ -35,21 +42,36 @@ class ObjectChecks:
         self.checksum_failures = 0
 
     @property
-    def sealer(self) -> Sealer:
-        return self._header.sealer
+    def encrypts(self) -> bool:
+        return self._headers[0].sealer.encrypts
+
+    def sealer(self, rows: np.ndarray) -> Sealer | RowSealers:
+        """What tags (or decrypts) the layers of `rows`, in that order: the one key's sealer,
+        or each row's own after a key rotation."""
+        gens = self._gens[rows]
+        if len(self._headers) == 1 or not gens.any():
+            return self._headers[0].sealer
+        return RowSealers([h.sealer for h in self._headers], gens)
 
     def headers(self, rows: np.ndarray, headers: np.ndarray) -> tuple[np.ndarray, list[tuple[int, str]]]:
         """(mask of `rows` whose header `headers[i]` verifies, [(row, reason)] of the others);
         keeps each good row's tags and nonce."""
         if rows.size == 0:
             return np.ones(0, dtype=bool), []
-        keys = [self._keys[r] for r in rows.tolist()]
-        ok, nonces, tags = self._header.verify_many(headers, [self._ids[r] for r in rows.tolist()], keys)
+        ok = np.zeros(rows.size, dtype=bool)
+        nonces = np.zeros((rows.size, NONCE_NBYTES), dtype=np.uint8)
+        tags = np.zeros((rows.size,) + self._tags.shape[1:], dtype=np.uint8)
+        gens = self._gens[rows]
+        for g in np.unique(gens).tolist():
+            idx = np.flatnonzero(gens == g)
+            picked = rows[idx].tolist()
+            ok[idx], nonces[idx], tags[idx] = self._headers[g].verify_many(
+                headers[idx], [self._ids[r] for r in picked], [self._keys[r] for r in picked])
         failures = []
         for i in np.flatnonzero(~ok).tolist():
             row = int(rows[i])
             try:
-                self._header.verify(headers[i], self._ids[row], keys[i])
+                self._headers[int(gens[i])].verify(headers[i], self._ids[row], self._keys[row])
                 reason = "header mismatch"
             except HeaderError as exc:
                 reason = str(exc)

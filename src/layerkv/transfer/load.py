@@ -58,6 +58,7 @@ class LoadKey:
     block_hash: BlockHash  # as named in the key and header: Namespace.block_id of the engine's hash
     block_id: int
     extra_block_ids: tuple[int, ...] = ()
+    generation: int = 0  # the tenant key it is named and sealed under (0: the current one; LoadJob's headers)
 
 
 @dataclass(slots=True)
@@ -85,7 +86,7 @@ class LoadJob(JobState):
         *,
         store: CheckedStore,
         layout: CacheLayout,
-        header: Header,
+        header: Header | tuple[Header, ...],  # one per key generation (LoadKey.generation), the current first
         staging: np.ndarray,  # uint8 registered area [rows, width]: header rows (LAYERS: width >=
         # header_nbytes, >= len(keys) slots) or object rows (`staged`: width staged.row_nbytes,
         # >= 1 slot; keys stream through the slots a wave at a time)
@@ -113,7 +114,8 @@ class LoadJob(JobState):
         self._costs = costs
         if plan.mode != LAYERS and staged is None:
             raise LayoutError(f"a {plan.mode} load plan needs host staging")
-        if plan.mode == LAYERS and (not views.on_host or header.sealer.encrypts):
+        headers = (header,) if isinstance(header, Header) else header
+        if plan.mode == LAYERS and (not views.on_host or headers[0].sealer.encrypts):
             raise LayoutError("per-layer reads straight into a device cache (or of encrypted objects) cannot be "
                               "verified there; they go through staging")
         if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
@@ -130,8 +132,8 @@ class LoadJob(JobState):
         self.outcome = LoadOutcome()  # receive thread; read after finished
         self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
         self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome, costs)  # receive thread
-        self._checks = ObjectChecks(header, [k.key for k in keys], [k.block_hash for k in keys],
-                                    layout.num_layers)  # receive thread
+        self._checks = ObjectChecks(headers, [k.key for k in keys], [k.block_hash for k in keys],
+                                    layout.num_layers, [k.generation for k in keys])  # receive thread
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> bool:
@@ -380,7 +382,7 @@ class LoadJob(JobState):
         """Mask of `rows` whose freshly read layer (in the cache) matches the header's tag."""
         if rows.size == 0:
             return np.ones(0, dtype=bool)
-        tags = self._views.tags(layer_idx, self._rows.block_ids[rows], self._checks.contexts(rows), self._checks.sealer)
+        tags = self._views.tags(layer_idx, self._rows.block_ids[rows], self._checks.contexts(rows), self._checks.sealer(rows))
         ok = self._checks.layers(layer_idx, rows, tags.reshape(rows.size, 1, -1))
         if not ok.all():
             self._fail(rows[~ok], "layer tag mismatch")

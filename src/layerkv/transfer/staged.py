@@ -20,7 +20,7 @@ import numpy as np
 from layerkv.errors import LayoutError
 from layerkv.layout import CacheLayout
 from layerkv.ranges import RangeLists
-from layerkv.seal import TAG_NBYTES, Sealer
+from layerkv.seal import TAG_NBYTES, RowSealers, Sealer
 from layerkv.transfer.views import CacheViews
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class StagedLayers:
         extra_rows, extra_blocks = fan_out
         layers = range(group.first_layer, group.end_layer)
         layer_nbytes = sum(self.layout.layer_nbytes(l) for l in layers)
-        sealer = checks.sealer
+        sealer = checks.sealer(rows)
         bad = np.zeros(0, dtype=np.int64)
         if self.on_host and not sealer.encrypts:
             self.scatter(group, staging, slots, block_ids[rows])
@@ -160,7 +160,7 @@ class StagedLayers:
             col = self.layout.layer_offset(layer_idx) - group.span_start
             width = self.layout.layer_nbytes(layer_idx)
             want = checks.expected(rows, layer_idx)
-            out[:, j] = checks.sealer.open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
+            out[:, j] = checks.sealer(rows).open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
         return out
 
     def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
@@ -188,13 +188,13 @@ class StagedLayers:
             staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if self.on_host else src.cpu().numpy()
 
     def layer_tags(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
-                   sealer: Sealer) -> np.ndarray:
+                   sealer: Sealer | RowSealers) -> np.ndarray:
         """Tags of `layer_idx` in the object images at `slots`: uint8 [len(slots), 16]."""
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         return sealer.layer_tags(contexts, layer_idx, [[staging[slot, col : col + width]] for slot in slots.tolist()])
 
     def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
-             sealer: Sealer) -> np.ndarray:
+             sealer: Sealer | RowSealers) -> np.ndarray:
         """Tags of each layer of `group` in staging rows `slots` (spans of the group): uint8
         [len(slots), layers in group, 16] (the same values CacheViews.tags gives for a block)."""
         out = np.empty((len(slots), group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)

@@ -19,7 +19,7 @@ import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.layout import CacheLayout
-from layerkv.seal import Sealer
+from layerkv.seal import RowSealers, Sealer
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -48,7 +48,7 @@ class CacheViews:
             storages = _storages(caches)
             self.layers = tuple(_device_views(layout, l, storages) for l in range(layout.num_layers))
 
-    def tags(self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer) -> np.ndarray:
+    def tags(self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer | RowSealers) -> np.ndarray:
         """Each block's tag of its layer bytes in object order (layerkv.seal): uint8
         [len(block_ids), 16]. Host caches only (device caches are not read from the host)."""
         assert self.on_host, "tags of device caches are not computed on the host"
