@@ -4,6 +4,8 @@ opt-in wiring of the CLI. Times are made up here; nothing is timed."""
 
 from __future__ import annotations
 
+import math
+
 import json
 from collections import Counter
 from dataclasses import asdict
@@ -15,7 +17,8 @@ from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import BenchOptions, SuiteResult
 from layerkv.bench.runner import markdown
 from layerkv.bench.serving_grid import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
-from layerkv.bench.serving_report import (CEILING, CONTENDERS, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
+from layerkv.bench.serving_report import (CEILING, CONTENDERS, KEY_CONTENDERS, LAYERKV, LAYERKV_DIRECT, LAYERKV_ENCRYPTED,
+                                          LAYERKV_KEYED, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
                                           correctness, load_rows, percentile, schedule, suite_rows)
 from layerkv.cli import main
 
@@ -147,6 +150,31 @@ def test_suite_summary_flags_and_wins() -> None:
     _, summary = suite_rows(grouped, [CELL])
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0
     assert summary["cells where layerkv or layerkv register_kv_cache beats MooncakeStoreConnector"] == 1.0
+
+
+def test_tenant_keys_grid_sets_a_key_and_encryption_beside_no_key(tmp_path: Path) -> None:
+    """--tenant-keys: three layerkv contenders, each with its own producer, no peers; the cost of
+    a key is each keyed contender's median over no key's, and its bits are checked against its
+    own producer."""
+    grid = Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path, tenant_keys=True))
+    assert grid.contenders == KEY_CONTENDERS and grid.load_repeats == 0 and grid.repeats == 1
+    assert grid.engines == ("layerkv-producer", "layerkv", "layerkv-keyed-producer", "layerkv-keyed",
+                            "layerkv-encrypted-producer", "layerkv-encrypted")
+    assert grid.num_producers == 3 and Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path)).num_producers == 2
+    runs = []
+    for r in range(3):
+        runs += [_run(LAYERKV, r, 100 + r), _run(LAYERKV_KEYED, r, 104 + r), _run(LAYERKV_ENCRYPTED, r, 110 + r),
+                 *(_run(c, r, 45, reference=True) for c in KEY_CONTENDERS)]
+    rows, summary = suite_rows(runs, [CELL])
+    assert [r["contender"] for r in rows] == list(KEY_CONTENDERS)
+    assert summary["p2048 s32 layerkv tenant key / layerkv"] == pytest.approx(105 / 101)
+    assert summary["p2048 s32 layerkv encrypted / layerkv"] == pytest.approx(111 / 101)
+    assert summary["all pool runs bit-identical to local-cache runs"] == 1.0
+    assert not any("MooncakeStoreConnector" in k or "recompute" in k for k in summary)  # no peers ran: no flags about them
+    assert all(math.isnan(r["x_bound"]) for r in rows)  # no ceiling: no bound
+    wrong = [_run(LAYERKV_ENCRYPTED, r.repeat, 45, token_ids=(8,), reference=True)
+             if (r.contender, r.reference) == (LAYERKV_ENCRYPTED, True) else r for r in runs]
+    assert suite_rows(wrong, [CELL])[1]["all pool runs bit-identical to local-cache runs"] == 0.0
 
 
 def test_results_render_as_markdown_and_json(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ class BenchOptions:
     mooncake: bool = True
     tiny: bool = False  # tests: the smallest configuration that still exercises every path
     engine_python: str = ""
+    tenant_keys: bool = False  # suite serving: layerkv with no key, a tenant key and encrypt_objects instead of the peers
 
     @property
     def reps(self) -> int:

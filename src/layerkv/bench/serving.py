@@ -37,14 +37,20 @@ from layerkv.bench.plots import bar_plot
 from layerkv.bench.pool_reader import PoolReader
 from layerkv.bench.serving_grid import (BLOCK_SIZE, LOAD_MAX_TOKENS, LOAD_MISS_EVERY, LOAD_PREFIX_TOKENS,
                                        LOAD_PREFIXES, LOAD_SUFFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids)
-from layerkv.bench.serving_report import CEILING, LAYERKV, LAYERKV_DIRECT, MOONCAKE, RECOMPUTE, TRANSFER, LoadRun, Run, Step
+from layerkv.bench.serving_report import (CEILING, LAYERKV, LAYERKV_DIRECT, LAYERKV_ENCRYPTED, LAYERKV_KEYED, MOONCAKE,
+                                         RECOMPUTE, TRANSFER, LoadRun, Run, Step)
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
 
 NAME = "serving"
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
 DIRECT_EXTRA = {"register_kv_cache": True}  # contender LAYERKV_DIRECT
+KEYED_EXTRA = {"tenant_key_file": "<work dir>/tenant.key"}  # LAYERKV_KEYED (its producer too); the path is set per run
+ENCRYPTED_EXTRA = {**KEYED_EXTRA, "encrypt_objects": True}  # LAYERKV_ENCRYPTED (its producer too)
 ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_DIRECT: "layerkv-direct",
-             MOONCAKE: "mooncake"}
+             MOONCAKE: "mooncake", LAYERKV_KEYED: "layerkv-keyed", LAYERKV_ENCRYPTED: "layerkv-encrypted"}
+# each producer's local-cache reference runs, in the order they run, and the contender they stand for
+REFERENCES = (("layerkv-producer", LAYERKV), ("mooncake-producer", MOONCAKE), ("layerkv-keyed-producer", LAYERKV_KEYED),
+              ("layerkv-encrypted-producer", LAYERKV_ENCRYPTED))
 
 
 def omp_bind() -> str:
@@ -105,7 +111,10 @@ class Rig:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
         if name.startswith("layerkv"):
             role = "kv_producer" if name.endswith("producer") else "kv_consumer"
-            extra = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
+            extra: dict[str, Any] = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
+            if name.startswith(("layerkv-keyed", "layerkv-encrypted")):
+                extra.update(ENCRYPTED_EXTRA if name.startswith("layerkv-encrypted") else KEYED_EXTRA,
+                             tenant_key_file=str(self.key_file()))
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
                 "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
@@ -121,6 +130,15 @@ class Rig:
                                             "kv_connector_extra_config": extra}
             env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
         return kwargs, engine_env(self.pythonpath, env)
+
+    def key_file(self) -> Path:
+        """The keyed engines' tenant key (one for all of them: a producer and its consumer share it)."""
+        from layerkv.tenant_key import write_key_file
+
+        path = self.work_dir / "tenant.key"
+        if not path.exists():
+            write_key_file(path)
+        return path
 
     def stop_engine(self, name: str) -> None:
         """Stop one engine now (its counters are read first and kept in `stopped_counters`)."""
@@ -150,11 +168,15 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     prefix = prefix_ids(step.cell[0], step.repeat)
     prompt = prefix + suffix_ids(step.cell[1], step.repeat)
     # A producer that already holds the prefix recomputes one block and skips existing objects.
-    e["mooncake-producer"].generate([prefix])
+    if "mooncake-producer" in e:
+        e["mooncake-producer"].generate([prefix])
     before = rig.reader.layerkv_keys()
     e["layerkv-producer"].generate([prefix], settle=True)  # settle: layerkv commits before returning
     # this prefix's objects: what its first save added (the cells of one prefix and repeat share it)
     prefix_keys = rig.prefix_keys.setdefault((step.cell[0], step.repeat), sorted(rig.reader.layerkv_keys() - before))
+    for producer in ("layerkv-keyed-producer", "layerkv-encrypted-producer"):
+        if producer in e:
+            e[producer].generate([prefix], settle=True)
     transfer_ms, found = rig.reader.read_whole_ms(prefix_keys)
     runs = [Run(TRANSFER, step.cell, step.repeat, transfer_ms, found * BLOCK_SIZE, (), ())]
     for contender in step.contenders:
@@ -167,8 +189,10 @@ def measure(rig: Rig, step: Step) -> list[Run]:
             reply = e[ENGINE_OF[contender]].generate([prompt], reset_prefix_cache=True)
         runs.append(_run(contender, step, reply))
     # settled: its suffix blocks are in the pool before the next cell lists the keys
-    runs.append(_run(LAYERKV, step, e["layerkv-producer"].generate([prompt], settle=True), reference=True))
-    runs.append(_run(MOONCAKE, step, e["mooncake-producer"].generate([prompt]), reference=True))
+    for producer, contender in REFERENCES:
+        if producer in e:
+            reply = e[producer].generate([prompt], settle=producer.startswith("layerkv"))
+            runs.append(_run(contender, step, reply, reference=True))
     return runs
 
 
@@ -254,6 +278,14 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
                       f"{LOAD_MAX_TOKENS} generated"] = report.load_rows(load_runs)
     raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs], "counters": counters}
     (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
+    if MOONCAKE not in grid.contenders:
+        result.notes.append(
+            f"--tenant-keys: {LAYERKV} (no key), {LAYERKV_KEYED} (the same plus tenant_key_file: keyed names, a keyed "
+            f"BLAKE3 MAC per layer and header, verified in staging) and {LAYERKV_ENCRYPTED} (plus encrypt_objects: "
+            "AES-256-GCM per layer, decrypted in private memory); each has its own kv_producer with the same key "
+            "settings, whose local-cache runs are its bit references. Recompute, the local-cache ceiling and "
+            "MooncakeStoreConnector are left out (six engines is what this machine's memory holds), so their "
+            "ratio columns are empty; the cost is the summary's '<keyed> / layerkv' per cell.")
     result.notes += _notes(grid, rig, startup_s)
     result.notes += [f"{name} engine's connector counters at the end (non-zero): " + report.counters_text(values)
                      for name, values in counters.items()]
@@ -307,7 +339,7 @@ def _counters(rig: Rig) -> dict[str, dict[str, Any]]:
     """Each connector engine's counters; an engine that cannot tell reports {"error": ...}
     (the measurements stand without them)."""
     return {name: rig.stopped_counters.get(name) or _engine_counters(rig.engines[name])
-            for name in rig.grid.engines[1:]}
+            for name in rig.grid.engines if name != "plain"}
 
 
 def _engine_counters(engine: EngineProcess) -> dict[str, Any]:
@@ -324,8 +356,15 @@ def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> 
     def series(contender: str, key: str) -> list[float]:
         return [rows[(p, s, contender)][key] if (p, s, contender) in rows else math.nan for p, s in cells]
 
-    ttft = bar_plot(out_dir / "serving_ttft.png", labels, {c: series(c, "ttft_ms_median") for c in report.CONTENDERS},
+    ran = {r["contender"] for r in result.rows}
+    ttft = bar_plot(out_dir / "serving_ttft.png", labels,
+                    {c: series(c, "ttft_ms_median") for c in report.ALL_CONTENDERS if c in ran},
                     title="TTFT in vLLM (median)", ylabel="ms", logy=True)
+    if MOONCAKE not in ran:  # --tenant-keys: each keyed contender over no key
+        keyed = {f"{c} / {LAYERKV}": [result.summary.get(f"p{p} s{s} {c} / {LAYERKV}", math.nan) for p, s in cells]
+                 for c in (LAYERKV_KEYED, LAYERKV_ENCRYPTED)}
+        return [ttft, bar_plot(out_dir / "serving_ratio.png", labels, keyed, ylabel="ratio",
+                               title="TTFT with a tenant key / encrypted over no key (median / median)")]
     ratios = {f"{LAYERKV} / {MOONCAKE}": series(LAYERKV, "x_mooncake_connector"),
               f"{LAYERKV_DIRECT} / {MOONCAKE}": series(LAYERKV_DIRECT, "x_mooncake_connector"),
               f"{LAYERKV} / bound": series(LAYERKV, "x_bound"),

@@ -13,7 +13,13 @@ from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30
-ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-direct", "mooncake-producer", "mooncake")
+ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-direct", "mooncake-producer", "mooncake",
+           "layerkv-keyed-producer", "layerkv-keyed", "layerkv-encrypted-producer", "layerkv-encrypted")
+# the engines a contender needs (a pool contender: its producer, which fills the pool, and its consumer)
+ENGINES_OF = {report.RECOMPUTE: ("plain",), report.CEILING: ("plain",), report.LAYERKV: ("layerkv-producer", "layerkv"),
+              LAYERKV_DIRECT: ("layerkv-producer", "layerkv-direct"), report.MOONCAKE: ("mooncake-producer", "mooncake"),
+              report.LAYERKV_KEYED: ("layerkv-keyed-producer", "layerkv-keyed"),
+              report.LAYERKV_ENCRYPTED: ("layerkv-encrypted-producer", "layerkv-encrypted")}
 LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
 LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
 
@@ -37,6 +43,9 @@ class Grid:
 
     @classmethod
     def for_options(cls, options: BenchOptions) -> Grid:
+        if options.tenant_keys:  # what a tenant key and encryption cost, side by side with no key
+            return cls((512, 2048), (32, 512), 1 if options.quick else 3, dtype=native_dtype(), load_requests=8,
+                       load_repeats=0, contenders=report.KEY_CONTENDERS)
         if options.quick:
             return cls((512, 2048), (32, 512), 1, dtype=native_dtype(), load_requests=8, load_repeats=0,
                        contenders=tuple(c for c in report.CONTENDERS if c != LAYERKV_DIRECT))
@@ -46,8 +55,12 @@ class Grid:
 
     @property
     def engines(self) -> tuple[str, ...]:
-        """The engines this grid's contenders need (the producers and `plain` always)."""
-        return tuple(e for e in ENGINES if e != "layerkv-direct" or LAYERKV_DIRECT in self.contenders)
+        """The engines this grid's contenders need (ENGINES_OF), in ENGINES' order."""
+        return tuple(e for e in ENGINES if any(e in ENGINES_OF[c] for c in self.contenders))
+
+    @property
+    def num_producers(self) -> int:
+        return sum(e.endswith("producer") for e in self.engines)
 
     @property
     def max_model_len(self) -> int:
@@ -68,12 +81,12 @@ class Grid:
         return max(1, math.ceil(max(self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.1 / GiB))
 
     def pool_bytes(self) -> int:
-        """Both connectors' objects: every prefix once, every reference run's suffix blocks,
+        """Every producer's objects: every prefix once, every reference run's suffix blocks,
         the load prefixes, the warm-up (one step per prefix size); nothing has to be evicted."""
         num_tokens = self.repeats * (sum(self.prefixes) + len(self.prefixes) * sum(self.suffixes))
         num_tokens += self.load_repeats * LOAD_PREFIXES * LOAD_PREFIX_TOKENS
         num_tokens += sum(self.prefixes) + len(self.prefixes) * min(self.suffixes)  # the warm-up
-        return int(2 * num_tokens * self.kv_bytes_per_token * 1.15) + GiB // 2
+        return int(self.num_producers * num_tokens * self.kv_bytes_per_token * 1.15) + GiB // 2
 
 
 def prefix_ids(prefix_tokens: int, repeat: int) -> list[int]:

@@ -24,9 +24,16 @@ LAYERKV = "layerkv"
 LAYERKV_DIRECT = "layerkv register_kv_cache"  # the live cache registered: direct per-layer plans allowed
 MOONCAKE = "MooncakeStoreConnector"
 CONTENDERS: tuple[str, ...] = (RECOMPUTE, CEILING, LAYERKV, LAYERKV_DIRECT, MOONCAKE)
-POOL_CONTENDERS: tuple[str, ...] = (LAYERKV, LAYERKV_DIRECT, MOONCAKE)
+# `--tenant-keys`: layerkv's defaults with a tenant key (keyed names and MACs) and with encrypt_objects
+LAYERKV_KEYED = "layerkv tenant key"
+LAYERKV_ENCRYPTED = "layerkv encrypted"
+KEY_CONTENDERS: tuple[str, ...] = (LAYERKV, LAYERKV_KEYED, LAYERKV_ENCRYPTED)
+ALL_CONTENDERS: tuple[str, ...] = (*CONTENDERS, LAYERKV_KEYED, LAYERKV_ENCRYPTED)
+POOL_CONTENDERS: tuple[str, ...] = (LAYERKV, LAYERKV_DIRECT, MOONCAKE, LAYERKV_KEYED, LAYERKV_ENCRYPTED)
 # whose local-cache reference run a pool contender's bits are compared with: its connector's producer
-REFERENCE_OF = {LAYERKV: LAYERKV, LAYERKV_DIRECT: LAYERKV, MOONCAKE: MOONCAKE}
+# (keyed contenders have producers with the same key: nobody else's objects verify)
+REFERENCE_OF = {LAYERKV: LAYERKV, LAYERKV_DIRECT: LAYERKV, MOONCAKE: MOONCAKE, LAYERKV_KEYED: LAYERKV_KEYED,
+                LAYERKV_ENCRYPTED: LAYERKV_ENCRYPTED}
 # not an engine: a bare client reading the prefix's layerkv objects whole into memory, no compute
 TRANSFER = "transfer alone"
 Cell = tuple[int, int]  # (prefix tokens, suffix tokens)
@@ -115,8 +122,9 @@ def cell_report(runs: Sequence[Run], cell: Cell) -> CellReport:
     correctness columns. Summary: the same ratios keyed `p{prefix} s{suffix} a/b`."""
     timed = [r for r in runs if r.cell == cell and not r.reference]
     medians = {c: statistics.median(r.ttft_ms for r in timed if r.contender == c)
-               for c in (*CONTENDERS, TRANSFER) if any(r.contender == c for r in timed)}
-    bound = max(medians.get(CEILING, 0.0), medians.get(TRANSFER, 0.0))
+               for c in (*ALL_CONTENDERS, TRANSFER) if any(r.contender == c for r in timed)}
+    # without the ceiling (the --tenant-keys grid) there is no bound to report
+    bound = max(medians[CEILING], medians.get(TRANSFER, 0.0)) if CEILING in medians else 0.0
     report = CellReport()
     for contender, median_ms in medians.items():
         mine = [r for r in timed if r.contender == contender]
@@ -135,7 +143,8 @@ def cell_report(runs: Sequence[Run], cell: Cell) -> CellReport:
         })
     tag = f"p{cell[0]} s{cell[1]}"
     for num, den in ((LAYERKV, MOONCAKE), (LAYERKV_DIRECT, MOONCAKE), (LAYERKV, LAYERKV_DIRECT), (LAYERKV, CEILING),
-                     (LAYERKV_DIRECT, CEILING), (MOONCAKE, CEILING), (LAYERKV, RECOMPUTE), (MOONCAKE, RECOMPUTE)):
+                     (LAYERKV_DIRECT, CEILING), (MOONCAKE, CEILING), (LAYERKV, RECOMPUTE), (MOONCAKE, RECOMPUTE),
+                     (LAYERKV_KEYED, LAYERKV), (LAYERKV_ENCRYPTED, LAYERKV)):
         if num in medians and den in medians:
             report.summary[f"{tag} {num} / {den}"] = ratio(medians[num], medians[den])
     if bound > 0:
@@ -165,14 +174,17 @@ def suite_rows(runs: Sequence[Run], cells: Sequence[Cell]) -> tuple[list[Row], d
         near_direct += report.summary.get(f"{tag} {LAYERKV} / {LAYERKV_DIRECT}", float("inf")) <= 1.1
         near_bound += report.summary.get(f"{tag} {LAYERKV} / bound", float("inf")) <= 1.25
     pool_rows = [r for r in rows if r["contender"] in POOL_CONTENDERS]
-    summary["all tokens equal recompute"] = float(all(r["tokens_equal_recompute"] is True for r in rows
-                                                      if r["contender"] not in (RECOMPUTE, TRANSFER)))
+    ran = {r["contender"] for r in rows}
+    if RECOMPUTE in ran:
+        summary["all tokens equal recompute"] = float(all(r["tokens_equal_recompute"] is True for r in rows
+                                                          if r["contender"] not in (RECOMPUTE, TRANSFER)))
     summary["all pool runs bit-identical to local-cache runs"] = float(bool(pool_rows) and all(r["bits_equal_local_cache_run"] is True for r in pool_rows))
     summary["all runs hit the cache as expected"] = float(all(r["runs_cache_as_expected"] == r["runs"] for r in rows))
-    summary[f"cells where {LAYERKV} beats {MOONCAKE}"] = float(wins)
-    summary[f"cells where {LAYERKV} or {LAYERKV_DIRECT} beats {MOONCAKE}"] = float(best_wins)
-    summary[f"cells where {LAYERKV} <= 1.1x {LAYERKV_DIRECT}"] = float(near_direct)
-    summary[f"cells where {LAYERKV} <= 1.25x the bound"] = float(near_bound)
+    if MOONCAKE in ran:
+        summary[f"cells where {LAYERKV} beats {MOONCAKE}"] = float(wins)
+        summary[f"cells where {LAYERKV} or {LAYERKV_DIRECT} beats {MOONCAKE}"] = float(best_wins)
+        summary[f"cells where {LAYERKV} <= 1.1x {LAYERKV_DIRECT}"] = float(near_direct)
+        summary[f"cells where {LAYERKV} <= 1.25x the bound"] = float(near_bound)
     summary["cells"] = float(len(cells))
     return rows, summary
 
@@ -206,7 +218,7 @@ def load_rows(runs: Sequence[LoadRun]) -> list[Row]:
     recompute = {r.repeat: r for r in runs if r.contender == RECOMPUTE}
     ceiling = {r.repeat: r for r in runs if r.contender == CEILING}
     rows: list[Row] = []
-    for contender in CONTENDERS:
+    for contender in ALL_CONTENDERS:
         mine = [r for r in runs if r.contender == contender]
         if not mine:
             continue

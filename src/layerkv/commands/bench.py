@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-python", default=DEFAULT_ENGINE_PYTHON,
                    help="suite serving: the Python that runs vLLM (with vllm and mooncake installed; "
                         "default: %(default)s)")
+    p.add_argument("--tenant-keys", action="store_true",
+                   help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "
+                        "(instead of recompute, the local cache and MooncakeStoreConnector)")
     add_mooncake_log_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
     p.set_defaults(func=run)
@@ -47,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerkv bench: unknown suite(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     options = BenchOptions(quick=args.quick, out_dir=args.out, mooncake=not args.no_mooncake, tiny=args.tiny,
-                           engine_python=args.engine_python)
+                           engine_python=args.engine_python, tenant_keys=args.tenant_keys)
     command = "layerkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("layerkv") else \
-        "layerkv bench " + shlex.join([*args.suites, *(["--quick"] if args.quick else []), "--out", str(args.out)])
+        "layerkv bench " + shlex.join([*args.suites, *(["--quick"] if args.quick else []),
+                                       *(["--tenant-keys"] if args.tenant_keys else []), "--out", str(args.out)])
     doc = run_bench(args.suites, options, progress=not args.no_progress, command=command)
     print(f"layerkv bench: {len(doc['suites'])} suite(s) in {doc['total_seconds']:.0f} s; "
           f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots")
