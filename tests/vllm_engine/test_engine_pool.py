@@ -112,36 +112,74 @@ def test_preempted_requests_resume_and_save_what_they_computed(pair):
         assert drift < 1e-4, f"request {i}: the blocks it saved are wrong (logprob moved by {drift:.3g})"
 
 
-def test_a_forged_object_in_the_pool_is_refused_and_recomputed(pair, fleet):
-    """Producer and consumer share a tenant key. An attacker without it (a separate process with
-    a bare Mooncake client, tests/security/pool_attacker.py) lists the objects the producer
-    just saved, reads one and overwrites another with a forgery (its layers, fresh unkeyed
-    checksums, a header rebuilt from the genuine one): the consumer refuses it, vLLM recomputes,
-    and the tokens are those of the producer's own prefix cache."""
+FORGERIES = ["recomputed", "guessed key", "swap", "layer swap", "reserved", "nonce"]  # tests/security/forge.py
+
+
+@pytest.fixture
+def pool_attacker(fleet):
+    """A separate process with a bare Mooncake client and no tenant key (tests/security/pool_attacker.py)."""
     import json
 
-    from tests.security.forge import forge
     from tests.security.peer import Attacker
 
-    producer, consumer = pair
     master = json.loads((fleet.tier_dir / "master.json").read_text())
     attacker = Attacker(fleet.mooncake_config.read_text().strip(), master["metrics_url"], module="tests.security.pool_attacker")
     try:
-        before = set(attacker.ask(op="list")["keys"])
-        prefix = prompt(40, 5 * BLOCK_SIZE)
-        request = prefix + prompt(41, 10)
-        producer.generate([prefix], reset_prefix_cache=True)
-        saved = sorted(set(attacker.ask(op="list")["keys"]) - before)
-        assert len(saved) == 5, saved  # one object per block; their names say nothing of the tokens
-        x, y = (bytes.fromhex(attacker.ask(op="get", key=k)["data"]) for k in saved[:2])
-        assert attacker.ask(op="overwrite", key=saved[0], data=forge("recomputed", x, y, saved[0]).hex())["rc"] == 0
-        failures = consumer.call("metrics")["layerkv"]
-        failures = failures.get("header_failures", 0) + failures.get("checksum_failures", 0)
-        (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
-        (local,) = producer.generate([request], max_tokens=4)
-        counters = consumer.call("metrics")["layerkv"]
-        assert counters.get("header_failures", 0) + counters.get("checksum_failures", 0) == failures + 1, pool_diagnosis(*pair)
-        assert pooled["token_ids"] == local["token_ids"]  # recomputed: the right tokens
-        assert saved[0] not in set(attacker.ask(op="list")["keys"])  # the forgery was removed from the pool
+        yield attacker
     finally:
         attacker.close()
+
+
+def _verification_failures(engine) -> int:
+    counters = engine.call("metrics")["layerkv"]
+    return counters.get("header_failures", 0) + counters.get("checksum_failures", 0)
+
+
+@pytest.mark.parametrize("kind", FORGERIES)
+def test_a_forged_object_in_the_pool_is_refused_and_recomputed(pair, pool_attacker, kind):
+    """Producer and consumer share a tenant key. An attacker without it lists the objects the
+    producer just saved, reads two and overwrites one with a forgery of `kind` (another object's
+    layers with fresh unkeyed checksums and flags 0, the same with a MAC under a key of its own,
+    another object whole, another object's layers under the genuine header, a reserved byte
+    set, a changed nonce): the consumer refuses it, vLLM recomputes, and the tokens are those of
+    the producer's own prefix cache."""
+    from tests.security.forge import forge
+
+    producer, consumer = pair
+    seed = 40 + 2 * FORGERIES.index(kind)
+    before = set(pool_attacker.ask(op="list")["keys"])
+    prefix = prompt(seed, 5 * BLOCK_SIZE)
+    request = prefix + prompt(seed + 1, 10)
+    producer.generate([prefix], reset_prefix_cache=True)
+    saved = sorted(set(pool_attacker.ask(op="list")["keys"]) - before)
+    assert len(saved) == 5, saved  # one object per block; their names say nothing of the tokens
+    x, y = (bytes.fromhex(pool_attacker.ask(op="get", key=k)["data"]) for k in saved[:2])
+    forged = forge(kind, x, y, saved[0])
+    assert pool_attacker.ask(op="overwrite", key=saved[0], data=forged.hex())["rc"] == 0
+    assert pool_attacker.ask(op="get", key=saved[0])["data"] == forged.hex(), "the forgery did not land"
+    failures = _verification_failures(consumer)
+    (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
+    (local,) = producer.generate([request], max_tokens=4)
+    assert _verification_failures(consumer) == failures + 1, pool_diagnosis(*pair)
+    assert pooled["token_ids"] == local["token_ids"]  # recomputed: the right tokens
+    assert saved[0] not in set(pool_attacker.ask(op="list")["keys"])  # the forgery was removed from the pool
+
+
+def test_a_wipe_of_the_pool_is_a_miss_never_a_wrong_token(pair, pool_attacker):
+    """The attacker removes every object of the namespace it lists (remove_by_regex): a denial
+    of service no key prevents (docs/security.md). The consumer finds nothing, vLLM computes
+    everything, and the tokens are those of the producer's own prefix cache."""
+    producer, consumer = pair
+    before = set(pool_attacker.ask(op="list")["keys"])
+    prefix = prompt(60, 5 * BLOCK_SIZE)
+    request = prefix + prompt(61, 10)
+    producer.generate([prefix], reset_prefix_cache=True)
+    saved = sorted(set(pool_attacker.ask(op="list")["keys"]) - before)
+    namespace = saved[0].split("@")[0]
+    assert len(saved) == 5 and pool_attacker.ask(op="wipe", regex=f"^{namespace}@.*")["removed"] >= 5
+    # (objects an earlier test's consumer just read may still be leased: Mooncake keeps those)
+    assert not set(saved) & set(pool_attacker.ask(op="list")["keys"])
+    (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
+    (local,) = producer.generate([request], max_tokens=4)
+    assert pooled["num_cached_tokens"] == 0  # nothing from the pool, nothing local
+    assert pooled["token_ids"] == local["token_ids"]
