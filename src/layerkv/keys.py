@@ -98,7 +98,7 @@ def storage_role(deployment: Deployment) -> StorageRole:
 
 
 def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
-                  model_fingerprint: str = "", names_key: bytes | None = None) -> Namespace:
+                  model_fingerprint: str = "", names_key: bytes | None = None, encrypted: bool = False) -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
     JSON; never Python's hash()) of everything that makes objects incompatible. The worker's own
     tp_rank / pp_rank within a stage are excluded where they do not change the objects.
@@ -107,7 +107,9 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
     scheduler has no tensors) or, when that is empty, as the registered `layout`'s signature.
     The object header carries the exact layout digest, checked on every read. `names_key`: the
-    digest is keyed with it (and so are the block ids)."""
+    digest is keyed with it (and so are the block ids). `encrypted` (config encrypt_objects):
+    encrypted objects get a namespace of their own (a reader accepts only its own kind of
+    object, so sharing names would make each side refuse, and remove, the other's)."""
     role = storage_role(deployment)
     if model_fingerprint:
         deployment = dataclasses.replace(deployment, model_fingerprint=model_fingerprint)
@@ -130,6 +132,8 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
         "pp_size": d.pp_size,
         "pp_rank": d.pp_rank,  # each pipeline stage holds different layers
     }
+    if encrypted:  # only then: the names of unencrypted objects stay what they were
+        fields["encrypted"] = True
     canonical = json.dumps(fields, sort_keys=True).encode()
     if names_key is None:
         digest = hashlib.sha256(canonical).digest()[:DIGEST_NBYTES]
@@ -138,19 +142,21 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest, names_key)
 
 
-def tenant_namespace(deployment: Deployment, tenant: str, model_fingerprint: str, keys: TenantKeys | None) -> Namespace:
+def tenant_namespace(deployment: Deployment, tenant: str, model_fingerprint: str, keys: TenantKeys | None,
+                     encrypted: bool = False) -> Namespace:
     """`namespace_for` under the current tenant key's names subkey (None: unkeyed)."""
-    return tenant_namespaces(deployment, tenant, model_fingerprint, keys)[0]
+    return tenant_namespaces(deployment, tenant, model_fingerprint, keys, encrypted)[0]
 
 
 def tenant_namespaces(deployment: Deployment, tenant: str, model_fingerprint: str,
-                      keys: TenantKeys | None) -> tuple[Namespace, ...]:
+                      keys: TenantKeys | None, encrypted: bool = False) -> tuple[Namespace, ...]:
     """One namespace per key of the key file, in its order (generation 0: the current key,
-    which writes; the older ones only read, after a rotation). Unkeyed: the one plain namespace."""
+    which writes; the older ones only read, after a rotation). Unkeyed: the one plain namespace.
+    `encrypted`: config encrypt_objects (which needs a key)."""
     if keys is None:
         return (namespace_for(deployment, tenant, model_fingerprint=model_fingerprint),)
-    return tuple(namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, names_key=k.names_key)
-                 for k in keys.all)
+    return tuple(namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, names_key=k.names_key,
+                               encrypted=encrypted) for k in keys.all)
 
 
 def _kv_signature(deployment: Deployment, layout: CacheLayout | None) -> str:

@@ -120,11 +120,11 @@ class SchedulerConnector:
         self.deployment = deployment
         self.store = store
         keys = tenant_keys(config.tenant_key_file)  # read once; never shown
-        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys)
+        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys, config.encrypt_objects)
         # with pipeline parallelism each stage writes its own layers under its own namespace
         # after a key rotation, each older key's namespaces too (read, never written)
         stages = [tenant_namespaces(dataclasses.replace(deployment, pp_rank=s), config.tenant, config.model_fingerprint,
-                                    keys) for s in range(deployment.pp_size)]
+                                    keys, config.encrypt_objects) for s in range(deployment.pp_size)]
         self._stats = SchedulerStats()
         role = storage_role(deployment)
         self._lookup = PoolLookup(self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats)

@@ -72,7 +72,8 @@ class WorkerConnector:
         self.store = store
         self.storage_role = storage_role(deployment)
         self.tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
-        self.namespaces = tenant_namespaces(deployment, config.tenant, config.model_fingerprint, self.tenant_keys)
+        self.namespaces = tenant_namespaces(deployment, config.tenant, config.model_fingerprint, self.tenant_keys,
+                                            config.encrypt_objects)
         self.namespace = self.namespaces[0]  # the current key's: it writes; every key's namespace reads
         self.pending = PendingPuts()
         self.layout: CacheLayout | None = None

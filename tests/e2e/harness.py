@@ -133,8 +133,9 @@ class Oracle:
     def written_keys(self) -> list[ObjectKey]:
         return sorted({k for run in self.runs for f in run.faults for k in f.keys_sent(PUT_START)})
 
-    def check_and_close(self) -> None:
-        """Shut every engine down; assert no session left, nothing PROCESSING, threads joined."""
+    def check_and_close(self, close_backend: bool = True) -> None:
+        """Shut every engine down; assert no session left, nothing PROCESSING, threads joined.
+        `close_backend` False: other oracles of the test still use the store (closed after them)."""
         problems: list[str] = []
         for i, run in enumerate(self.runs):
             for f in run.faults:
@@ -155,7 +156,8 @@ class Oracle:
             problems.append(f"PROCESSING objects left: {stuck[:4]} ({len(stuck)})")
         for engine in self.locals:
             engine.shutdown()
-        self.backend.close(written)
+        if close_backend:
+            self.backend.close(written)
         assert not problems, "; ".join(problems)
 
 

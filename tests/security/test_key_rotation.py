@@ -97,3 +97,29 @@ def test_an_engine_that_never_had_the_old_key_reads_nothing_of_it(make_oracle, t
     got, resume = _served(stranger, SECOND)
     assert resume == 0 and _scheduler_stats(stranger).hit_blocks == 0
     assert_identical(got, serve(oracle.local(), [SECOND], MAX_TOKENS))
+
+
+def test_engines_that_encrypt_and_engines_that_do_not_share_a_key_and_a_pool(make_oracle, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Same tenant, same key, one pool: an engine with encrypt_objects and one without each find
+    and serve their own objects, bit-identical; neither takes the other's for its own (that
+    refused each other's headers and removed them: the encrypted kind has names of its own)."""
+    key_file = tmp_path / "tenant.key"
+    write_key_file(key_file)
+    macs = make_oracle(engine_config=ENGINE, tenant="tenant-e", tenant_key_file=str(key_file))
+    seals = make_oracle(engine_config=ENGINE, tenant="tenant-e", tenant_key_file=str(key_file), encrypt_objects=True)
+    for oracle in (macs, seals):  # each writes the prefix's 6 blocks under its own names
+        first = oracle.pooled()
+        got, resume = _served(first, FIRST)
+        assert resume == 0 and _scheduler_stats(first).hit_blocks == 0
+        assert first.workers[0].stats().save_skipped_existing == 0
+    assert macs.runs[0].namespace != seals.runs[0].namespace
+    local = macs.local()
+    serve(local, [FIRST], MAX_TOKENS)
+    expected = serve(local, [SECOND], MAX_TOKENS)
+    for oracle in (macs, seals):
+        again = oracle.pooled()
+        got, resume = _served(again, SECOND)
+        assert resume == len(PREFIX)
+        worker = again.workers[0].stats()
+        assert (worker.header_failures, worker.removed_objects, worker.load_failed_blocks) == (0, 0, 0)
+        assert_identical(got, expected)

@@ -212,3 +212,16 @@ def test_keyed_names_cannot_be_computed_without_the_key() -> None:
         assert block_hash.hex() not in block_key(ns, block_hash, 0) and block_hash.hex()[:16] not in block_key(ns, block_hash, 0)
     assert a.block_id(block_hash) != b.block_id(block_hash) != plain.block_id(block_hash)
     assert "names_key" not in repr(a) and "a" * 8 not in repr(a)
+
+
+def test_encrypted_objects_have_names_of_their_own() -> None:
+    """Under the same key, an engine that encrypts names its objects apart from one that only
+    MACs them (each reader accepts only its own kind: shared names would make each refuse, and
+    remove, the other's); the names of unencrypted objects, keyed or not, do not change."""
+    layout, block_hash, key = make_layout(), bytes(range(32)), b"a" * 32
+    keyed = namespace_for(BASE, "default", layout, names_key=key)
+    encrypted = namespace_for(BASE, "default", layout, names_key=key, encrypted=True)
+    assert encrypted.name != keyed.name and encrypted.digest != keyed.digest
+    assert block_key(encrypted, block_hash, 0) != block_key(keyed, block_hash, 0)
+    assert namespace_for(BASE, "default", layout, names_key=key, encrypted=False) == keyed
+    assert namespace_for(BASE, "default", layout) == namespace_for(BASE, "default", layout, encrypted=False)

@@ -183,3 +183,118 @@ def test_a_wipe_of_the_pool_is_a_miss_never_a_wrong_token(pair, pool_attacker):
     (local,) = producer.generate([request], max_tokens=4)
     assert pooled["num_cached_tokens"] == 0  # nothing from the pool, nothing local
     assert pooled["token_ids"] == local["token_ids"]
+
+
+def _vllm_block_hashes(tokens):
+    """What anyone computes from a prompt with vLLM's own code: its full blocks' hashes under the
+    defaults (sha256, the public NONE_HASH seed 'vllm-none-hash' when PYTHONHASHSEED is unset)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    hashes, parent = [], None
+    for start in range(0, len(tokens) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE):
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, tokens[start : start + BLOCK_SIZE])
+        hashes.append(bytes(parent))
+    return hashes
+
+
+def _new_objects(pool_attacker, engine, tokens):
+    before = set(pool_attacker.ask(op="list")["keys"])
+    engine.generate([tokens], reset_prefix_cache=True)
+    return sorted(set(pool_attacker.ask(op="list")["keys"]) - before)
+
+
+def test_probing_which_prompts_the_pool_holds_finds_nothing(pair, pool_attacker, fleet):
+    """The attacker computes the block hashes of two candidate prompts with vLLM's code (exactly
+    the engine's: checked here with the tenant key, which the attacker lacks), puts them under
+    the namespace it lists, and asks which exist: nothing, also for the prompt the producer just
+    served (its names are keyed hashes of those block hashes)."""
+    from layerkv.keys import Namespace
+    from layerkv.tenant_key import read_key_file
+
+    producer, _ = pair
+    served, other = prompt(70, 4 * BLOCK_SIZE), prompt(71, 4 * BLOCK_SIZE)
+    saved = _new_objects(pool_attacker, producer, served)
+    assert len(saved) == 4, saved
+    namespace = saved[0].split("@")[0]
+    digest = bytes.fromhex(pool_attacker.ask(op="get", key=saved[0])["data"])[32:48]  # the header's namespace digest
+    keyed = Namespace(namespace, digest, read_key_file(fleet.tier_dir / "tenant.key").current.names_key)
+    assert sorted(f"{namespace}@{keyed.block_id(h).hex()}@0" for h in _vllm_block_hashes(served)) == saved
+    for candidate in (served, other):
+        guesses = [f"{namespace}@{h.hex()}@0" for h in _vllm_block_hashes(candidate)]
+        assert pool_attacker.ask(op="exists", keys=guesses)["results"] == [0] * 4
+
+
+def test_squatting_on_the_names_of_a_prompt_does_not_stop_its_saves(pair, pool_attacker):
+    """The attacker opens put sessions on the names it computes for a prompt the producer is
+    about to serve (without a key they are the producer's names, and its saves skip:
+    tests/security/test_tenants.py); the producer saves, the consumer loads the whole prefix."""
+    producer, consumer = pair
+    namespace = _new_objects(pool_attacker, producer, prompt(72, 2 * BLOCK_SIZE))[0].split("@")[0]
+    target = prompt(73, 4 * BLOCK_SIZE)
+    squatted = [f"{namespace}@{h.hex()}@0" for h in _vllm_block_hashes(target)]
+    assert pool_attacker.ask(op="squat", keys=squatted, nbytes=4096)["results"] == [0] * 4
+    try:
+        producer.generate([target], reset_prefix_cache=True)
+        (pooled,) = consumer.generate([target + prompt(74, 10)], max_tokens=4, reset_prefix_cache=True)
+        (local,) = producer.generate([target + prompt(74, 10)], max_tokens=4)
+    finally:
+        pool_attacker.ask(op="unsquat", keys=squatted)
+    assert pooled["num_cached_tokens"] == 4 * BLOCK_SIZE
+    assert pooled["token_ids"] == local["token_ids"]
+
+
+def _block_id(obj: bytes) -> str:
+    """The block id in an object's header (hex), which names it: key = namespace@id@rank."""
+    return obj[64 : 64 + int.from_bytes(obj[20:24], "little")].hex()
+
+
+def test_a_segment_holder_rewrites_what_lands_in_its_segment(pair, fleet):
+    """An attacker mounts a segment of the pool beside the master's own, so Mooncake places some
+    of the producer's objects in the attacker's memory. With a bare transfer engine it finds
+    them there by the header's magic and rewrites one in place with a forgery (another object's
+    layers, fresh unkeyed checksums): the consumer refuses it, vLLM recomputes, and the tokens
+    are those of the producer's own prefix cache."""
+    import json
+
+    from layerkv.header import MAGIC
+    from tests.security.forge import forge
+    from tests.security.peer import Attacker
+
+    producer, consumer = pair
+    master = json.loads((fleet.tier_dir / "master.json").read_text())
+    config = {**json.loads(fleet.mooncake_config.read_text()), "global_segment_size": 0}
+    holder = Attacker(json.dumps(config), master["metrics_url"], "512", module="tests.security.pool_attacker")
+    engine = Attacker(master["metadata_url"])
+    try:
+        segment = holder.ask(op="segment")["name"]
+        buffers = engine.ask(op="list", segment=segment)["buffers"]
+        low, size = max(buffers, key=lambda b: b[1])  # the segment; the other buffer is the client's own
+        for attempt in range(6):  # each object lands in one of two segments: 4 blocks a try
+            prefix = prompt(90 + attempt, 4 * BLOCK_SIZE)
+            saved = {k.split("@")[1]: k for k in _new_objects(holder, producer, prefix)}  # block id -> key
+            nbytes = len(bytes.fromhex(holder.ask(op="get", key=next(iter(saved.values())))["data"]))
+            found = engine.ask(op="find", segment=segment, magic=MAGIC.hex(), nbytes=nbytes)["found"]
+            mine = {_block_id(obj): (addr, obj) for addr, obj in ((a, bytes.fromhex(d)) for a, d in found)
+                    if low <= addr < low + size and _block_id(obj) in saved}
+            if mine:
+                break
+        else:
+            pytest.fail(f"none of 24 objects landed in the attacker's segment {segment}")
+        block_id, (addr, x) = next(iter(mine.items()))
+        key = saved[block_id]
+        y = bytes.fromhex(holder.ask(op="get", key=next(k for k in saved.values() if k != key))["data"])
+        forged = forge("recomputed", x, y, key)
+        assert engine.ask(op="put_bytes", segment=segment, addr=addr, data=forged.hex())["rc"] == 0
+        assert holder.ask(op="get", key=key)["data"] == forged.hex(), "the rewrite did not land"
+        request = prefix + prompt(96, 10)
+        failures = _verification_failures(consumer)
+        (pooled,) = consumer.generate([request], max_tokens=4, reset_prefix_cache=True)
+        (local,) = producer.generate([request], max_tokens=4)
+        assert _verification_failures(consumer) == failures + 1, pool_diagnosis(*pair)
+        assert pooled["token_ids"] == local["token_ids"]  # recomputed: the right tokens
+    finally:
+        engine.close()
+        holder.close()
