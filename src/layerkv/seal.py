@@ -96,6 +96,9 @@ class Sealer:
                 ok[i] = True
         return ok
 
+    def _hasher_type(self) -> Any:
+        return blake3.blake3 if self._key is not None else xxhash.xxh3_128
+
     def _hasher(self) -> Any:
         return blake3.blake3(key=self._key) if self._key is not None else xxhash.xxh3_128()
 
@@ -111,10 +114,26 @@ class Sealer:
 
     def layer_tags(self, contexts: Sequence[bytes], layer_idx: int, rows: Sequence[Sequence[Any]]) -> np.ndarray:
         """Tags of many objects' layer `layer_idx`: uint8 [len(rows), 16]."""
-        out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
-        for i, (ctx, chunks) in enumerate(zip(contexts, rows, strict=True)):
-            out[i] = np.frombuffer(self.layer_tag(ctx, layer_idx, chunks), dtype=np.uint8)
-        return out
+        out = bytearray()
+        for ctx, chunks in zip(contexts, rows, strict=True):
+            out += self.layer_tag(ctx, layer_idx, chunks)
+        return np.frombuffer(out, dtype=np.uint8).reshape(len(rows), TAG_NBYTES)
+
+    def rows_tags(self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray],
+                  rows: Sequence[int]) -> np.ndarray:
+        """`layer_tags` where object i's layer is row `rows[i]` of each of `segments` (2-D uint8
+        arrays, in object order): the same tags, without a Python list of views per object
+        (a 32-layer load computes thousands of small tags per request)."""
+        tail = _SUFFIX.pack(layer_idx, sum(int(seg.shape[1]) for seg in segments))
+        new, key, keyed = self._hasher_type(), self._key, self._key is not None
+        out = bytearray()
+        for ctx, r in zip(contexts, rows, strict=True):
+            h = new(key=key) if keyed else new()
+            for seg in segments:
+                h.update(seg[r])
+            h.update(b"L" + ctx + tail)
+            out += h.digest(TAG_NBYTES) if keyed else h.digest()
+        return np.frombuffer(out, dtype=np.uint8).reshape(len(rows), TAG_NBYTES)
 
     def header_mac(self, ctx: bytes, header: bytes) -> bytes:
         """The header's MAC (`header` with its MAC field zeroed); 32 zero bytes when unkeyed."""
@@ -157,6 +176,13 @@ class RowSealers:
         out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
         for sealer, idx in self._split(len(rows)):
             out[idx] = sealer.layer_tags([contexts[i] for i in idx], layer_idx, [rows[i] for i in idx])
+        return out
+
+    def rows_tags(self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray],
+                  rows: Sequence[int]) -> np.ndarray:
+        out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
+        for sealer, idx in self._split(len(rows)):
+            out[idx] = sealer.rows_tags([contexts[i] for i in idx], layer_idx, segments, [rows[i] for i in idx])
         return out
 
     def open_layers(self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray],

@@ -127,7 +127,9 @@ class StagedLayers:
             self.scatter(group, staging, slots, block_ids[rows])
             if rows.size:
                 contexts = checks.contexts(rows)
-                tags = np.stack([self._cache.tags(l, block_ids[rows], contexts, sealer) for l in layers], axis=1)
+                tags = np.empty((rows.size, len(layers), TAG_NBYTES), dtype=np.uint8)
+                for j, l in enumerate(layers):
+                    tags[:, j] = self._cache.tags(l, block_ids[rows], contexts, sealer)
                 ok = checks.layers(group.first_layer, rows, tags)
                 rows, bad = rows[ok], rows[~ok]
             fan = np.isin(extra_rows, rows)
@@ -191,7 +193,7 @@ class StagedLayers:
                    sealer: Sealer | RowSealers) -> np.ndarray:
         """Tags of `layer_idx` in the object images at `slots`: uint8 [len(slots), 16]."""
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
-        return sealer.layer_tags(contexts, layer_idx, [[staging[slot, col : col + width]] for slot in slots.tolist()])
+        return sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
 
     def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
              sealer: Sealer | RowSealers) -> np.ndarray:
@@ -201,7 +203,7 @@ class StagedLayers:
         for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
             col = self.layout.layer_offset(layer_idx) - group.span_start
             width = self.layout.layer_nbytes(layer_idx)
-            out[:, j] = sealer.layer_tags(contexts, layer_idx, [[staging[slot, col : col + width]] for slot in slots.tolist()])
+            out[:, j] = sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
         return out
 
 
