@@ -129,10 +129,12 @@ def test_overlap_rows(tmp_path: Path) -> None:
     assert result.summary["saves.staged_over_no_pool_ttft"] > 0 and result.summary["saves.direct_over_no_pool_ttft"] > 0
     staged = [r for r in result.rows if r["variant"].startswith("layerwise")]
     assert all(r["staging_copy_ms"] > 0 and r["staging_copy_gb_s"] > 0 for r in staged)  # every read went through staging
+    assert all(r["compute_wait_ms"] >= 0 for r in staged)
+    assert all(math.isnan(r["compute_wait_ms"]) for r in result.rows if not r["variant"].startswith("layerwise"))
     assert result.summary["transfer_eq_compute_4_layers.best_layerwise_hidden_fraction"] == min(
         (r for r in result.rows[-2:]), key=lambda r: r["ttft_ms"])["hidden_fraction"]
     assert any("97.0% at 32" in note or "75.0% at 4" in note for note in result.notes)
-    _numbers_finite(result.rows, skip=("hidden_fraction", "transfer_alone_ms"))
+    _numbers_finite(result.rows, skip=("hidden_fraction", "transfer_alone_ms", "compute_wait_ms"))
     _plots_exist(result, tmp_path)
 
 
