@@ -18,7 +18,7 @@ import numpy as np
 
 from layerkv.bench import overlap
 from layerkv.bench.common import BenchOptions
-from layerkv.seal import Sealer
+from layerkv.objects.seal import Sealer
 from layerkv.transfer import views
 
 BLOCKS, SEGMENT_NBYTES, LAYERS = 115, 4096, 32  # the overlap bench's 32-layer model: 1,840 tokens of 16

@@ -20,7 +20,7 @@ import numpy as np
 from layerkv.config import LayerKVConfig
 from layerkv.demo import DEMO_MODEL
 from layerkv.engine import EngineConfig, block_hashes
-from layerkv.keys import block_keys
+from layerkv.objects.keys import block_keys
 from tests.chaos.engines import LocalOracle
 from tests.chaos.rig import InProc, Rig
 

@@ -4,8 +4,8 @@ thread (no compute, prefetch unbounded) for read_layers_per_range k = 1, 2, 4, 8
 import statistics, sys, time
 import numpy as np, torch
 from layerkv.bench.backends import open_backends
-from layerkv.header import Header
-from layerkv.layout import CacheLayout
+from layerkv.objects.header import Header
+from layerkv.objects.layout import CacheLayout
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.staged import StagedLayers

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.header import Header
-from layerkv.keys import block_keys, namespace_for
+from layerkv.objects.header import Header
+from layerkv.objects.keys import block_keys, namespace_for
 from layerkv.transfer.rows import KeyRows
 from layerkv.transfer.views import CacheViews
-from layerkv.layout import CacheLayout
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
-from layerkv.ranges import RangeLists
-from layerkv.seal import NONCE_NBYTES, context
+from layerkv.objects.ranges import RangeLists
+from layerkv.objects.seal import NONCE_NBYTES, context
 from layerkv.store.base import KVStore
 from layerkv.store.factory import open_checked_store
 

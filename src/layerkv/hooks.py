@@ -48,7 +48,7 @@ class SchedulerHooks(Protocol):
 
 class WorkerHooks(Protocol):
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
-        """`kv_caches`: layer name -> tensor or tuple of tensors (see layout.py)."""
+        """`kv_caches`: layer name -> tensor or tuple of tensors (see objects/layout.py)."""
         ...
 
     def bind_connector_metadata(self, meta: Any) -> None: ...

@@ -41,7 +41,7 @@ class Deployment:
     pp_size: int = 1
     pp_rank: int = 0
     # What identifies the weights (a revision / commit, or a fingerprint of the checkpoint
-    # files; see fingerprint.py) and a digest of the settings that change KV bytes
+    # files; see objects/fingerprint.py) and a digest of the settings that change KV bytes
     # (quantization, rope / hf overrides, layer count incl. draft layers, KV cache scales).
     model_fingerprint: str = ""
     model_settings: str = ""

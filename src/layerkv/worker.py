@@ -22,13 +22,13 @@ from typing import Any
 from layerkv import worker_jobs
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, TransferError
-from layerkv.keys import storage_role, tenant_namespaces
-from layerkv.layout import CacheLayout
+from layerkv.objects.keys import storage_role, tenant_namespaces
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.plan import BlockSpec, StepPlan
 from layerkv.stats import WorkerStats
 from layerkv.store.checked import CheckedStore
-from layerkv.tenant_key import tenant_keys
+from layerkv.objects.tenant_key import tenant_keys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions

@@ -14,15 +14,15 @@ from typing import Any
 
 from layerkv.config import LayerKVConfig
 from layerkv.errors import LayoutError
-from layerkv.header import Header
-from layerkv.keys import Namespace, block_keys
-from layerkv.layout import CacheLayout
+from layerkv.objects.header import Header
+from layerkv.objects.keys import Namespace, block_keys
+from layerkv.objects.layout import CacheLayout
 from layerkv.plan import BlockSpec
-from layerkv.seal import sealers_for
+from layerkv.objects.seal import sealers_for
 from layerkv.stats import WorkerStats
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
-from layerkv.tenant_key import TenantKeys
+from layerkv.objects.tenant_key import TenantKeys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.pending import PendingPuts

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from layerkv.engine import block_hashes
-from layerkv.keys import block_keys
+from layerkv.objects.keys import block_keys
 from layerkv.store.faults import GET_RANGES, PUT_RANGES
 from tests.chaos.engines import COMPUTE_SLACK_S, ENGINE, LAYERKV, REQUEST_BOUND_S
 from tests.chaos.gate import GateRule

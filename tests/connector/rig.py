@@ -14,7 +14,7 @@ import torch
 
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
-from layerkv.keys import block_keys
+from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment, KVRole, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_END, GET_RANGES, GET_START, FaultyStore

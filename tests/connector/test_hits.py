@@ -78,7 +78,7 @@ def test_pipeline_parallel_hit_needs_every_stage() -> None:
     import dataclasses
 
     from layerkv.config import LayerKVConfig
-    from layerkv.keys import block_keys, namespace_for
+    from layerkv.objects.keys import block_keys, namespace_for
     from layerkv.messages import Deployment, RequestView
     from layerkv.scheduler import SchedulerConnector
     from layerkv.store.checked import CheckedStore

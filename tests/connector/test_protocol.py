@@ -13,9 +13,9 @@ import torch
 
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, LayoutError
-from layerkv.layout import CacheLayout
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
-from layerkv.seal import Sealer, context
+from layerkv.objects.seal import Sealer, context
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
@@ -47,7 +47,7 @@ def test_saves_are_readable_only_after_the_next_steps_verdict(make_rig) -> None:
 
 
 def test_an_exception_after_put_start_revokes_everything(make_rig, backend, monkeypatch) -> None:
-    from layerkv.header import Header
+    from layerkv.objects.header import Header
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("header encoder broke")

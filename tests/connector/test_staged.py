@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerkv.header import Header
+from layerkv.objects.header import Header
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES, GET_START
 from layerkv.transfer.planner import Costs

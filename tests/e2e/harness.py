@@ -17,7 +17,7 @@ import torch
 from layerkv.config import LayerKVConfig
 from layerkv.engine import Engine, EngineConfig, ModelConfig, RequestOutput, StepRecord
 from layerkv.engine.pooled import pooled_engine
-from layerkv.keys import block_keys
+from layerkv.objects.keys import block_keys
 from layerkv.messages import KVRole
 from layerkv.store.base import KVStore, ObjectKey
 from layerkv.store.checked import CheckedStore

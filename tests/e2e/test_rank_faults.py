@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from layerkv.engine import ModelConfig, block_hashes
-from layerkv.header import NONCE_OFFSET
-from layerkv.keys import block_keys
+from layerkv.objects.header import NONCE_OFFSET
+from layerkv.objects.keys import block_keys
 from layerkv.messages import KVRole
 from layerkv.store.base import Code, KVStore
 from layerkv.store.faults import GET_RANGES, GET_START, FaultyStore

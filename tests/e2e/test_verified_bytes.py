@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from layerkv.header import NONCE_OFFSET
+from layerkv.objects.header import NONCE_OFFSET
 from layerkv.store.base import Code
 from layerkv.store.faults import GET_RANGES, PUT_START
 from tests.backends import BOTH_BACKENDS

@@ -10,8 +10,8 @@ import struct
 
 import numpy as np
 
-from layerkv.header import Header
-from layerkv.seal import NONCE_NBYTES, Sealer, context
+from layerkv.objects.header import Header
+from layerkv.objects.seal import NONCE_NBYTES, Sealer, context
 
 
 def layer_spans(genuine: bytes) -> list[tuple[int, int]]:

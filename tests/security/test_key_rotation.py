@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerkv.tenant_key import read_key_file, write_key_file
+from layerkv.objects.tenant_key import read_key_file, write_key_file
 from tests.backends import BOTH_BACKENDS
 from tests.e2e.harness import PooledRun, assert_identical, computed_chunks, random_tokens, serve, small_engine
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from layerkv.engine import block_hashes
-from layerkv.keys import block_keys, tenant_namespace
+from layerkv.objects.keys import block_keys, tenant_namespace
 from tests.e2e.harness import PooledRun, assert_identical, computed_chunks, random_tokens, serve, small_engine
 from tests.mooncake_master import MasterProcess
 from tests.security.forge import forge, layer_spans
@@ -223,7 +223,7 @@ def test_a_segment_holder_rewrites_what_lands_in_its_segment(make_oracle, tmp_pa
     """The attacker mounts a segment of the pool (A's objects are placed there); with a bare
     transfer engine it finds them in its own memory by the header's magic and rewrites one in
     place with a forgery (another of A's objects' layers, fresh unkeyed checksums)."""
-    from layerkv.header import MAGIC
+    from layerkv.objects.header import MAGIC
 
     holder = Attacker(json.dumps(mooncake_master.config(global_segment_size=0)), mooncake_master.metrics_url, "64",
                       module="tests.security.pool_attacker")

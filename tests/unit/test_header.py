@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from layerkv.errors import HeaderError, LayoutError
-from layerkv.header import MAGIC, MAX_HEADER_NBYTES, MAX_LAYERS, SCHEMA_VERSION, Header, header_nbytes_for
-from layerkv.layout import CacheLayout
-from layerkv.seal import Sealer
+from layerkv.objects.header import MAGIC, MAX_HEADER_NBYTES, MAX_LAYERS, SCHEMA_VERSION, Header, header_nbytes_for
+from layerkv.objects.layout import CacheLayout
+from layerkv.objects.seal import Sealer
 
 NS = bytes(range(16))
 KEY = "m-0011@aabbccdd@0"

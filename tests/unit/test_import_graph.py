@@ -13,8 +13,13 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 FORBIDDEN = {
     "layerkv.errors": ["layerkv."],
     "layerkv.config": ["layerkv.store", "layerkv.transfer", "layerkv.worker", "layerkv.scheduler", "layerkv.engine"],
-    "layerkv.store": ["layerkv.keys", "layerkv.layout", "layerkv.transfer", "layerkv.worker",
+    "layerkv.store": ["layerkv.objects", "layerkv.transfer", "layerkv.worker",
                       "layerkv.scheduler", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],
+    # what an object is: above the store (keys name its objects), below everything that moves them
+    "layerkv.objects": ["layerkv.transfer", "layerkv.worker", "layerkv.worker_jobs", "layerkv.scheduler",
+                        "layerkv.connector", "layerkv.groups", "layerkv.hooks", "layerkv.plan", "layerkv.stats",
+                        "layerkv.engine", "layerkv.integrations", "layerkv.bench", "layerkv.commands",
+                        "layerkv.demo", "layerkv.datapath_demo", "layerkv.cli"],
     "layerkv.transfer": ["layerkv.worker", "layerkv.scheduler", "layerkv.connector", "layerkv.engine",
                          "layerkv.integrations", "layerkv.bench", "layerkv.commands"],
     "layerkv.worker": ["layerkv.scheduler", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from layerkv.errors import ConfigError, UnsupportedSetupError
-from layerkv.keys import (
+from layerkv.objects.keys import (
     Namespace,
     block_hash_bytes,
     block_key,
@@ -18,7 +18,7 @@ from layerkv.keys import (
     namespace_for,
     storage_role,
 )
-from layerkv.layout import CacheLayout
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 
 NUM_BLOCKS = 4
@@ -77,8 +77,8 @@ def test_tp_rank_alone_does_not_change_the_namespace() -> None:
 
 _SCRIPT = """
 import numpy as np
-from layerkv.keys import namespace_for
-from layerkv.layout import CacheLayout
+from layerkv.objects.keys import namespace_for
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 caches = {f"model.layers.{i}.attn": np.zeros((2, 4, 16, 2, 4), np.float16) for i in range(2)}
 layout = CacheLayout.from_caches(caches, 4, max_transfer_bytes=1 << 20)

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layerkv.errors import LayoutError
-from layerkv.header import Header
-from layerkv.layout import CacheLayout
+from layerkv.objects.header import Header
+from layerkv.objects.layout import CacheLayout
 from layerkv.transfer.rows import KeyRows
-from layerkv.ranges import RangeLists, join_ranges
+from layerkv.objects.ranges import RangeLists, join_ranges
 
 MiB = 1 << 20
 
@@ -432,7 +432,7 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
 
 
 def test_merge_needs_adjacency_in_memory_and_in_the_object() -> None:
-    from layerkv.ranges import Segment, merge_segments, split_segment
+    from layerkv.objects.ranges import Segment, merge_segments, split_segment
 
     a = Segment(1000, 64, 16, 200)
     assert merge_segments([a, Segment(1016, 64, 16, 216)]) == [Segment(1000, 64, 32, 200)]

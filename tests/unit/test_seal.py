@@ -1,4 +1,4 @@
-"""Layer tags and encryption (layerkv.seal, layerkv.encryption): tags bind the object key, the
+"""Layer tags and encryption (layerkv.objects.seal, layerkv.objects.encryption): tags bind the object key, the
 write's nonce and the layer; AES-256-GCM layers decrypt only with the same key, context and
 layer, and their ciphertext says nothing of the plaintext; no key shows in a repr."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from layerkv.config import LayerKVConfig
-from layerkv.encryption import LayerCipher
+from layerkv.objects.encryption import LayerCipher
 from layerkv.errors import ConfigError
-from layerkv.seal import RowSealers, Sealer, context
+from layerkv.objects.seal import RowSealers, Sealer, context
 
 CTX = context("ns@00ff@0", bytes(range(16)))
 

@@ -12,7 +12,7 @@ import pytest
 from layerkv.cli import main
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError
-from layerkv.tenant_key import MIN_KEY_NBYTES, read_key_file, tenant_keys, write_key_file
+from layerkv.objects.tenant_key import MIN_KEY_NBYTES, read_key_file, tenant_keys, write_key_file
 
 
 def _key_file(path: Path, text: str, mode: int = 0o600) -> Path:

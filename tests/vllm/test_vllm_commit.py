@@ -12,7 +12,7 @@ require_vllm()
 
 from tests.vllm.pool_rig import PoolNodes, prompt  # noqa: E402
 
-from layerkv.keys import block_keys  # noqa: E402
+from layerkv.objects.keys import block_keys  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from layerkv.tenant_key import write_key_file
+from layerkv.objects.tenant_key import write_key_file
 from tests.vllm_engine.engine_proc import TierEngine
 from tests.vllm_engine.tier import engine_env, layerkv_transfer, llm_kwargs, serve_process
 from tests.vllm_engine.tiny_model import TinyGemma3, TinyLlama

@@ -211,8 +211,8 @@ def test_probing_which_prompts_the_pool_holds_finds_nothing(pair, pool_attacker,
     the engine's: checked here with the tenant key, which the attacker lacks), puts them under
     the namespace it lists, and asks which exist: nothing, also for the prompt the producer just
     served (its names are keyed hashes of those block hashes)."""
-    from layerkv.keys import Namespace
-    from layerkv.tenant_key import read_key_file
+    from layerkv.objects.keys import Namespace
+    from layerkv.objects.tenant_key import read_key_file
 
     producer, _ = pair
     served, other = prompt(70, 4 * BLOCK_SIZE), prompt(71, 4 * BLOCK_SIZE)
@@ -259,7 +259,7 @@ def test_a_segment_holder_rewrites_what_lands_in_its_segment(pair, fleet):
     are those of the producer's own prefix cache."""
     import json
 
-    from layerkv.header import MAGIC
+    from layerkv.objects.header import MAGIC
     from tests.security.forge import forge
     from tests.security.peer import Attacker
 

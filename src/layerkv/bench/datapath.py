@@ -15,7 +15,7 @@ import numpy as np
 from layerkv.bench.backends import Backend, open_backends
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps, kib, median_s, ratio
 from layerkv.bench.plots import line_plot
-from layerkv.layout import CacheLayout
+from layerkv.objects.layout import CacheLayout
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.rows import KeyRows
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult, ratio
 from layerkv.bench.plots import line_plot
-from layerkv.layout import CacheLayout
+from layerkv.objects.layout import CacheLayout
 
 NAME = "descriptors"
 MiB = 1 << 20

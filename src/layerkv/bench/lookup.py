@@ -16,7 +16,7 @@ from layerkv.bench.backends import Backend, open_backends
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, ratio
 from layerkv.bench.plots import bar_plot
 from layerkv.config import LayerKVConfig
-from layerkv.keys import block_keys
+from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment, RequestView
 from layerkv.scheduler import SchedulerConnector
 from layerkv.store.checked import CheckedStore

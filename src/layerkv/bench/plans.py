@@ -21,13 +21,13 @@ import numpy as np
 from layerkv.bench.backends import Backend, open_backends
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps, kib, median_s, ratio
 from layerkv.config import LayerKVConfig
-from layerkv.keys import block_keys
+from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment
 from layerkv.plan import BlockSpec, StepPlan, StepVerdict
-from layerkv.encryption import LayerCipher
-from layerkv.seal import NONCE_NBYTES, Sealer, context
+from layerkv.objects.encryption import LayerCipher
+from layerkv.objects.seal import NONCE_NBYTES, Sealer, context
 from layerkv.store.checked import CheckedStore
-from layerkv.tenant_key import write_key_file
+from layerkv.objects.tenant_key import write_key_file
 from layerkv.worker import WorkerConnector
 
 NAME = "plans"

@@ -90,7 +90,7 @@ class _Setup:
 
 
 def _keys(worker: WorkerConnector, hashes: tuple[bytes, ...]) -> list[str]:
-    from layerkv.keys import block_keys
+    from layerkv.objects.keys import block_keys
 
     return block_keys(worker.namespace, hashes, worker.storage_role.storage_rank)
 

@@ -133,7 +133,7 @@ class Rig:
 
     def key_file(self) -> Path:
         """The keyed engines' tenant key (one for all of them: a producer and its consumer share it)."""
-        from layerkv.tenant_key import write_key_file
+        from layerkv.objects.tenant_key import write_key_file
 
         path = self.work_dir / "tenant.key"
         if not path.exists():

@@ -22,7 +22,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from layerkv.tenant_key import write_key_file
+    from layerkv.objects.tenant_key import write_key_file
 
     keys = write_key_file(args.file, rotate=args.rotate)
     ids = ", ".join(k.key_id for k in keys.all)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerkv.fingerprint import settings_digest
+from layerkv.objects.fingerprint import settings_digest
 from layerkv.engine.model import ModelConfig, Weights, check_tp, init_weights
 from layerkv.engine.request import Request, RequestOutput, StepRecord, StepRequestRecord
 from layerkv.engine.runner import ModelRunner

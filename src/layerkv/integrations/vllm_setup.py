@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, Slid
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from layerkv.errors import ConfigError, UnsupportedSetupError
-from layerkv.fingerprint import checkpoint_fingerprint, settings_digest
+from layerkv.objects.fingerprint import checkpoint_fingerprint, settings_digest
 from layerkv.messages import Deployment, KVRole
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What one load trusts of the objects it reads: each object's header (read with layer 0) must
 name the block and the key it is read for and, with a tenant key, carry a valid MAC; each layer
-read later must match the tag that header carried (layerkv.seal). There is no switch that turns
+read later must match the tag that header carried (layerkv.objects.seal). There is no switch that turns
 a check off. `ObjectChecks` keeps, per key of the load (a row), the tags to compare with, the
 write's nonce and whether the object failed (to be removed from the pool once its session
 ended). It only answers masks; the load job fails the rows. Receive thread only.
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from layerkv.errors import HeaderError
-from layerkv.header import Header
-from layerkv.seal import NONCE_NBYTES, TAG_NBYTES, RowSealers, Sealer, context
+from layerkv.objects.header import Header
+from layerkv.objects.seal import NONCE_NBYTES, TAG_NBYTES, RowSealers, Sealer, context
 from layerkv.store.base import ObjectKey
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from layerkv.errors import LayoutError
-from layerkv.header import Header
-from layerkv.layout import CacheLayout
+from layerkv.objects.header import Header
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import BlockHash
-from layerkv.ranges import RangeLists
+from layerkv.objects.ranges import RangeLists
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.checks import ObjectChecks

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from layerkv.ranges import RangeLists
+from layerkv.objects.ranges import RangeLists
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.lanes import Lanes, split_rows

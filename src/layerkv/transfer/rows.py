@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from layerkv.layout import CacheLayout
-from layerkv.ranges import RangeLists, join_ranges
+from layerkv.objects.layout import CacheLayout
+from layerkv.objects.ranges import RangeLists, join_ranges
 
 
 class KeyRows:

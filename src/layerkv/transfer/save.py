@@ -4,7 +4,7 @@ anything else (cancelled, incomplete, an exception) revokes every session it sta
 
 Staged (the default, and the only way unless the KV cache itself is registered): as the compute
 thread hands each layer over, the send thread copies it into the key's staging row (the object's
-image: the store never reads the cache) and tags it (layerkv.seal: with a tenant key a keyed MAC,
+image: the store never reads the cache) and tags it (layerkv.objects.seal: with a tenant key a keyed MAC,
 bound to the key and this write's random nonce); once every layer is
 copied the compute thread is released (`released`), and the write thread then starts the put
 sessions and writes one range per key of the whole image (header included), split over the
@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from layerkv.header import Header
-from layerkv.layout import CacheLayout
+from layerkv.objects.header import Header
+from layerkv.objects.layout import CacheLayout
 from layerkv.messages import BlockHash, ReqId
-from layerkv.seal import NONCE_NBYTES, TAG_NBYTES, context
+from layerkv.objects.seal import NONCE_NBYTES, TAG_NBYTES, context
 from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.pending import PendingPut, PendingPuts

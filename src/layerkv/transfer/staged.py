@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from layerkv.errors import LayoutError
-from layerkv.layout import CacheLayout
-from layerkv.ranges import RangeLists
-from layerkv.seal import TAG_NBYTES, RowSealers, Sealer
+from layerkv.objects.layout import CacheLayout
+from layerkv.objects.ranges import RangeLists
+from layerkv.objects.seal import TAG_NBYTES, RowSealers, Sealer
 from layerkv.transfer.views import CacheViews
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from layerkv.errors import ConfigError
-from layerkv.layout import CacheLayout
+from layerkv.objects.layout import CacheLayout
 
 HEADER_AREA_NBYTES = 64 << 20  # header rows of the direct plans (register_kv_cache), at most
 WARM_NBYTES = 64 << 20  # rows of each area mapped at start-up (the rest on first use, as rows go lowest first)

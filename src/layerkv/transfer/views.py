@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from layerkv.errors import LayoutError
-from layerkv.layout import CacheLayout
-from layerkv.seal import RowSealers, Sealer
+from layerkv.objects.layout import CacheLayout
+from layerkv.objects.seal import RowSealers, Sealer
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -49,7 +49,7 @@ class CacheViews:
             self.layers = tuple(_device_views(layout, l, storages) for l in range(layout.num_layers))
 
     def tags(self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer | RowSealers) -> np.ndarray:
-        """Each block's tag of its layer bytes in object order (layerkv.seal): uint8
+        """Each block's tag of its layer bytes in object order (layerkv.objects.seal): uint8
         [len(block_ids), 16]. Host caches only (device caches are not read from the host)."""
         assert self.on_host, "tags of device caches are not computed on the host"
         views = self.layers[layer_idx]

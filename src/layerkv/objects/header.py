@@ -1,6 +1,6 @@
 """The object header: a small fixed-size record at offset 0 of every object that says which
 deployment, layout and block the object belongs to, which write it is (a random nonce), and
-carries one 16-byte tag per layer and, with a tenant key, a MAC over itself (layerkv.seal).
+carries one 16-byte tag per layer and, with a tenant key, a MAC over itself (layerkv.objects.seal).
 Worker side; a `Header` is immutable after construction and may be used from any thread (the
 send thread encodes, the receive thread verifies).
 
@@ -21,7 +21,7 @@ send thread encodes, the receive thread verifies).
        132     4  reserved (0)
        136    16  nonce: random per write of the object
        152    32  header MAC (keyed; zero without a key), over the header with this field zero
-       184 16 * L per-layer tags (layerkv.seal)
+       184 16 * L per-layer tags (layerkv.objects.seal)
        ...        zero padding up to a multiple of 64 bytes (at most 4 KiB in all)
 
 The producer writes the header last (after every layer, when the tags are known); readers
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from layerkv.errors import HeaderError, LayoutError
-from layerkv.seal import MAC_NBYTES, NONCE_NBYTES, TAG_NBYTES, Sealer, context
+from layerkv.objects.seal import MAC_NBYTES, NONCE_NBYTES, TAG_NBYTES, Sealer, context
 
 SCHEMA_VERSION = 3
 MAGIC = b"LAYERKV\0"

@@ -6,7 +6,7 @@ the KV or test a guess of it. Any thread (each call builds its own cipher object
     layer l:  ciphertext || tag = AES-256-GCM(K_obj, nonce = u32 l || 8 zero bytes,
                                               aad = "L" || context || u32 l, plaintext)
 
-`context` (layerkv.seal) is the object key and the write's random 16-byte nonce: a fresh key per
+`context` (layerkv.objects.seal) is the object key and the write's random 16-byte nonce: a fresh key per
 write, so GCM nonces never repeat under one key. The 16-byte GCM tag is the layer's tag in the
 header; decrypting verifies it (a changed byte, layer, nonce or key fails). The ciphertext has
 the plaintext's length: the object layout does not change.
@@ -21,7 +21,7 @@ import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-TAG_NBYTES = 16  # AES-GCM's tag: the layer's tag in the header (layerkv.seal.TAG_NBYTES)
+TAG_NBYTES = 16  # AES-GCM's tag: the layer's tag in the header (layerkv.objects.seal.TAG_NBYTES)
 _LAYER = struct.Struct("<I")
 
 

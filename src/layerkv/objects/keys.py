@@ -4,7 +4,7 @@ keys for sessions. Any thread.
 
     key = <namespace>@<block_id_hex>@<storage_rank>      namespace = <model-basename>-<digest16hex>
 
-With a tenant key (layerkv.tenant_key) the digest and every block id are keyed BLAKE3 hashes
+With a tenant key (layerkv.objects.tenant_key) the digest and every block id are keyed BLAKE3 hashes
 under the key's names subkey: nobody without the key can compute, probe or squat the keys.
 Without one, the digest is a sha256 of the deployment and the block id is the engine's hash.
 """
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 import blake3
 
 from layerkv.errors import ConfigError, UnsupportedSetupError
-from layerkv.header import DIGEST_NBYTES, SCHEMA_VERSION
+from layerkv.objects.header import DIGEST_NBYTES, SCHEMA_VERSION
 from layerkv.messages import Deployment
 from layerkv.store.base import ObjectKey
 
 if TYPE_CHECKING:
-    from layerkv.layout import CacheLayout
-    from layerkv.tenant_key import TenantKeys
+    from layerkv.objects.layout import CacheLayout
+    from layerkv.objects.tenant_key import TenantKeys
 
 _UNSAFE_RE = re.compile(r"[^A-Za-z0-9._-]+")
 _SHORT_DIGEST_HEX = 16

@@ -13,7 +13,7 @@ xxh3-128 (`Sealer(None)`: a checksum against corruption, no protection against a
 the pool). Binding the object key and the nonce means a layer (or a whole header) copied from
 another object, or from an earlier write of the same object, does not verify. With
 `encrypt_objects` (`Sealer(mac_key, LayerCipher(...))`) each layer is AES-256-GCM ciphertext
-and its tag is the GCM tag (layerkv.encryption): decrypting verifies it.
+and its tag is the GCM tag (layerkv.objects.encryption): decrypting verifies it.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import blake3
 import numpy as np
 import xxhash
 
-from layerkv import encryption
-from layerkv.encryption import LayerCipher
+from layerkv.objects import encryption
+from layerkv.objects.encryption import LayerCipher
 
 if TYPE_CHECKING:
-    from layerkv.tenant_key import TenantKeys
+    from layerkv.objects.tenant_key import TenantKeys
 
 TAG_NBYTES = 16
 MAC_NBYTES = 32

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from layerkv.errors import LayoutError
-from layerkv.header import header_nbytes_for
-from layerkv.ranges import Segment, SegmentTemplate, merge_segments
+from layerkv.objects.header import header_nbytes_for
+from layerkv.objects.ranges import Segment, SegmentTemplate, merge_segments
 
 LayerName = str
 _LAYERS_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
