@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from layerkv import worker
+from layerkv.connector import worker
 from layerkv.cli import main as cli
 from layerkv.engine import Engine, runner
 

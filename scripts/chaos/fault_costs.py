@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.demo import DEMO_MODEL
+from layerkv.demos.demo import DEMO_MODEL
 from layerkv.engine import EngineConfig, block_hashes
 from layerkv.objects.keys import block_keys
 from tests.chaos.engines import LocalOracle

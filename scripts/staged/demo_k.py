@@ -2,7 +2,7 @@
 path, config replaced; demo defaults untouched). Usage: demo_k.py STORE K [K ...]"""
 import os, sys, statistics
 from layerkv.config import LayerKVConfig
-from layerkv.demo import run_demo
+from layerkv.demos.demo import run_demo
 from layerkv.store.local_master import LocalMaster
 
 store, ks = sys.argv[1], [int(k) for k in sys.argv[2:]]

@@ -51,7 +51,7 @@ class Deployment:
     # "L0:k[16,2,64]f16+v[16,2,64]f16;L1:..."); part of the key namespace, so deployments
     # with different cache layouts never share objects.
     kv_signature: str = ""
-    # A sliding-window KV cache group of a hybrid model (groups.py): a hit ending at block N
+    # A sliding-window KV cache group of a hybrid model (connector/hybrid.py): a hit ending at block N
     # needs only this group's blocks [N - window_blocks, N); 0: every block of the hit.
     window_blocks: int = 0
 
@@ -85,7 +85,7 @@ class ScheduledRequest:
     num_scheduled_tokens: int  # tokens the engine computes in this step
     block_hashes: tuple[BlockHash, ...]  # hashes of the request's full blocks known so far
     resumed: bool = False  # re-scheduled after preemption: block_ids were replaced
-    # hybrid models: the request's block ids in its other KV cache groups (groups.py); a block
+    # hybrid models: the request's block ids in its other KV cache groups (connector/hybrid.py); a block
     # that failed to load there taints this request's saves here too
     other_block_ids: tuple[int, ...] = ()
 

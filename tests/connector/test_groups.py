@@ -1,4 +1,4 @@
-"""Hybrid models (groups.py): one scheduler and one worker per KV cache group, composed into one
+"""Hybrid models (connector/hybrid.py): one scheduler and one worker per KV cache group, composed into one
 connector and driven in vLLM's order over real stores. The model: a full-attention group of 3
 layers (model layers 0-2) and a sliding-window group of 2 layers (3-4) whose window is 2
 blocks. As in vLLM, the groups share one block id space and id 0 is the null block (the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from layerkv.groups import GroupedPlan, GroupedScheduler, GroupedWorker
+from layerkv.connector.hybrid import GroupedPlan, GroupedScheduler, GroupedWorker
 from layerkv.messages import ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.store.base import Code
 from layerkv.store.faults import GET_RANGES

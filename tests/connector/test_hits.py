@@ -80,7 +80,7 @@ def test_pipeline_parallel_hit_needs_every_stage() -> None:
     from layerkv.config import LayerKVConfig
     from layerkv.objects.keys import block_keys, namespace_for
     from layerkv.messages import Deployment, RequestView
-    from layerkv.scheduler import SchedulerConnector
+    from layerkv.connector.scheduler import SchedulerConnector
     from layerkv.store.checked import CheckedStore
     from layerkv.store.embedded import EmbeddedStore
 

@@ -20,7 +20,7 @@ from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
 from layerkv.transfer.views import CacheViews
-from layerkv.worker import WorkerConnector
+from layerkv.connector.worker import WorkerConnector
 from tests.backends import Backend, EmbeddedBackend, MooncakeBackend
 from tests.connector.rig import BLOCK_SIZE, Req, Rig
 

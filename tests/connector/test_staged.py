@@ -132,7 +132,7 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     rig.run(req)
     b = Req("b", tokens)
     _, s = rig.admit(b)
-    with caplog.at_level(logging.WARNING, logger="layerkv.worker"):
+    with caplog.at_level(logging.WARNING, logger="layerkv.connector.worker"):
         invalid = rig.step([s])
     assert invalid == {b.block_ids[2]}
     assert "header field 'block_id' mismatch" in caplog.text
@@ -223,10 +223,10 @@ def test_device_caches_go_through_staging_and_every_layer_is_verified(make_patte
     in staging first -- a byte flipped in the store fails exactly that key's block."""
     import functools
 
-    import layerkv.worker
+    import layerkv.connector.worker
     from layerkv.transfer.views import CacheViews
 
-    monkeypatch.setattr(layerkv.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
+    monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
     producer = make_pattern_rig(num_layers=4, transfer_plan="groups", read_layers_per_range=2)
     assert not producer.workers[0]._jobs.views.on_host
     prefix = _tokens(6, extra=0)

@@ -22,7 +22,7 @@ from layerkv.messages import KVRole
 from layerkv.store.base import KVStore, ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_RANGES, PUT_START, FaultyStore
-from layerkv.worker import WorkerConnector
+from layerkv.connector.worker import WorkerConnector
 from tests.backends import Backend
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=5)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from layerkv.hooks import NullScheduler, NullWorker
+from layerkv.connector.hooks import NullScheduler, NullWorker
 from layerkv.messages import RequestView, SchedulerStep, WorkerReport
 
 

@@ -155,7 +155,7 @@ def test_paged_cache_layout_write_and_gather() -> None:
 
 
 def test_import_layerkv_does_not_import_torch() -> None:
-    code = "import sys, layerkv, layerkv.hooks, layerkv.messages; sys.exit('torch' in sys.modules)"
+    code = "import sys, layerkv, layerkv.connector.hooks, layerkv.messages; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

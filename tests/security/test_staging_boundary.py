@@ -17,7 +17,7 @@ from layerkv.config import LayerKVConfig
 from layerkv.messages import Deployment
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_RANGES
-from layerkv.worker import WorkerConnector
+from layerkv.connector.worker import WorkerConnector
 from tests.e2e.harness import assert_identical, computed_chunks, random_tokens, serve, small_engine
 from tests.mooncake_master import MasterProcess, connect_store
 from tests.security.peer import Attacker

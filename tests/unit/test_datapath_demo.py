@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from layerkv.cli import main
-from layerkv.datapath_demo import format_report, run_datapath_demo
+from layerkv.demos.datapath import format_report, run_datapath_demo
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 

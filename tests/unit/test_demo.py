@@ -6,7 +6,7 @@ import pytest
 
 from layerkv.cli import main
 from layerkv.config import LayerKVConfig
-from layerkv.demo import format_result, run_demo
+from layerkv.demos.demo import format_result, run_demo
 from layerkv.engine import ModelConfig
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore

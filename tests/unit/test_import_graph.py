@@ -12,19 +12,22 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Who may not import whom: a module under the key may import none of the prefixes listed.
 FORBIDDEN = {
     "layerkv.errors": ["layerkv."],
-    "layerkv.config": ["layerkv.store", "layerkv.transfer", "layerkv.worker", "layerkv.scheduler", "layerkv.engine"],
-    "layerkv.store": ["layerkv.objects", "layerkv.transfer", "layerkv.worker",
-                      "layerkv.scheduler", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],
+    "layerkv.config": ["layerkv.store", "layerkv.objects", "layerkv.transfer", "layerkv.connector", "layerkv.engine"],
+    "layerkv.messages": ["layerkv.store", "layerkv.objects", "layerkv.metadata", "layerkv.transfer", "layerkv.connector"],
+    "layerkv.metadata": ["layerkv.store", "layerkv.objects", "layerkv.transfer", "layerkv.connector"],
+    "layerkv.store": ["layerkv.objects", "layerkv.transfer", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],
     # what an object is: above the store (keys name its objects), below everything that moves them
-    "layerkv.objects": ["layerkv.transfer", "layerkv.worker", "layerkv.worker_jobs", "layerkv.scheduler",
-                        "layerkv.connector", "layerkv.groups", "layerkv.hooks", "layerkv.plan", "layerkv.stats",
-                        "layerkv.engine", "layerkv.integrations", "layerkv.bench", "layerkv.commands",
-                        "layerkv.demo", "layerkv.datapath_demo", "layerkv.cli"],
-    "layerkv.transfer": ["layerkv.worker", "layerkv.scheduler", "layerkv.connector", "layerkv.engine",
-                         "layerkv.integrations", "layerkv.bench", "layerkv.commands"],
-    "layerkv.worker": ["layerkv.scheduler", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],
-    "layerkv.scheduler": ["layerkv.worker", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],
-    "layerkv.engine": ["layerkv.integrations", "layerkv.bench", "layerkv.commands"],
+    "layerkv.objects": ["layerkv.transfer", "layerkv.connector", "layerkv.metadata", "layerkv.engine",
+                        "layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos", "layerkv.cli"],
+    "layerkv.transfer": ["layerkv.connector", "layerkv.engine", "layerkv.integrations", "layerkv.bench",
+                         "layerkv.commands", "layerkv.demos"],
+    "layerkv.connector": ["layerkv.engine", "layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos"],
+    # the two sides of the connector meet only in the step metadata and the workers' reports
+    "layerkv.connector.worker": ["layerkv.connector.scheduler"],
+    "layerkv.connector.worker_jobs": ["layerkv.connector.scheduler"],
+    "layerkv.connector.scheduler": ["layerkv.connector.worker", "layerkv.connector.worker_jobs"],
+    "layerkv.engine": ["layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos"],
+    "layerkv.integrations": ["layerkv.bench", "layerkv.commands", "layerkv.demos"],
 }
 
 

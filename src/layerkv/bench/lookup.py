@@ -18,7 +18,7 @@ from layerkv.bench.plots import bar_plot
 from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment, RequestView
-from layerkv.scheduler import SchedulerConnector
+from layerkv.connector.scheduler import SchedulerConnector
 from layerkv.store.checked import CheckedStore
 
 NAME = "lookup"

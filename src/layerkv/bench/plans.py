@@ -23,12 +23,12 @@ from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps,
 from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment
-from layerkv.plan import BlockSpec, StepPlan, StepVerdict
+from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
 from layerkv.objects.encryption import LayerCipher
 from layerkv.objects.seal import NONCE_NBYTES, Sealer, context
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import write_key_file
-from layerkv.worker import WorkerConnector
+from layerkv.connector.worker import WorkerConnector
 
 NAME = "plans"
 KiB = 1 << 10

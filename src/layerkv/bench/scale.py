@@ -18,7 +18,7 @@ from layerkv.bench.plots import line_plot
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
 from layerkv.messages import Deployment, RequestView
-from layerkv.plan import BlockSpec, StepPlan, StepVerdict
+from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 

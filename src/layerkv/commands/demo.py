@@ -9,7 +9,7 @@ from layerkv.commands import add_mooncake_log_flag
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
-    from layerkv.demo import DemoResult
+    from layerkv.demos.demo import DemoResult
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,14 +30,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.synthetic:
-        from layerkv.datapath_demo import format_report, run_datapath_demo
+        from layerkv.demos.datapath import format_report, run_datapath_demo
 
         report = run_datapath_demo()
         print(format_report(report))
         return 0 if report.identical else 1
 
     from layerkv.config import LayerKVConfig
-    from layerkv.demo import format_result, result_json
+    from layerkv.demos.demo import format_result, result_json
 
     extra: dict[str, object] = {"backend": args.store}
     if args.read_layers_per_range is not None:
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_demo(config: LayerKVConfig, args: argparse.Namespace) -> DemoResult:
     """run_demo at its default sizes, or (--tiny, for tests) a 3-layer model and 2 short prompts."""
-    from layerkv.demo import run_demo
+    from layerkv.demos.demo import run_demo
 
     if not args.tiny:
         return run_demo(config, tp_size=args.tp, progress=not args.json)

@@ -19,7 +19,7 @@ from layerkv.engine.request import Request, RequestOutput, StepRecord, StepReque
 from layerkv.engine.runner import ModelRunner
 from layerkv.engine.scheduler import Scheduler
 from layerkv.errors import ConfigError
-from layerkv.hooks import NullScheduler, NullWorker, SchedulerHooks, WorkerHooks
+from layerkv.connector.hooks import NullScheduler, NullWorker, SchedulerHooks, WorkerHooks
 from layerkv.messages import Deployment, KVRole, WorkerReport
 
 

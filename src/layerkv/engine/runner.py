@@ -24,7 +24,7 @@ from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedPar
 from layerkv.engine.paged_cache import RankKVCache, slot_mapping
 from layerkv.engine.scheduler import ScheduledChunk
 from layerkv.errors import ConfigError
-from layerkv.hooks import WorkerHooks
+from layerkv.connector.hooks import WorkerHooks
 from layerkv.messages import ReqId
 
 

@@ -16,7 +16,7 @@ import torch
 from layerkv.engine.block_pool import BlockPool
 from layerkv.engine.request import Request, RequestStatus
 from layerkv.errors import UnsupportedSetupError
-from layerkv.hooks import SchedulerHooks
+from layerkv.connector.hooks import SchedulerHooks
 from layerkv.messages import ReqId, ScheduledRequest, SchedulerStep, WorkerReport
 
 

@@ -1,2 +1,2 @@
 """Engine integrations: thin facades that translate an engine's connector API into layerkv's
-engine-neutral hooks (`layerkv.hooks`). Each submodule is the only importer of its engine."""
+engine-neutral hooks (`layerkv.connector.hooks`). Each submodule is the only importer of its engine."""

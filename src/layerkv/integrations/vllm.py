@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from layerkv.config import LayerKVConfig
-from layerkv.groups import GroupedScheduler, GroupedWorker
-from layerkv.hooks import SchedulerHooks, WorkerHooks
+from layerkv.connector.hybrid import GroupedScheduler, GroupedWorker
+from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of
 from layerkv.integrations.vllm_plugin import register as _register_connector_name
 from layerkv.integrations.vllm_setup import (
@@ -91,7 +91,7 @@ _register_connector_name()
 
 class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's connector API over layerkv's neutral scheduler / worker connector, one per KV
-    cache group (groups.py): with `SupportsHMA` vLLM keeps its hybrid KV cache manager on, so
+    cache group (connector/hybrid.py): with `SupportsHMA` vLLM keeps its hybrid KV cache manager on, so
     a model with sliding-window and full-attention layers has one group (one block table, one
     namespace of objects) per kind; every other model has one group."""
 
@@ -104,7 +104,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         self._steps = StepTranslator(len(deployments))
-        # several groups: vLLM recovers a failed load only for a request waiting for it (groups.py)
+        # several groups: vLLM recovers a failed load only for a request waiting for it (connector/hybrid.py)
         load_async = len(deployments) > 1
         self._scheduler: GroupedScheduler | None = None
         self._worker: GroupedWorker | None = None
@@ -158,7 +158,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self._steps.track(request)
-        # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (groups.py)
+        # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (connector/hybrid.py)
         return self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

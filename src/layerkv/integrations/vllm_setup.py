@@ -321,7 +321,7 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
 
 
 def group_deployments(deployment: Deployment, kv_cache_config: KVCacheConfig) -> list[Deployment]:
-    """One `Deployment` per KV cache group (groups.py): `deployment` itself for a model with one
+    """One `Deployment` per KV cache group (connector/hybrid.py): `deployment` itself for a model with one
     group; with several (vLLM's hybrid manager), each group's spec, index and layer names are in
     its `kv_signature`, so each group's objects have their own namespace and a change of vLLM's
     grouping names other objects (a miss, never another group's bytes)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from layerkv.plan import StepVerdict
+from layerkv.metadata import StepVerdict
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.pending import PendingPut, PendingPuts
 from layerkv.transfer.thread import JobState

@@ -1,5 +1,5 @@
 """The connector hook contract, named as vLLM's KVConnectorBase_V1 hooks, in engine-neutral
-types. Engines (the reference engine, the vLLM facade) call these; `connector.py` implements
+types. Engines (the reference engine, the vLLM facade) call these; `scheduler.py` and `worker.py` implement
 them. Scheduler hooks run on the engine's scheduler thread; worker hooks on the engine's
 compute thread (one worker connector per TP rank).
 

@@ -17,9 +17,9 @@ from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
 from layerkv.objects.keys import Namespace, block_keys
 from layerkv.objects.layout import CacheLayout
-from layerkv.plan import BlockSpec
+from layerkv.metadata import BlockSpec
 from layerkv.objects.seal import sealers_for
-from layerkv.stats import WorkerStats
+from layerkv.connector.stats import WorkerStats
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import TenantKeys

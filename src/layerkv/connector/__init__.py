@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-from layerkv.plan import BlockSpec, StepPlan, StepVerdict
-from layerkv.scheduler import PoolLookup, SchedulerConnector
-from layerkv.stats import SchedulerStats, WorkerStats
-from layerkv.worker import WorkerConnector
+from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
+from layerkv.connector.scheduler import PoolLookup, SchedulerConnector
+from layerkv.connector.stats import SchedulerStats, WorkerStats
+from layerkv.connector.worker import WorkerConnector
 
 __all__ = [
     "BlockSpec",

@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from layerkv.hooks import SchedulerHooks, WorkerHooks
+from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
-from layerkv.plan import BlockSpec, StepPlan
-from layerkv.stats import SchedulerStats, WorkerStats
+from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.stats import SchedulerStats, WorkerStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,14 +19,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from layerkv import worker_jobs
+import layerkv.connector.worker_jobs as worker_jobs
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, TransferError
 from layerkv.objects.keys import storage_role, tenant_namespaces
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
-from layerkv.plan import BlockSpec, StepPlan
-from layerkv.stats import WorkerStats
+from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.stats import WorkerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import tenant_keys
 from layerkv.transfer.lanes import Lanes
@@ -40,7 +40,7 @@ from layerkv.transfer.staged import StagedLayers, completion_event
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
-from layerkv.worker_jobs import JobFactory, JobLedger, check_block_size
+from layerkv.connector.worker_jobs import JobFactory, JobLedger, check_block_size
 
 log = logging.getLogger(__name__)
 # Save jobs of earlier steps still writing (each holds its staging rows); with this many, a step's

@@ -19,8 +19,8 @@ import numpy as np
 from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
-from layerkv.plan import BlockSpec, StepPlan, StepVerdict
-from layerkv.stats import SchedulerStats
+from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
+from layerkv.connector.stats import SchedulerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import tenant_keys
 
