@@ -87,10 +87,10 @@ def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, backe
     rig.step([s])
     worker = rig.workers[0]
     assert worker.open_sessions()["pending_puts"] == 3
-    worker._expire_pending()  # what the idle send thread runs: too early, nothing expires
+    worker.commits.expire()  # what the idle write thread runs: too early, nothing expires
     assert worker.open_sessions()["pending_puts"] == 3
-    worker.pending._clock = lambda: time.monotonic() + 2.0  # the verdict is now 2 s late
-    worker._expire_pending()
+    worker.commits.pending._clock = lambda: time.monotonic() + 2.0  # the verdict is now 2 s late
+    worker.commits.expire()
     assert worker.open_sessions()["pending_puts"] == 0 and worker.stats().revoked_unsettled == 3
     assert backend.processing_keys(rig.keys(a)) == []
     rig.settle()  # a late verdict for a step already revoked is harmless

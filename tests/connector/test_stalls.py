@@ -104,7 +104,7 @@ def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, backend)
     _, s = rig.admit(a)
     rig.worker_step([s])  # returns once the layers are copied; the write goes on
     rig.workers[0].shutdown()
-    assert rig.workers[0].pending.num_keys() == 0
+    assert rig.workers[0].commits.pending.num_keys() == 0
     assert backend.processing_keys(rig.keys(a)) == []
     rig.finished.add("a")
 

@@ -6,15 +6,14 @@ failed to load and which step it ran. Hooks are called on the engine's compute t
 own their sessions and publish outcomes the compute thread reads once they finished. Never raises
 into the engine because of the store: a late layer is recomputed, a late save revoked.
 
-Commit protocol (SPEC §9): a step's saves are written during the step and left open
-(`PendingPuts`); the scheduler side commits them in a later step's plan (`StepVerdict`) once
-every worker reported the step, revoking what requests that attended to a failed block wrote.
+Commit protocol (transfer/commit.py): a step's saves are written during the step and left open;
+the scheduler side commits them in a later step's plan (`StepVerdict`) once every worker reported
+the step, revoking what requests that attended to a failed block wrote.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -32,10 +31,9 @@ from layerkv.objects.tenant_key import tenant_keys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
-from layerkv.transfer.pending import PendingPuts
 from layerkv.transfer.planner import Costs
 from layerkv.transfer.save import SaveJob
-from layerkv.transfer.settle import SettleJob, revoke_all
+from layerkv.transfer.commit import Commits
 from layerkv.transfer.staged import StagedLayers, completion_event
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
@@ -56,10 +54,11 @@ class WorkerConnector:
       thread. wait_for_layer_load returns when the layer is readable or, after
       `load_timeout_s`, with every block of the job reported invalid.
     * Saves: one SaveJob per step (put start, layer writes, headers with checksums); its
-      sessions then wait in `pending` for the step's verdict. wait_for_save returns when every
+      sessions then wait in `commits.pending` for the step's verdict. wait_for_save returns when every
       layer is written or, after `save_timeout_s`, with the job cancelled (it revokes).
-    * Verdicts in a plan run first on the write thread (SettleJob); a step whose verdict never
-      arrives is revoked after `commit_timeout_s`; shutdown revokes what is pending.
+    * Verdicts in a plan run first on the write thread (`commits`: transfer/commit.py); a step
+      whose verdict never arrives is revoked after `commit_timeout_s`; shutdown revokes what is
+      pending.
     * Only the staging areas are registered (register_kv_cache: false, the default): reads land
       in staging and are verified as they reach the cache, saves gather the cache into staging.
     """
@@ -75,19 +74,13 @@ class WorkerConnector:
         self.namespaces = tenant_namespaces(deployment, config.tenant, config.model_fingerprint, self.tenant_keys,
                                             config.encrypt_objects)
         self.namespace = self.namespaces[0]  # the current key's: it writes; every key's namespace reads
-        self.pending = PendingPuts()
         self.layout: CacheLayout | None = None
         self._jobs: JobFactory | None = None  # once the KV caches are registered
         self._names_per_layer: list[int] = []  # registered cache names of each layer
-        self._lock = threading.Lock()
-        self._expired = 0  # guarded by _lock: pending puts revoked after commit_timeout_s (send thread)
         self._stats = WorkerStats()  # compute thread only
         self._plan: StepPlan | None = None  # compute thread only, from here on
         self._load: LoadJob | None = None
         self._save: SaveJob | None = None
-        self._settle: SettleJob | None = None
-        self._late_settle: SettleJob | None = None  # a verdict-only step's commits that outlived their wait
-        self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
         self._ledger = JobLedger(self._stats)  # jobs whose outcomes are not counted yet
         self._invalid_block_ids, self._reported_steps = set[int](), list[int]()
         self._saved_names: dict[int, int] = {}  # layer -> names saved this step
@@ -106,7 +99,8 @@ class WorkerConnector:
         self._recv = TransferThread(f"layerkv-recv-{rank}")
         self._send = TransferThread(f"layerkv-send-{rank}")
         # staged saves' writes and the commits: never ahead of the copies a step needs
-        self._write = TransferThread(f"layerkv-write-{rank}", on_idle=self._expire_pending)
+        self._write = TransferThread(f"layerkv-write-{rank}", on_idle=lambda: self.commits.expire())
+        self.commits = Commits(store, self._write, config.commit_timeout_s)
         self._memory = RegisteredMemory(store, config.store_retry_interval_s, f"rank {deployment.tp_rank}", self._write.submit)
 
     # -- registration ---------------------------------------------------------------------
@@ -125,7 +119,7 @@ class WorkerConnector:
         self._areas = StagingAreas.for_layout(self.layout, self.config.staging_nbytes, direct)
         self._jobs = JobFactory(self.config, self.store, self.namespaces, self.storage_role.storage_rank, self.layout,
                                 headers, views, StagedLayers(views), self._areas, self.costs, self._load_lanes,
-                                self._save_lanes, self.pending, self._write, self._stats)
+                                self._save_lanes, self.commits.pending, self._write, self._stats)
         # the store can reach these and nothing else of the engine's (the live cache only when the
         # user opts in; a Mooncake client that mounts a global segment in this process exposes it too)
         registered = self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
@@ -158,13 +152,7 @@ class WorkerConnector:
         self._invalid_block_ids |= plan.reinvalidate  # the engine recomputes them (see StepPlan)
         if self.layout is None and (plan.loads or plan.saves):
             raise TransferError("layerkv: start_load_kv before register_kv_caches")
-        # only verdicts on steps this worker started saves in: the others have nothing pending
-        # (a stalled store skips every step's saves; its verdicts must not each queue a job)
-        verdicts = tuple(v for v in plan.verdicts if v.step_seq in self._saved_steps)
-        if verdicts:
-            self._saved_steps -= {v.step_seq for v in verdicts}
-            self._settle = SettleJob(verdicts, store=self.store, pending=self.pending)
-            self._write.submit(self._settle)
+        self.commits.apply(plan.verdicts)
         if not (plan.loads or plan.saves):
             return
         if not self._memory.ready():
@@ -185,7 +173,7 @@ class WorkerConnector:
             else:
                 self._save = self._start_saves(plan.step_seq, plan.saves)
                 if self._save is not None:
-                    self._saved_steps.add(plan.step_seq)
+                    self.commits.saving(plan.step_seq)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.layout is None:
@@ -239,17 +227,8 @@ class WorkerConnector:
                 log.warning("layerkv: saves not copied / written within %.1f s; revoking them", self.config.save_timeout_s)
         if load is not None:
             self._invalid_block_ids |= load.failed_block_ids() - self._handed_invalid
-        settle = self._settle
-        if self._late_settle is not None and self._late_settle.finished:
-            self._late_settle = None
-        if settle is not None and plan is not None and not (plan.loads or plan.saves) and self._late_settle is None:
-            # a step with nothing of ours but verdicts is what an engine runs when it would
-            # otherwise go idle: its commits finish here, so they are in the pool (and in this
-            # step's stats) before the engine stops stepping. Bounded; one that times out (the
-            # write thread is stuck in the store) finishes alone, and no later step waits until
-            # it has: a stalled store costs one bound, not one per step.
-            if not settle.wait_finished(self.config.save_timeout_s):
-                self._late_settle = settle
+        if plan is not None and not (plan.loads or plan.saves):
+            self.commits.finish_idle_step(self.config.save_timeout_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads are synchronous; a save never holds the engine's blocks
@@ -273,7 +252,7 @@ class WorkerConnector:
         blocks were recomputed, and what it still reads lands in its own staging rows (with
         register_kv_cache and direct reads: in the cache, docs/data-safety.md §5)."""
         deadline = time.monotonic() + (self.config.save_timeout_s if timeout_s is None else timeout_s)
-        jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later)
+        jobs = [j for j in (*self._current(), *self._ledger.later)
                 if j is not None and (given_up_loads or not (isinstance(j, LoadJob) and j.cancelled))]
         return all(job.wait_finished(max(0.0, deadline - time.monotonic())) for job in jobs)
 
@@ -310,11 +289,11 @@ class WorkerConnector:
             self._write.close()
             self._load_lanes.close()
             self._save_lanes.close()
-            self._stats.revoked_on_shutdown += revoke_all(self.store, self.pending.pop_all(), "shutdown")
+            self._stats.revoked_on_shutdown += self.commits.drain("shutdown")
             # a job still running after the threads' join revokes what it holds when it returns
             # (it is cancelled); wait for it within save_timeout_s, then drain once more
             self.flush(given_up_loads=True)
-            self._stats.revoked_on_shutdown += revoke_all(self.store, self.pending.pop_all(), "shutdown")
+            self._stats.revoked_on_shutdown += self.commits.drain("shutdown")
             self._ledger.collect(self._current())
             self._memory.unregister()
 
@@ -322,8 +301,7 @@ class WorkerConnector:
         self._ledger.collect(self._current())
         snapshot = WorkerStats()
         snapshot.add(self._stats)
-        with self._lock:
-            snapshot.revoked_unsettled += self._expired
+        snapshot.revoked_unsettled += self.commits.expired()
         return snapshot
 
     def threads_alive(self) -> list[str]:
@@ -334,14 +312,14 @@ class WorkerConnector:
         """No put session waits for a verdict and no job is running (after a drained engine);
         waits up to `timeout_s` for running jobs to finish."""
         deadline = time.monotonic() + timeout_s
-        for job in [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]:
+        for job in [j for j in (*self._current(), *self._ledger.later) if j is not None]:
             job.wait_finished(max(0.0, deadline - time.monotonic()))
         return self.open_sessions() == {"pending_puts": 0, "running_jobs": 0}
 
     def open_sessions(self) -> dict[str, int]:
         """Sessions this worker holds now: put sessions waiting for a verdict, jobs running."""
-        jobs = [j for j in (self._load, self._save, self._settle, *self._ledger.later) if j is not None]
-        return {"pending_puts": self.pending.num_keys(), "running_jobs": sum(1 for j in jobs if not j.finished)}
+        jobs = [j for j in (*self._current(), *self._ledger.later) if j is not None]
+        return {"pending_puts": self.commits.pending.num_keys(), "running_jobs": sum(1 for j in jobs if not j.finished)}
 
     # -- internals ------------------------------------------------------------------------
     def _start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
@@ -377,7 +355,7 @@ class WorkerConnector:
             self._hand_layer(earlier)
 
     def _current(self) -> list[worker_jobs.Job]:
-        return [j for j in (self._load, self._save, self._settle) if j is not None]
+        return [j for j in (self._load, self._save, self.commits.job) if j is not None]
 
     def _end_step(self) -> None:
         """Forget this step's jobs (a job still running is collected when it finishes). A step
@@ -388,12 +366,5 @@ class WorkerConnector:
         if self._save is not None and not self._save.released:
             self._save.cancel()
         self._ledger.end_step(self._current())
-        self._load = self._save = self._settle = None
-
-    def _expire_pending(self) -> None:
-        """Send thread, when idle: revoke puts whose verdict never came."""
-        puts = self.pending.pop_older_than(self.config.commit_timeout_s)
-        if puts:
-            n = revoke_all(self.store, puts, f"no commit verdict within {self.config.commit_timeout_s:.0f} s")
-            with self._lock:
-                self._expired += n
+        self._load = self._save = None
+        self.commits.end_step()

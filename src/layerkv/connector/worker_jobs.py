@@ -25,11 +25,10 @@ from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import TenantKeys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
-from layerkv.transfer.pending import PendingPuts
+from layerkv.transfer.commit import CommitJob, PendingPuts
 from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds,
                                      choose_lanes, fastest, simulate, transfer_s)
 from layerkv.transfer.save import SaveJob, SaveKey
-from layerkv.transfer.settle import SettleJob
 from layerkv.transfer.staged import StagedLayers, layer_groups
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
@@ -207,7 +206,7 @@ class JobFactory:
         return job
 
 
-def fold(stats: WorkerStats, job: LoadJob | SaveJob | SettleJob) -> None:
+def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob) -> None:
     """Add a finished job's outcome to the worker's counters (compute thread)."""
     if isinstance(job, LoadJob):
         o = job.outcome
@@ -240,7 +239,7 @@ def fold(stats: WorkerStats, job: LoadJob | SaveJob | SettleJob) -> None:
         stats.transfer_errors += t.error is not None
 
 
-Job = LoadJob | SaveJob | SettleJob
+Job = LoadJob | SaveJob | CommitJob
 
 
 class JobLedger:

@@ -69,7 +69,7 @@ class Namespace:
 
 
 def storage_role(deployment: Deployment) -> StorageRole:
-    """Storage rank rule of SPEC §1. MLA counts as one head: storage rank 0, only tp_rank 0 writes.
+    """Which rank stores what: KV heads split over TP ranks map to storage ranks. MLA counts as one head: storage rank 0, only tp_rank 0 writes.
     Raises ConfigError for out-of-range ranks, UnsupportedSetupError for head splits that do not divide."""
     d = deployment
     if d.tp_size < 1 or not 0 <= d.tp_rank < d.tp_size:

@@ -1,5 +1,5 @@
 """One step's layerwise save. The job owns its put sessions until it hands them over to
-`PendingPuts` (committed or revoked later by the scheduler's verdict for this step, settle.py);
+`PendingPuts` (committed or revoked later by the scheduler's verdict for this step, commit.py);
 anything else (cancelled, incomplete, an exception) revokes every session it started.
 
 Staged (the default, and the only way unless the KV cache itself is registered): as the compute
@@ -17,8 +17,8 @@ lanes: the store's latency never reaches the forward pass, nor the next step's c
 Direct (register_kv_cache: true, per-layer writes): put start, then each layer's ranges straight
 from the cache as it is handed over, then the headers; released when the last write returned.
 
-Compute thread: hand_layer / finalize / wait; send thread: run. Shared state guarded by
-JobState.cond. Never raises into the compute thread.
+Compute thread: hand_layer / finalize / wait; the send thread runs staged copies, the write
+thread the writes (direct saves: all of `run`). Shared state guarded by JobState.cond. Never raises into the compute thread.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from layerkv.messages import BlockHash, ReqId
 from layerkv.objects.seal import NONCE_NBYTES, TAG_NBYTES, context
 from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
-from layerkv.transfer.pending import PendingPut, PendingPuts
+from layerkv.transfer.commit import PendingPut, PendingPuts
 from layerkv.transfer.lanes import Lanes, split_rows
 from layerkv.transfer.rows import KeyRows
 from layerkv.transfer.staged import LayerGroup, StagedLayers
@@ -249,7 +249,7 @@ class SaveJob(JobState):
         ok = np.concatenate(results)
         if not ok.all():
             self._revoke(active[~ok], "object write failed")
-        if self.cancelled:  # shut down while writing: nobody will settle these
+        if self.cancelled:  # shut down while writing: nobody will commit these
             return  # run() revokes every session still open
         handed = active[ok]
         self._pending.add(self.step_seq, [PendingPut(self.keys[i].key, self.keys[i].owner) for i in handed.tolist()])

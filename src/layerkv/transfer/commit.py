@@ -1,0 +1,204 @@
+"""The commit protocol, worker side, in one room. A step's saves are written during the step and
+left open: each object's put session waits here (`PendingPuts`), grouped by the step that wrote
+it. The scheduler side sends each step's verdict in a later step's plan (`StepVerdict`, once every
+worker reported the step); `Commits.apply` then queues a `CommitJob` on the write thread, which
+commits (put end) the objects of requests known clean and revokes those of requests that
+attended to KV that failed to load. A step whose verdict never comes is revoked after
+`commit_timeout_s` (`Commits.expire`, the write thread's idle chore); shutdown revokes whatever is
+still pending (`Commits.drain`).
+
+    save job (write thread):   put start ─ write ─> PendingPuts.add(step)
+    plan of a later step:      Commits.apply(verdicts) ─> CommitJob.run (write thread):
+                                   put end (clean) / put revoke (tainted), a revoke always before
+                                   a new put start of the same key (same thread, in order)
+
+Threads: `PendingPuts` is guarded by its lock (save jobs add, the commit job and the idle chore
+pop); `Commits` is the compute thread's, except `expire` (write thread) and its counter (lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from layerkv.messages import ReqId
+from layerkv.metadata import StepVerdict
+from layerkv.store.base import ObjectKey
+from layerkv.store.checked import CheckedStore
+from layerkv.transfer.thread import JobState, TransferThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPut:
+    key: ObjectKey
+    owner: ReqId  # the request whose block the object was written from
+
+
+class PendingPuts:
+    """Put sessions whose bytes are all written but whose commit is not decided yet, by step."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._steps: dict[int, tuple[float, list[PendingPut]]] = {}  # guarded by _lock: seq -> (since, puts)
+
+    def add(self, step_seq: int, puts: list[PendingPut]) -> None:
+        if not puts:
+            return
+        with self._lock:
+            since, held = self._steps.setdefault(step_seq, (self._clock(), []))
+            held.extend(puts)
+
+    def pop(self, step_seq: int) -> list[PendingPut]:
+        """The step's puts (forgotten here: the caller ends or revokes them)."""
+        with self._lock:
+            entry = self._steps.pop(step_seq, None)
+        return entry[1] if entry else []
+
+    def pop_older_than(self, max_age_s: float) -> list[PendingPut]:
+        """Puts of steps pending longer than `max_age_s` (their verdict never came)."""
+        now = self._clock()
+        with self._lock:
+            old = [seq for seq, (since, _) in self._steps.items() if now - since > max_age_s]
+            return [put for seq in old for put in self._steps.pop(seq)[1]]
+
+    def pop_all(self) -> list[PendingPut]:
+        with self._lock:
+            steps, self._steps = self._steps, {}
+        return [put for _, puts in steps.values() for put in puts]
+
+    def num_keys(self) -> int:
+        with self._lock:
+            return sum(len(puts) for _, puts in self._steps.values())
+
+    def step_seqs(self) -> list[int]:
+        with self._lock:
+            return sorted(self._steps)
+
+
+@dataclass(slots=True)
+class CommitOutcome:
+    committed: int = 0
+    revoked_tainted: int = 0
+    commit_failed: int = 0  # put end failed: revoked
+    error: BaseException | None = None
+
+
+class CommitJob(JobState):
+    """Commit / revoke the pending puts of the steps `verdicts` name (write thread)."""
+
+    def __init__(self, verdicts: tuple[StepVerdict, ...], *, store: CheckedStore, pending: PendingPuts) -> None:
+        super().__init__("layerkv commit")
+        self.verdicts = verdicts
+        self._store = store
+        self._pending = pending
+        self.outcome = CommitOutcome()
+
+    def run(self) -> None:
+        try:
+            for verdict in self.verdicts:
+                puts = self._pending.pop(verdict.step_seq)
+                tainted = [p.key for p in puts if verdict.revokes(p.owner)]
+                clean = [p.key for p in puts if not verdict.revokes(p.owner)]
+                if tainted:
+                    log.info("layerkv: step %d: revoking %d objects of requests that attended to KV that failed to load",
+                             verdict.step_seq, len(tainted))
+                    self._store.batch_put_session_revoke(tainted)
+                    self.outcome.revoked_tainted += len(tainted)
+                if clean:
+                    self._commit(clean)
+        except BaseException as exc:  # noqa: BLE001 - a thread error must not reach the engine
+            log.exception("layerkv: committing put sessions failed")
+            self.outcome.error = exc
+        finally:
+            with self.cond:
+                self.finished = True
+                self.cond.notify_all()
+
+    def _commit(self, keys: list[str]) -> None:
+        results = np.asarray(self._store.batch_put_session_end(keys), dtype=np.int64)
+        self.outcome.committed += int(np.count_nonzero(results == 0))
+        bad = [k for k, code in zip(keys, results.tolist()) if code != 0]
+        if bad:
+            log.warning("layerkv: commit failed for %d keys (%s); revoking them", len(bad), sorted(set(results[results != 0].tolist())))
+            self.outcome.commit_failed += len(bad)
+            self._store.batch_put_session_revoke(bad)
+
+
+def revoke_all(store: CheckedStore, puts: list[PendingPut], why: str) -> int:
+    """Revoke `puts` (shutdown, or a verdict that never came); returns how many."""
+    if puts:
+        log.warning("layerkv: revoking %d pending put sessions: %s", len(puts), why)
+        store.batch_put_session_revoke([p.key for p in puts])
+    return len(puts)
+
+
+class Commits:
+    """One worker's side of the protocol: which steps it started saves in, the commit job of
+    this step's plan, one that outlived its wait, the idle expiry and the shutdown drain."""
+
+    def __init__(self, store: CheckedStore, writer: TransferThread, commit_timeout_s: float) -> None:
+        self.store = store
+        self.pending = PendingPuts()
+        self._writer = writer
+        self._timeout_s = commit_timeout_s
+        self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
+        self.job: CommitJob | None = None  # this step's (compute thread)
+        self._late: CommitJob | None = None  # a verdict-only step's job that outlived its wait
+        self._lock = threading.Lock()
+        self._expired = 0  # guarded by _lock: pending puts revoked after commit_timeout_s
+
+    def saving(self, step_seq: int) -> None:
+        """A save job of `step_seq` started: its verdict has something to commit."""
+        self._saved_steps.add(step_seq)
+
+    def apply(self, verdicts: tuple[StepVerdict, ...]) -> CommitJob | None:
+        """Queue the commits of the verdicts on steps this worker saved in (the others have
+        nothing pending: a stalled store skips every step's saves, and its verdicts must not each
+        queue a job). On the write thread, so before this step's saves' writes."""
+        mine = tuple(v for v in verdicts if v.step_seq in self._saved_steps)
+        if not mine:
+            return None
+        self._saved_steps -= {v.step_seq for v in mine}
+        self.job = CommitJob(mine, store=self.store, pending=self.pending)
+        self._writer.submit(self.job)
+        return self.job
+
+    def finish_idle_step(self, wait_s: float) -> None:
+        """A step with nothing but verdicts is what an engine runs when it would otherwise go
+        idle: its commits finish here, so they are in the pool (and in this step's stats) before
+        the engine stops stepping. Bounded; one that times out (the write thread is stuck in the
+        store) finishes alone, and no later step waits until it has: a stalled store costs one
+        bound, not one per step."""
+        if self._late is not None and self._late.finished:
+            self._late = None
+        if self.job is not None and self._late is None and not self.job.wait_finished(wait_s):
+            self._late = self.job
+
+    def end_step(self) -> CommitJob | None:
+        """Forget this step's job (the caller collects its outcome); returns it."""
+        job, self.job = self.job, None
+        return job
+
+    def expire(self) -> None:
+        """Write thread, when idle: revoke puts whose verdict never came."""
+        puts = self.pending.pop_older_than(self._timeout_s)
+        if puts:
+            n = revoke_all(self.store, puts, f"no commit verdict within {self._timeout_s:.0f} s")
+            with self._lock:
+                self._expired += n
+
+    def expired(self) -> int:
+        with self._lock:
+            return self._expired
+
+    def drain(self, why: str) -> int:
+        """Revoke every pending put (shutdown); returns how many."""
+        return revoke_all(self.store, self.pending.pop_all(), why)
