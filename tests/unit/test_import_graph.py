@@ -12,6 +12,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Who may not import whom: a module under the key may import none of the prefixes listed.
 FORBIDDEN = {
     "layerkv.errors": ["layerkv."],
+    # the one named-thread pool: below every package that runs threads (store/, transfer/)
+    "layerkv.threads": ["layerkv."],
     "layerkv.config": ["layerkv.store", "layerkv.objects", "layerkv.transfer", "layerkv.connector", "layerkv.engine"],
     "layerkv.messages": ["layerkv.store", "layerkv.objects", "layerkv.metadata", "layerkv.transfer", "layerkv.connector"],
     "layerkv.metadata": ["layerkv.store", "layerkv.objects", "layerkv.transfer", "layerkv.connector"],

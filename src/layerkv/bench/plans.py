@@ -20,6 +20,7 @@ import numpy as np
 
 from layerkv.bench.backends import Backend, open_backends
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps, kib, median_s, ratio
+from layerkv.bench.steps import drive_step
 from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment
@@ -73,30 +74,18 @@ class _Worker:
         self.names = list(self.caches)
         self.seq = itertools.count()
 
-    def step(self, plan: StepPlan, *, load: bool, save: bool) -> None:
-        w = self.worker
-        w.bind_connector_metadata(plan)
-        w.start_load_kv()
-        for name in self.names:
-            if load:
-                w.wait_for_layer_load(name)
-            if save:
-                w.save_kv_layer(name)
-        w.wait_for_save()
-        w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-
     def save(self, hashes: tuple[bytes, ...]) -> None:
         """Save step, then the step carrying its commit verdict; until readable."""
         seq = next(self.seq)
         spec = BlockSpec("r", hashes, tuple(range(len(hashes))))
-        self.step(StepPlan(step_seq=seq, num_tokens=len(hashes) * BLOCK_SIZE, saves=(spec,)), load=False, save=True)
-        self.step(StepPlan(step_seq=next(self.seq), verdicts=(StepVerdict(seq),)), load=False, save=False)
+        drive_step(self.worker, StepPlan(step_seq=seq, num_tokens=len(hashes) * BLOCK_SIZE, saves=(spec,)), self.names,
+                   load=False, save=True)
+        drive_step(self.worker, StepPlan(step_seq=next(self.seq), verdicts=(StepVerdict(seq),)), self.names, load=False, save=False)
         self.worker.flush()
 
     def load(self, hashes: tuple[bytes, ...]) -> None:
         spec = BlockSpec("r", hashes, tuple(range(len(hashes))))
-        self.step(StepPlan(step_seq=next(self.seq), num_tokens=1, loads=(spec,)), load=True, save=False)
+        drive_step(self.worker, StepPlan(step_seq=next(self.seq), num_tokens=1, loads=(spec,)), self.names, load=True, save=False)
 
     def keys(self, hashes: tuple[bytes, ...]) -> list[str]:
         return block_keys(self.worker.namespace, hashes, 0)

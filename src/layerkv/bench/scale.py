@@ -15,6 +15,7 @@ import numpy as np
 
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult
 from layerkv.bench.plots import line_plot
+from layerkv.bench.steps import drive_step
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
 from layerkv.messages import Deployment, RequestView
@@ -46,16 +47,8 @@ class _Setup:
         self.layer_names = list(self.caches)
 
     def step(self, plan: StepPlan, load: bool) -> None:
-        w = self.worker
-        w.bind_connector_metadata(plan)
-        w.start_load_kv()
-        for name in self.layer_names:
-            if load:
-                w.wait_for_layer_load(name)
-            else:
-                w.save_kv_layer(name)
-        w.wait_for_save()
-        w.clear_connector_metadata()
+        """A load step (every layer waited for) or a save step (every layer handed over)."""
+        drive_step(self.worker, plan, self.layer_names, load=load, save=not load)
 
     def one_pass(self, prompt_tokens: int) -> dict[str, float]:
         """Save, look up and load one prompt's blocks; returns seconds per phase."""

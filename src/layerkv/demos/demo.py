@@ -80,53 +80,78 @@ def run_demo(
                                  model_id="layerkv/demo-llama")
     producer_prompts, consumer_prompts = make_prompts(num_docs, prefix_tokens, question_tokens, model.vocab_size, seed=1)
 
-    def serve(engine: Engine, prompts: list[list[int]], stage: str) -> list[RequestOutput]:
-        bar.set_postfix_str(stage)
-        outputs = []
-        with _static_heap():
-            for prompt in prompts:  # one at a time: clean TTFT and per-request store counters
-                outputs.extend(engine.generate([prompt], max_tokens))
-                bar.update()
-        return outputs
-
     # one store client per connector: Mooncake get sessions belong to a client, so TP ranks
     # reading the same key must not share one (as separate worker processes would not)
     producer_stores: list[CheckedStore] = []
     producer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, producer_stores))
     bar = tqdm(total=4 * num_docs, desc="layerkv demo", disable=not progress, leave=False)  # after the store opened
-    serve(producer, producer_prompts, "producer fills the pool")
+    _serve(producer, producer_prompts, "producer fills the pool", bar, max_tokens)
     saved_bytes = _io(producer_stores, ("batch_put_from_multi_buffer_ranges",))[0]
     producer.shutdown()
 
     consumer_stores: list[CheckedStore] = []
     consumer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, consumer_stores))
-    pooled, rows_io, waits = [], [], []
-    for prompt in consumer_prompts:
-        before, waited = _io(consumer_stores), _load_wait_s(consumer)
-        pooled.extend(serve(consumer, [prompt], "consumer loads from the pool"))
-        after = _io(consumer_stores)
-        rows_io.append((after[0] - before[0], after[1] - before[1]))
-        waits.append(_load_wait_s(consumer) - waited)
+    pooled = _load_from_pool(consumer, consumer_prompts, consumer_stores, bar, max_tokens)
     checksum_failures = sum(w.stats().checksum_failures for w in consumer.runner.worker_hooks)  # type: ignore[attr-defined]
     consumer.shutdown()
     for store in producer_stores + consumer_stores:
         store.close()
 
-    local = Engine(model, engine_config)  # the oracle: same prefixes computed locally first
-    for prompt in producer_prompts:  # the producer's schedule, so prefix KV bytes are the same
-        local.generate([prompt], max_tokens)
-    oracle = [local.generate([p], max_tokens)[0] for p in consumer_prompts]
-    cold = serve(Engine(model, engine_config), consumer_prompts, "recompute baseline")
+    oracle = _local_oracle(model, engine_config, producer_prompts, consumer_prompts, max_tokens)
+    cold = _serve(Engine(model, engine_config), consumer_prompts, "recompute baseline", bar, max_tokens)
     bar.update(num_docs)
     bar.close()
 
-    identical, mismatch = _compare(pooled, oracle)
+    identical, mismatch = _compare([p.output for p in pooled], oracle)
     rows = tuple(
-        DemoRow(o.req_id, len(o.prompt_token_ids), o.num_external_tokens, len(o.prompt_token_ids) - o.num_external_tokens,
-                o.ttft_s * 1e3, c.ttft_s * 1e3, io[0], io[1], ttft_local_ms=local_out.ttft_s * 1e3, load_wait_ms=w * 1e3)
-        for o, c, io, local_out, w in zip(pooled, cold, rows_io, oracle, waits)
+        DemoRow(p.output.req_id, len(p.output.prompt_token_ids), p.output.num_external_tokens,
+                len(p.output.prompt_token_ids) - p.output.num_external_tokens, p.output.ttft_s * 1e3, c.ttft_s * 1e3,
+                p.loaded_bytes, p.range_calls, ttft_local_ms=local_out.ttft_s * 1e3, load_wait_ms=p.load_wait_s * 1e3)
+        for p, c, local_out in zip(pooled, cold, oracle)
     )
     return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch, checksum_failures)
+
+
+def _serve(engine: Engine, prompts: list[list[int]], stage: str, bar: tqdm, max_tokens: int) -> list[RequestOutput]:
+    """`prompts` one at a time (clean TTFT and per-request store counters), the heap frozen."""
+    bar.set_postfix_str(stage)
+    outputs = []
+    with _static_heap():
+        for prompt in prompts:
+            outputs.extend(engine.generate([prompt], max_tokens))
+            bar.update()
+    return outputs
+
+
+@dataclass(frozen=True, slots=True)
+class _PooledOutput:
+    output: RequestOutput
+    loaded_bytes: int  # what this request read from the pool
+    range_calls: int  # the backend data calls of those reads
+    load_wait_s: float  # the compute thread's wait for layers in transit
+
+
+def _load_from_pool(consumer: Engine, prompts: list[list[int]], stores: list[CheckedStore], bar: tqdm,
+                    max_tokens: int) -> list[_PooledOutput]:
+    """The consumer serves each prompt, loading its prefix from the pool; with what each moved."""
+    pooled: list[_PooledOutput] = []
+    for prompt in prompts:
+        before, waited = _io(stores), _load_wait_s(consumer)
+        outputs = _serve(consumer, [prompt], "consumer loads from the pool", bar, max_tokens)
+        after = _io(stores)
+        wait_s = _load_wait_s(consumer) - waited
+        pooled.extend(_PooledOutput(o, after[0] - before[0], after[1] - before[1], wait_s) for o in outputs)
+    return pooled
+
+
+def _local_oracle(model: ModelConfig, engine_config: EngineConfig, producer_prompts: list[list[int]],
+                  consumer_prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+    """A local engine without the pool: the same prefixes computed locally first (the producer's
+    schedule, so prefix KV bytes are the same), then the consumer's prompts."""
+    local = Engine(model, engine_config)
+    for prompt in producer_prompts:
+        local.generate([prompt], max_tokens)
+    return [local.generate([p], max_tokens)[0] for p in consumer_prompts]
 
 
 @contextlib.contextmanager

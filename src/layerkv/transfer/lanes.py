@@ -1,16 +1,18 @@
 """Concurrent store calls for one transfer: a job splits a read or write over `n` lanes (Mooncake's
 TCP transport runs the ranges of one call one after another, but separate calls may use
-separate connections). The caller's thread runs the first part, named daemon threads the rest;
-`run` returns when every part returned. One pool per worker, shared by its receive and send
-threads; thread-safe.
+separate connections). The caller's thread runs the first part, the pool's named daemon threads
+(layerkv/threads.py; `<name>-1`, `<name>-2`, ..., up to `max_lanes - 1` of them) the rest; `run`
+returns when every part returned. A worker has two pools, one per transfer direction (load lanes
+for its reads, save lanes for its writes), so a stuck write never holds up a read, nor the
+reverse. Thread-safe: runs on one pool from several threads each get idle lanes of their own.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+from layerkv.threads import NamedThreads
 
 T = TypeVar("T")
 
@@ -18,73 +20,31 @@ T = TypeVar("T")
 class Lanes:
     def __init__(self, name: str, max_lanes: int) -> None:
         self.max_lanes = max(1, max_lanes)
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], _Slot] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []  # guarded by _lock
-        self._closed = False  # guarded by _lock
+        # the caller runs the first part: max_lanes - 1 threads (at least one, so any split runs);
+        # parts beyond that wait for the first lane that frees up
+        self._threads = NamedThreads(name, self.max_lanes - 1, first=1)
 
     def run(self, parts: Sequence[Callable[[], T]]) -> list[T]:
         """Results of every part, in order; re-raises the first part's exception after all ran."""
         if len(parts) <= 1:
             return [p() for p in parts]
-        self._ensure_threads(len(parts) - 1)
-        slots = [_Slot() for _ in parts[1:]]
-        for part, slot in zip(parts[1:], slots):
-            self._queue.put((part, slot))
+        tasks = [self._threads.submit(part) for part in parts[1:]]
         first: list[Any] = []
         error: BaseException | None = None
         try:
             first.append(parts[0]())
         except BaseException as exc:  # noqa: BLE001 - re-raised once every lane returned
             error = exc
-        for slot in slots:
-            slot.done.wait()
-            if error is None and slot.error is not None:
-                error = slot.error
+        for task in tasks:
+            task.wait()
+            if error is None and task.error is not None:
+                error = task.error
         if error is not None:
             raise error
-        return [first[0], *(slot.result for slot in slots)]
+        return [first[0], *(task.result() for task in tasks)]
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            threads = list(self._threads)
-        for _ in threads:
-            self._queue.put(None)
-        for thread in threads:
-            thread.join(timeout=5.0)
-
-    def _ensure_threads(self, n: int) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self._name} lanes are closed")
-            while len(self._threads) < n:
-                thread = threading.Thread(target=self._loop, name=f"{self._name}-{len(self._threads) + 1}", daemon=True)
-                self._threads.append(thread)
-                thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            part, slot = item
-            try:
-                slot.result = part()
-            except BaseException as exc:  # noqa: BLE001 - handed to run()
-                slot.error = exc
-            finally:
-                slot.done.set()
-
-
-class _Slot:
-    __slots__ = ("done", "result", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
+        self._threads.close(join_timeout_s=5.0)
 
 
 def split_rows(rows: Any, lanes: int) -> list[Any]:
