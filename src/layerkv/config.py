@@ -12,6 +12,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 from layerkv.errors import ConfigError
@@ -20,6 +21,18 @@ MiB = 1 << 20
 GiB = 1 << 30
 Backend = Literal["embedded", "mooncake"]
 _BACKENDS = ("embedded", "mooncake")
+
+
+class PlanMode(StrEnum):
+    """How a step's loads read (`transfer_plan`; the planner's plan kinds are the last three)."""
+
+    AUTO = "auto"  # chosen per step from measured costs (transfer/planner.py)
+    LAYERS = "layers"  # one range call per layer (straight into the cache only with register_kv_cache)
+    GROUPS = "groups"  # groups of layers, one range per key per group, through staging
+    WHOLE = "whole"  # one whole-object read per key into staging, then scatter (no session)
+
+
+_PLAN_MODES = tuple(m.value for m in PlanMode)
 
 
 def _rule(rule: str, check: Any, fix: str = "") -> dict[str, Any]:
@@ -41,8 +54,8 @@ class LayerKVConfig:
     # times; "layers" reads layer by layer (prefetch_layers ahead; through staging, or straight
     # into the cache with register_kv_cache); "groups" reads read_layers_per_range layers per
     # range through staging; "whole" reads whole objects through staging.
-    transfer_plan: str = field(default="auto", metadata=_rule("one of auto, layers, groups, whole",
-                                                              lambda v: v in ("auto", "layers", "groups", "whole")))
+    transfer_plan: str = field(default=PlanMode.AUTO.value, metadata=_rule(f"one of {', '.join(_PLAN_MODES)}",
+                                                                         lambda v: v in _PLAN_MODES))
     # Register the engine's live KV cache with the store for zero-copy per-layer transfers
     # straight into / out of it ("layers" plans). Any peer that reaches the store's transfer
     # ports can then read and write that memory (Mooncake serves every registered byte to any

@@ -14,7 +14,7 @@ import torch
 from layerkv.objects.header import Header
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES, GET_START
-from layerkv.transfer.planner import Costs
+from layerkv.transfer.costs import Costs
 from layerkv.transfer.staged import layer_groups
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
 
@@ -173,11 +173,11 @@ def test_auto_plans_feed_their_measurements_back(make_rig) -> None:
     producer.run(Req("p", prefix + [1]))
     rig = make_rig(role=KVRole.CONSUMER, transfer_plan="auto")  # the default outside this rig
     worker = rig.workers[0]
-    assert worker.costs.kind_factor == {}
+    assert worker.planner.costs.kind_factor == {}
     for i in range(3):
         ext, invalid = rig.run(Req(f"a{i}", prefix + _tokens(1, base=100 + i)))
         assert ext == 6 * BLOCK_SIZE and invalid == set()
-    assert worker.costs.kind_factor and all(f > 0 for f in worker.costs.kind_factor.values())
+    assert worker.planner.costs.kind_factor and all(f > 0 for f in worker.planner.costs.kind_factor.values())
     stats = worker.stats()
     assert stats.load_plans_layers + stats.load_plans_groups + stats.load_plans_whole == 3
 
@@ -192,7 +192,7 @@ def test_compute_is_measured_without_reads_beside_it_and_steps_feed_their_kind(m
     producer.run(Req("p", prefix + [1]))
     layers = make_rig(role=KVRole.CONSUMER, transfer_plan="layers")
     computed: list[int] = []
-    costs = layers.workers[0].costs
+    costs = layers.workers[0].planner.costs
     observe = Costs.observe_compute
 
     def spy(self: Costs, seconds: float, num_layers: int, num_tokens: int) -> None:
@@ -209,12 +209,12 @@ def test_compute_is_measured_without_reads_beside_it_and_steps_feed_their_kind(m
 
     rig = make_rig(role=KVRole.CONSUMER, transfer_plan="auto")
     worker = rig.workers[0]
-    worker.costs.observe_compute(0.01, 2, 16)  # compute known (as after any step without reads)
+    worker.planner.costs.observe_compute(0.01, 2, 16)  # compute known (as after any step without reads)
     for i in range(3):
         ext, invalid = rig.run(Req(f"c{i}", prefix + _tokens(1, base=200 + i)))
         assert ext == 6 * BLOCK_SIZE and invalid == set()
-    assert sum(worker.costs.finish_samples.values()) == 3
-    assert all(f > 0 for f in worker.costs.finish_factor.values())
+    assert sum(worker.planner.costs.finish_samples.values()) == 3
+    assert all(f > 0 for f in worker.planner.costs.finish_factor.values())
 
 
 def test_device_caches_go_through_staging_and_every_layer_is_verified(make_pattern_rig, backend, monkeypatch) -> None:
@@ -228,7 +228,7 @@ def test_device_caches_go_through_staging_and_every_layer_is_verified(make_patte
 
     monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
     producer = make_pattern_rig(num_layers=4, transfer_plan="groups", read_layers_per_range=2)
-    assert not producer.workers[0]._jobs.views.on_host
+    assert not producer.workers[0]._jobs.caches.views.on_host
     prefix = _tokens(6, extra=0)
     producer.run(Req("p", prefix + [1]))
     rig = make_pattern_rig(num_layers=4, role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)

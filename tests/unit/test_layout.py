@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
 from layerkv.objects.layout import CacheLayout
+from tests.layouts import layer_group_template, layers_adjacent
 from layerkv.transfer.rows import KeyRows
 from layerkv.objects.ranges import RangeLists, join_ranges
 
@@ -129,7 +130,7 @@ def test_whole_object_template_merges_layers_of_one_buffer() -> None:
     caches = {f"layers.{i}": big[:, i] for i in range(4)}
     layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
     assert [layout.template(l).num_segments for l in range(4)] == [1, 1, 1, 1]
-    whole = layout.layer_group_template(0, 4)
+    whole = layer_group_template(layout, 0, 4)
     assert whole.num_segments == 1 and whole.nbytes.tolist() == [4 * 2 * 8 * 2]
 
 
@@ -398,10 +399,10 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
         sum(r.num_segments for r in per_layer),
     )
     check_tiling(joined, layout.object_nbytes)
-    whole = join_ranges((hdr, slots), (layout.layer_group_template(0, layout.num_layers), block_ids))
+    whole = join_ranges((hdr, slots), (layer_group_template(layout, 0, layout.num_layers), block_ids))
     check_tiling(whole, layout.object_nbytes)
     if spec.shared_buffer and not any(spec.extras) and not spec.mtp and spec.max_transfer_bytes == MiB:
-        assert layout.layer_group_template(0, layout.num_layers).num_segments == 1
+        assert layer_group_template(layout, 0, layout.num_layers).num_segments == 1
 
     # save: layer by layer into one object per key; the whole-object template gives the same bytes
     objects = [bytearray(layout.object_nbytes) for _ in range(num_keys)]
@@ -498,12 +499,12 @@ def test_layouts_that_scatter_a_block_are_refused_with_the_fix(name: str) -> Non
 def test_cross_layer_layouts_make_a_group_of_layers_one_range_per_block() -> None:
     cross = CacheLayout.from_caches(permuted_caches("BLHNC"), 4, max_transfer_bytes=MiB)
     outer = CacheLayout.from_caches(permuted_caches("LBHNC"), 4, max_transfer_bytes=MiB)
-    assert cross.layers_adjacent(0, 3) and cross.layers_adjacent(1, 2)
-    assert not outer.layers_adjacent(0, 2) and outer.layers_adjacent(1, 1)
-    group = cross.layer_group_template(1, 2)
+    assert layers_adjacent(cross, 0, 3) and layers_adjacent(cross, 1, 2)
+    assert not layers_adjacent(outer, 0, 2) and layers_adjacent(outer, 1, 1)
+    group = layer_group_template(cross, 1, 2)
     assert group.num_segments == 1 and group.nbytes.tolist() == [2 * cross.layer_nbytes(1)]
     assert group.object_offsets.tolist() == [cross.layer_offset(1)]
-    assert outer.layer_group_template(1, 2).num_segments == 2
-    assert cross.layer_group_template(0, cross.num_layers).num_segments == 1
+    assert layer_group_template(outer, 1, 2).num_segments == 2
+    assert layer_group_template(cross, 0, cross.num_layers).num_segments == 1
     with pytest.raises(LayoutError, match=r"layer group \[2, 4\) is not within the 3 layers"):
-        cross.layer_group_template(2, 2)
+        layer_group_template(cross, 2, 2)

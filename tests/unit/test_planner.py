@@ -3,9 +3,12 @@ tests pin its choices and its model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds, candidates,
+from layerkv.transfer.costs import Costs
+from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Exploration, LoadPlan, StepShape, best_of_kinds, candidates,
                                      choose_lanes, choose_plan, fastest, plan_kinds, simulate, transfer_s)
 
 SHAPE = StepShape(num_keys=64, num_layers=8, layer_nbytes=128 << 10, header_nbytes=192, segments_per_layer=2, staging_ok=True)
@@ -241,3 +244,33 @@ def test_a_kind_whose_steps_finish_later_than_simulated_loses_its_place() -> Non
     stalled.observe_finish((WHOLE, 1), 0.01, 10.0)
     assert stalled.finish((WHOLE, 1)) == 4.0
     assert stalled.snapshot().finish_factor == stalled.finish_factor  # snapshots carry it
+
+
+def test_the_planner_is_entered_by_choose_and_observe_only() -> None:
+    """Planner: the fixed knobs give their plan; an auto plan is the simulated best; `observe`
+    folds a step's calls into the fits, its compute only when no reads ran beside it, and an
+    auto plan's reads and finish into its kind's factors."""
+    from layerkv.config import PlanMode
+    from layerkv.transfer.planner import Measured, Planner, StepTimes
+
+    groups = Planner(PlanMode.GROUPS, SHAPE, prefetch_layers=3, group_ends=(1, 5, 8))
+    assert groups.choose(64, 100) == (LoadPlan(GROUPS, (1, 5, 8), 1), 3)
+    no_direct = Planner(PlanMode.LAYERS, dataclasses.replace(SHAPE, direct_ok=False), prefetch_layers=2)
+    assert no_direct.choose(64, 100)[0].mode == GROUPS  # per layer, but through staging
+    assert Planner(PlanMode.WHOLE, SHAPE).choose(64, 100) == (LoadPlan(WHOLE, (8,), 4), None)
+
+    auto = Planner(PlanMode.AUTO, SHAPE, exploration=Exploration(every=0))
+    plan, prefetch = auto.choose(64, 100)
+    assert prefetch is None and plan.predicted_s > 0 and plan.kind in best_of_kinds(SHAPE, Costs(), 100)
+    before = auto.costs.snapshot()
+    measured = Measured(ranges=[(0.05, 1, 64, 64 * (128 << 10))], copies=[(0.01, 8 << 20)])
+    auto.observe(StepTimes(100, step_s=0.2, wait_s=0.05, compute_alone=False, plan=plan, num_keys=64,
+                           transfer_s=0.1, measured=measured))
+    after = auto.costs.snapshot()
+    assert after.bytes_per_s != before.bytes_per_s and after.copy_bytes_per_s != before.copy_bytes_per_s
+    assert not auto.costs.measured("compute") and plan.kind in after.kind_factor  # reads beside: no compute sample
+    assert after.finish_samples == {}  # compute not measured yet: no finish correction
+    auto.observe(StepTimes(100, step_s=0.03, wait_s=0.0))  # a step without a load: compute alone
+    assert auto.costs.measured("compute")
+    auto.observe(StepTimes(100, step_s=0.2, wait_s=0.05, compute_alone=False, plan=plan, num_keys=64, transfer_s=0.1))
+    assert auto.costs.snapshot().finish_samples == {plan.kind: 1}

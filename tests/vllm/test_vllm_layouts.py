@@ -51,7 +51,7 @@ def test_block_compact_layouts_register_vllm_allocation(pool, layout):
     registered = node.core_worker.layout
     assert registered.num_layers == len(LAYERS) and all(registered.template(l).num_segments == 1 for l in range(2))
     cross_layer = layout.startswith("BL")
-    assert registered.layers_adjacent(0, 2) is cross_layer  # layers of a block side by side
+    assert layers_adjacent(registered, 0, 2) is cross_layer  # layers of a block side by side
     for layer_idx, name in enumerate(LAYERS):
         (entry,) = registered.layers[layer_idx]
         view = kv_caches[name]  # vLLM's logical [B, H, N, C] view

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from layerkv.config import PlanMode
 from layerkv.commands import add_mooncake_log_flag
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", choices=("embedded", "mooncake"), default="embedded",
                    help="embedded (in-process, default) or mooncake (starts a local master unless MOONCAKE_CONFIG_PATH is set)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the reference engine (default 1)")
-    p.add_argument("--transfer-plan", choices=("auto", "layers", "groups", "whole"), default=None,
+    p.add_argument("--transfer-plan", choices=tuple(m.value for m in PlanMode), default=None,
                    help="how loads read (config transfer_plan; default auto: chosen per step from measured costs)")
     p.add_argument("--read-layers-per-range", type=int, default=None, metavar="K",
                    help="with --transfer-plan groups: K layers per range into staging (config read_layers_per_range)")

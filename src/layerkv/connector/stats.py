@@ -76,7 +76,7 @@ class WorkerStats:
     commit_failed: int = 0
     transfer_errors: int = 0  # a transfer thread raised (its step's transfers failed)
 
-    def count_plan(self, mode: str) -> None:
+    def count_plan(self, mode: str) -> None:  # a PlanMode other than auto
         name = f"load_plans_{mode}"
         setattr(self, name, getattr(self, name) + 1)
 

@@ -31,10 +31,11 @@ from layerkv.objects.tenant_key import tenant_keys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
-from layerkv.transfer.planner import Costs
+from layerkv.transfer.caches import RegisteredCaches
+from layerkv.transfer.planner import Planner, StepTimes
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.commit import Commits
-from layerkv.transfer.staged import StagedLayers, completion_event
+from layerkv.transfer.staged import completion_event
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
 from layerkv.transfer.views import CacheViews
@@ -90,7 +91,7 @@ class WorkerConnector:
         self._areas: StagingAreas | None = None  # registered rows, one job at a time (once registered)
         self._closed = False  # compute thread: shutdown() ran
         rank = f"{deployment.pp_rank}-{deployment.tp_rank}" if deployment.pp_size > 1 else str(deployment.tp_rank)
-        self.costs = Costs()  # running transfer / compute estimates for the planner (any thread)
+        self.planner: Planner | None = None  # once the KV caches are registered (compute thread)
         # one lane pool per transfer thread: a stuck write never holds up a read (or the reverse)
         self._load_lanes = Lanes(f"layerkv-rlane-{rank}", max_lanes=8)
         self._save_lanes = Lanes(f"layerkv-slane-{rank}", max_lanes=8)
@@ -113,13 +114,13 @@ class WorkerConnector:
             raise ConfigError(f"backend='embedded' needs host memory; the KV caches live on {self.layout.device_type}. "
                               "Use backend='mooncake' for device memory")
         headers = worker_jobs.headers_for(self.namespaces, self.layout, self.tenant_keys, self.config.encrypt_objects)
-        views = CacheViews(self.layout, kv_caches)
         self._names_per_layer = [len({e.layer_name for e in layer}) for layer in self.layout.layers]
         direct = self.config.register_kv_cache
         self._areas = StagingAreas.for_layout(self.layout, self.config.staging_nbytes, direct)
-        self._jobs = JobFactory(self.config, self.store, self.namespaces, self.storage_role.storage_rank, self.layout,
-                                headers, views, StagedLayers(views), self._areas, self.costs, self._load_lanes,
-                                self._save_lanes, self.commits.pending, self._write, self._stats)
+        caches = RegisteredCaches.over(CacheViews(self.layout, kv_caches), self._areas)
+        self.planner = worker_jobs.planner_for(self.config, caches)
+        self._jobs = JobFactory(self.config, self.store, self.namespaces, headers, self.storage_role.storage_rank, caches,
+                                self.planner, self._load_lanes, self._save_lanes, self.commits, self._stats)
         # the store can reach these and nothing else of the engine's (the live cache only when the
         # user opts in; a Mooncake client that mounts a global segment in this process exposes it too)
         registered = self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
@@ -208,15 +209,14 @@ class WorkerConnector:
         load, save = self._load, self._save
         plan = self._plan
         step_s = time.perf_counter() - self._step_start_s if self._step_start_s else 0.0
-        if plan is not None and self.layout is not None and step_s and not (load is not None and not load.cancelled and load.plan.reads_beside_compute):
-            # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
-            # their kind's finish factor accounts for, not every kind's compute estimate
-            self.costs.observe_compute(step_s - self._step_wait_s, self.layout.num_layers, plan.num_tokens)
+        # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
+        # their kind's finish factor accounts for, not every kind's compute estimate
+        compute_alone = not (load is not None and not load.cancelled and load.plan.reads_beside_compute)
         if load is not None and not load.cancelled and not load.wait_finished(self.config.load_timeout_s):
             load.give_up(f"still running after {self.config.load_timeout_s:.1f} s")
             self._stats.load_timeouts += 1
-        if load is not None and load.finished and not load.cancelled and self._jobs is not None and plan is not None:
-            self._jobs.observe_load(load, step_s, plan.num_tokens)  # auto plans: how far off the cost model was
+        if plan is not None and self.planner is not None and step_s:
+            self.planner.observe(self._step_times(plan, step_s, compute_alone))
         if save is not None:
             if self.layout is not None:
                 self._hand_layers_before(self.layout.num_layers)
@@ -353,6 +353,16 @@ class WorkerConnector:
         for (by at least one of their cache names) are complete now."""
         for earlier in sorted(l for l in self._saved_names if l < layer_idx):
             self._hand_layer(earlier)
+
+    def _step_times(self, plan: StepPlan, step_s: float, compute_alone: bool) -> StepTimes:
+        """What this step measured, for the planner: its load's only once that load finished
+        (its calls; its plan and transfer time when it read every layer, not cancelled)."""
+        load = self._load
+        if load is None or not load.finished:
+            return StepTimes(plan.num_tokens, step_s, self._step_wait_s, compute_alone)
+        read_all = not load.cancelled
+        return StepTimes(plan.num_tokens, step_s, self._step_wait_s, compute_alone, load.plan if read_all else None,
+                         len(load.keys), load.outcome.transfer_s if read_all else 0.0, load.outcome.measured)
 
     def _current(self) -> list[worker_jobs.Job]:
         return [j for j in (self._load, self._save, self.commits.job) if j is not None]

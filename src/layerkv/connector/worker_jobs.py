@@ -7,12 +7,9 @@ only; the worker submits the jobs to its threads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from functools import cached_property
-from typing import Any
+from dataclasses import dataclass
 
-from layerkv.config import LayerKVConfig
+from layerkv.config import LayerKVConfig, PlanMode
 from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
 from layerkv.objects.keys import Namespace, block_keys
@@ -25,14 +22,11 @@ from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import TenantKeys
 from layerkv.transfer.lanes import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
-from layerkv.transfer.commit import CommitJob, PendingPuts
-from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Costs, Exploration, LoadPlan, StepShape, best_of_kinds,
-                                     choose_lanes, fastest, simulate, transfer_s)
+from layerkv.transfer.caches import LentRows, RegisteredCaches
+from layerkv.transfer.commit import CommitJob, Commits
+from layerkv.transfer.planner import Planner, StepShape, choose_lanes
 from layerkv.transfer.save import SaveJob, SaveKey
-from layerkv.transfer.staged import StagedLayers, layer_groups
-from layerkv.transfer.staging import StagingAreas
-from layerkv.transfer.thread import TransferThread
-from layerkv.transfer.views import CacheViews
+from layerkv.transfer.staged import layer_groups
 
 log = logging.getLogger(__name__)
 
@@ -51,40 +45,51 @@ class JobFactory:
     config: LayerKVConfig
     store: CheckedStore
     namespaces: tuple[Namespace, ...]  # one per tenant key, the current (which writes) first
-    storage_rank: int
-    layout: CacheLayout
     headers: tuple[Header, ...]  # parallel to namespaces
-    views: CacheViews
-    staged: StagedLayers  # staged group / whole-object reads, staged saves
-    areas: StagingAreas
-    costs: Costs
+    storage_rank: int
+    caches: RegisteredCaches
+    planner: Planner
     load_lanes: Lanes
     save_lanes: Lanes
-    pending: PendingPuts
-    writer: TransferThread  # staged saves' writes go there
+    commits: Commits
     stats: WorkerStats
-    exploration: Exploration = field(default_factory=Exploration)  # auto plans: which mode to try
 
     @property
     def namespace(self) -> Namespace:
         return self.namespaces[0]
 
-    @property
-    def header(self) -> Header:
-        return self.headers[0]
-
-    @property
-    def direct(self) -> bool:
-        """Per-layer transfers straight into / out of the cache: only a registered host cache
-        (register_kv_cache; a device cache's layers could not be tagged on the host) and plaintext
-        objects (encrypt_objects decrypts in private memory)."""
-        return self.config.register_kv_cache and self.views.on_host and not self.config.encrypt_objects
-    last_predictions: dict[str, float] = field(default_factory=dict)  # the last auto plan's best per kind (ms)
-
     def start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
         """One LoadKey per distinct object: read into the first local block, copied to the rest.
         None when no staging row is free (every one held by earlier jobs still in the store):
         the worker reports the step's blocks invalid."""
+        load_keys = self._load_keys(specs)
+        if load_keys is None:
+            return None
+        self.stats.load_keys += len(load_keys)
+        self.stats.load_blocks += sum(len(spec) for spec in specs)
+        plan, prefetch = self.planner.choose(len(load_keys), num_tokens)
+        areas = self.caches.areas
+        area = areas.headers if plan.mode == PlanMode.LAYERS else areas.loads
+        assert area is not None, "direct per-layer plans only with register_kv_cache"
+        slots = area.take(len(load_keys))  # staged plans stream through fewer rows than keys
+        if slots.size == 0 or (plan.mode == PlanMode.LAYERS and slots.size < len(load_keys)):
+            log.warning("layerkv: loads of this step are recomputed: %d of %d %s staging rows free", slots.size,
+                        area.num_rows, area.name)
+            self.stats.load_skipped_staging += 1
+            return None
+        self.stats.count_plan(plan.mode)
+        self.stats.load_plans_explored += plan.explored
+        if self.store.audit is not None:
+            self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
+                                  predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored,
+                                  kinds_ms=self.planner.last_predictions if plan.predicted_s else {})
+        job = LoadJob(load_keys, store=self.store, caches=self.caches, headers=self.headers,
+                      rows=LentRows(area.array, slots), plan=plan, lanes=self.load_lanes,
+                      renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch)
+        area.lend(slots, job)
+        return job
+
+    def _load_keys(self, specs: tuple[BlockSpec, ...]) -> list[LoadKey] | None:
         by_key: dict[ObjectKey, tuple[bytes, int, list[int]]] = {}
         for spec in specs:
             for gen, block_hash, block_id in zip(spec.generations or [0] * len(spec), spec.block_hashes, spec.block_ids):
@@ -96,85 +101,7 @@ class JobFactory:
                 namespace = self.namespaces[gen]
                 key = block_keys(namespace, (block_hash,), self.storage_rank)[0]
                 by_key.setdefault(key, (namespace.block_id(block_hash), gen, []))[2].append(block_id)
-        load_keys = [LoadKey(key, h, ids[0], tuple(ids[1:]), gen) for key, (h, gen, ids) in by_key.items()]
-        self.stats.load_keys += len(load_keys)
-        self.stats.load_blocks += sum(len(spec) for spec in specs)
-        plan, prefetch = self.load_plan(len(load_keys), num_tokens)
-        area = self.areas.headers if plan.mode == LAYERS else self.areas.loads
-        assert area is not None, "direct per-layer plans only with register_kv_cache"
-        slots = area.take(len(load_keys))  # staged plans stream through fewer rows than keys
-        if slots.size == 0 or (plan.mode == LAYERS and slots.size < len(load_keys)):
-            log.warning("layerkv: loads of this step are recomputed: %d of %d %s staging rows free", slots.size,
-                        area.num_rows, area.name)
-            self.stats.load_skipped_staging += 1
-            return None
-        self.stats.count_plan(plan.mode)
-        if self.store.audit is not None:
-            self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
-                                  predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored,
-                                  kinds_ms=self.last_predictions if plan.predicted_s else {})
-        job = LoadJob(load_keys, store=self.store, layout=self.layout, header=self.headers, staging=area.array,
-                      slots=slots, views=self.views, plan=plan, lanes=self.load_lanes,
-                      renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch,
-                      staged=self.staged if plan.mode != LAYERS else None, costs=self.costs)
-        area.lend(slots, job)
-        return job
-
-    def load_plan(self, num_keys: int, num_tokens: int) -> tuple[LoadPlan, int | None]:
-        """This step's load plan and read-ahead cap: chosen from the running estimates
-        (transfer_plan="auto"), or the fixed knobs."""
-        lanes, mode, L = self.config.transfer_lanes, self.config.transfer_plan, self.layout.num_layers
-        if mode == "layers":  # straight into the cache only where the cache is registered
-            kind = LAYERS if self.direct else GROUPS
-            return LoadPlan(kind, tuple(range(1, L + 1)), lanes or 1), self.config.prefetch_layers
-        if mode == "groups":
-            ends = tuple(g.end_layer for g in layer_groups(self.layout, self.config.read_layers_per_range))
-            return LoadPlan(GROUPS, ends, lanes or 1), self.config.prefetch_layers
-        if mode == "whole":
-            return LoadPlan(WHOLE, (L,), lanes or choose_lanes(num_keys, 4)), None
-        shape = self.step_shape(num_keys)
-        costs = self.costs.snapshot()
-        best = best_of_kinds(shape, costs, num_tokens, lanes=lanes or None)  # transfer_lanes set: only that many
-        self.last_predictions = {f"{m}x{n}": round(p.predicted_s * 1e3, 3) for (m, n), p in best.items()}
-        trying = self.exploration.kind_to_try({kind: p.predicted_s for kind, p in best.items()})
-        plan = fastest(best.values())
-        explored = trying is not None and trying != (plan.mode, plan.lanes)
-        if trying is not None:
-            plan = best[trying]
-        self.exploration.used((plan.mode, plan.lanes))
-        self.stats.load_plans_explored += explored
-        return LoadPlan(plan.mode, plan.group_ends, plan.lanes, plan.predicted_s, explored), None
-
-    def step_shape(self, num_keys: int) -> StepShape:
-        return replace(self._shape, num_keys=num_keys)
-
-    @cached_property
-    def _shape(self) -> StepShape:
-        """The layout's part of every step's shape (the layout never changes)."""
-        layout = self.layout
-        return StepShape(
-            num_keys=0,
-            num_layers=layout.num_layers,
-            layer_nbytes=max(layout.layer_nbytes(l) for l in range(layout.num_layers)),
-            header_nbytes=layout.header_nbytes,
-            segments_per_layer=max(layout.template(l).num_segments for l in range(layout.num_layers)),
-            staging_ok=True,
-            direct_ok=self.direct,
-        )
-
-    def observe_load(self, job: LoadJob, step_s: float = 0.0, num_tokens: int = 0) -> None:
-        """An auto-planned load that read every layer: its kind's corrections (planner.Costs):
-        its reads against the refitted model, then (`step_s`: start of the step to its last
-        layer computed) the step against the refitted simulation, once compute has been
-        measured without reads beside it (the prior would condemn the kind for its own error)."""
-        plan = job.plan
-        if plan.predicted_s <= 0:
-            return
-        kind, shape = (plan.mode, plan.lanes), self.step_shape(len(job.keys))
-        if job.outcome.transfer_s > 0:
-            self.costs.observe_transfer(kind, transfer_s(plan, shape, self.costs.snapshot()), job.outcome.transfer_s)
-        if step_s > 0 and num_tokens > 0 and self.costs.measured("compute"):
-            self.costs.observe_finish(kind, simulate(plan, shape, self.costs.snapshot(), num_tokens), step_s)
+        return [LoadKey(key, h, ids[0], tuple(ids[1:]), gen) for key, (h, gen, ids) in by_key.items()]
 
     def start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
         """Staged (object images in staging rows) unless register_kv_cache and the per-layer
@@ -185,8 +112,8 @@ class JobFactory:
             keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
             for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
                 by_key.setdefault(key, SaveKey(key, self.namespace.block_id(block_hash), block_id, spec.req_id))
-        direct = self.config.transfer_plan == "layers" and self.direct
-        area = self.areas.headers if direct else self.areas.saves
+        direct = self.planner.mode == PlanMode.LAYERS and direct_transfers(self.config, self.caches)
+        area = self.caches.areas.headers if direct else self.caches.areas.saves
         assert area is not None
         slots = area.take(len(by_key))
         save_keys = list(by_key.values())[: slots.size]  # in block order: the saved part is a prefix
@@ -198,12 +125,36 @@ class JobFactory:
         if not save_keys:
             return None
         lanes = self.config.transfer_lanes or choose_lanes(len(save_keys), 4)
-        job = SaveJob(save_keys, step_seq, store=self.store, layout=self.layout, header=self.header,
-                      staging=area.array, slots=slots, views=self.views, placement=Placement.from_config(self.config),
-                      pending=self.pending, staged=None if direct else self.staged, lanes=self.save_lanes,
-                      num_lanes=lanes, writer=self.writer)
+        job = SaveJob(save_keys, step_seq, store=self.store, caches=self.caches, header=self.headers[0],
+                      rows=LentRows(area.array, slots), placement=Placement.from_config(self.config),
+                      commits=self.commits, lanes=self.save_lanes, num_lanes=lanes, staged=not direct)
         area.lend(slots, job)
         return job
+
+
+def direct_transfers(config: LayerKVConfig, caches: RegisteredCaches) -> bool:
+    """Per-layer transfers straight into / out of the cache are possible: only a registered host
+    cache (register_kv_cache; a device cache's layers could not be tagged on the host) and
+    plaintext objects (encrypt_objects decrypts in private memory)."""
+    return config.register_kv_cache and caches.on_host and not config.encrypt_objects
+
+
+def planner_for(config: LayerKVConfig, caches: RegisteredCaches) -> Planner:
+    """The worker's planner: the layout's part of every step's shape (the layout never changes)
+    and the fixed knobs."""
+    layout = caches.layout
+    shape = StepShape(
+        num_keys=0,
+        num_layers=layout.num_layers,
+        layer_nbytes=max(layout.layer_nbytes(l) for l in range(layout.num_layers)),
+        header_nbytes=layout.header_nbytes,
+        segments_per_layer=max(layout.template(l).num_segments for l in range(layout.num_layers)),
+        staging_ok=True,
+        direct_ok=direct_transfers(config, caches),
+    )
+    ends = tuple(g.end_layer for g in layer_groups(layout, config.read_layers_per_range))
+    return Planner(PlanMode(config.transfer_plan), shape, lanes=config.transfer_lanes,
+                   prefetch_layers=config.prefetch_layers, group_ends=ends)
 
 
 def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob) -> None:

@@ -182,24 +182,6 @@ class CacheLayout:
         """Segments of one layer (object offsets are absolute, header included)."""
         return self._templates[layer_idx]
 
-    def layer_group_template(self, first_layer: int, num_layers: int) -> SegmentTemplate:
-        """Segments of layers [first_layer, first_layer + num_layers) together, merged where
-        they are adjacent both locally and in the object. In a cross-layer cache (vLLM's BLHNC /
-        BLNHC: the layers of one block side by side, in object order) a group is one segment
-        per block: one range per key reads it straight into the cache, without staging."""
-        if num_layers < 1 or first_layer < 0 or first_layer + num_layers > self.num_layers:
-            raise LayoutError(
-                f"layer group [{first_layer}, {first_layer + num_layers}) is not within the {self.num_layers} layers"
-            )
-        segments = [e.segment for layer in self.layers[first_layer:first_layer + num_layers] for e in layer]
-        return SegmentTemplate.build(segments, self.num_blocks, self.max_transfer_bytes)
-
-    def layers_adjacent(self, first_layer: int, num_layers: int) -> bool:
-        """True when layers [first_layer, first_layer + num_layers) of every block are one local
-        byte run in object order (before any `max_transfer_bytes` split): a cross-layer cache."""
-        segments = [e.segment for layer in self.layers[first_layer:first_layer + num_layers] for e in layer]
-        return len(segments) > 0 and len(merge_segments(segments)) == 1
-
     def header_template(self, staging_ptr: int, num_slots: int, slot_stride_nbytes: int | None = None) -> SegmentTemplate:
         """The header segment: slot s of a host staging buffer at staging_ptr + s * stride
         <-> object bytes [0, header_nbytes). Never split (header <= 4 KiB <= max transfer)."""

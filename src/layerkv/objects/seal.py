@@ -109,8 +109,7 @@ class Sealer:
         for chunk in chunks:
             h.update(chunk)
             nbytes += memoryview(chunk).nbytes
-        h.update(b"L" + ctx + _SUFFIX.pack(layer_idx, nbytes))
-        return h.digest(TAG_NBYTES) if self._key is not None else h.digest()
+        return self._finish_tag(h, ctx, _SUFFIX.pack(layer_idx, nbytes))
 
     def layer_tags(self, contexts: Sequence[bytes], layer_idx: int, rows: Sequence[Sequence[Any]]) -> np.ndarray:
         """Tags of many objects' layer `layer_idx`: uint8 [len(rows), 16]."""
@@ -131,9 +130,13 @@ class Sealer:
             h = new(key=key) if keyed else new()
             for seg in segments:
                 h.update(seg[r])
-            h.update(b"L" + ctx + tail)
-            out += h.digest(TAG_NBYTES) if keyed else h.digest()
+            out += self._finish_tag(h, ctx, tail)
         return np.frombuffer(out, dtype=np.uint8).reshape(len(rows), TAG_NBYTES)
+
+    def _finish_tag(self, h: Any, ctx: bytes, tail: bytes) -> bytes:
+        """The one tag formula, after a layer's bytes: "L", the write's context, (layer, nbytes)."""
+        h.update(b"L" + ctx + tail)
+        return h.digest(TAG_NBYTES) if self._key is not None else h.digest()
 
     def header_mac(self, ctx: bytes, header: bytes) -> bytes:
         """The header's MAC (`header` with its MAC field zeroed); 32 zero bytes when unkeyed."""

@@ -147,7 +147,7 @@ class Commits:
     def __init__(self, store: CheckedStore, writer: TransferThread, commit_timeout_s: float) -> None:
         self.store = store
         self.pending = PendingPuts()
-        self._writer = writer
+        self.writer = writer  # the write thread: commits, staged saves' writes, the idle expiry
         self._timeout_s = commit_timeout_s
         self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
         self.job: CommitJob | None = None  # this step's (compute thread)
@@ -168,7 +168,7 @@ class Commits:
             return None
         self._saved_steps -= {v.step_seq for v in mine}
         self.job = CommitJob(mine, store=self.store, pending=self.pending)
-        self._writer.submit(self.job)
+        self.writer.submit(self.job)
         return self.job
 
     def finish_idle_step(self, wait_s: float) -> None:

@@ -32,20 +32,19 @@ import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
-from layerkv.objects.layout import CacheLayout
 from layerkv.messages import BlockHash
 from layerkv.objects.ranges import RangeLists
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
+from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.lanes import Lanes
-from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, Costs, LoadPlan
+from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, LoadPlan, Measured
 from layerkv.transfer.rows import KeyRows
 from layerkv.transfer.reads import JobReads
 from layerkv.transfer.sessions import GetSessions
-from layerkv.transfer.staged import LayerGroup, StagedLayers, groups_of
+from layerkv.transfer.staged import LayerGroup, groups_of
 from layerkv.transfer.thread import JobState
-from layerkv.transfer.views import CacheViews
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +75,7 @@ class LoadOutcome:
     fenced_keys: int = 0  # failed because the store had an outage after their session started
     lease_renewals: int = 0
     removed_keys: list[ObjectKey] = field(default_factory=list)  # bad objects removed from the pool
+    measured: Measured = field(default_factory=Measured)  # the calls, for the planner (Planner.observe)
     error: BaseException | None = None
 
 
@@ -85,42 +85,33 @@ class LoadJob(JobState):
         keys: list[LoadKey],
         *,
         store: CheckedStore,
-        layout: CacheLayout,
-        header: Header | tuple[Header, ...],  # one per key generation (LoadKey.generation), the current first
-        staging: np.ndarray,  # uint8 registered area [rows, width]: header rows (LAYERS: width >=
-        # header_nbytes, >= len(keys) slots) or object rows (`staged`: width staged.row_nbytes,
-        # >= 1 slot; keys stream through the slots a wave at a time)
-        slots: np.ndarray,  # int64: the rows of `staging` this job holds
-        views: CacheViews,
+        caches: RegisteredCaches,
+        headers: tuple[Header, ...],  # one per key generation (LoadKey.generation), the current first
+        rows: LentRows,  # LAYERS: header rows (width >= header_nbytes, >= len(keys) slots); else
+        # object rows (>= 1 slot; keys stream through the slots a wave at a time)
         plan: LoadPlan,
         lanes: Lanes,
         renew_after_s: float,
         prefetch_layers: int | None = None,  # read at most this far ahead of compute (None: no cap)
-        staged: StagedLayers | None = None,  # GROUPS / WHOLE plans
-        costs: Costs | None = None,  # running estimates to update with what this job measures
     ) -> None:
         super().__init__("layerkv load")
         self.keys = keys
         self._store = store
-        self._layout = layout
-        self._staging = staging
-        self._slots = slots
-        self._views = views
+        self._layout = layout = caches.layout
+        self._staging = rows.array
+        self._slots = slots = rows.slots
+        self._views = views = caches.views
         self.plan = plan
         self._lanes = lanes
         self._prefetch = prefetch_layers
         self._renew_after_s = renew_after_s
-        self._staged = staged
-        self._costs = costs
-        if plan.mode != LAYERS and staged is None:
-            raise LayoutError(f"a {plan.mode} load plan needs host staging")
-        headers = (header,) if isinstance(header, Header) else header
+        self._staged = caches.staged if plan.mode != LAYERS else None  # GROUPS / WHOLE plans
         if plan.mode == LAYERS and (not views.on_host or headers[0].sealer.encrypts):
             raise LayoutError("per-layer reads straight into a device cache (or of encrypted objects) cannot be "
                               "verified there; they go through staging")
         if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
             raise LayoutError(f"{slots.size} staging rows for a {plan.mode} load of {len(keys)} keys")
-        self._rows = KeyRows([k.block_id for k in keys], layout, staging, slots if plan.mode == LAYERS else None)
+        self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, slots if plan.mode == LAYERS else None)
         # held while this job copies into the cache; give_up takes it after cancelling
         self._cache_writes = threading.Lock()
         # fan-out targets (row, block) beyond each key's first block
@@ -131,7 +122,7 @@ class LoadJob(JobState):
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.outcome = LoadOutcome()  # receive thread; read after finished
         self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
-        self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome, costs)  # receive thread
+        self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome)  # receive thread
         self._checks = ObjectChecks(headers, [k.key for k in keys], [k.block_hash for k in keys],
                                     layout.num_layers, [k.generation for k in keys])  # receive thread
 
@@ -292,8 +283,7 @@ class LoadJob(JobState):
         job's staging rows, a wave of rows at a time, each wave split over the lanes; then the
         header check and the copy into the cache (`_publish`). `windowed`: each wave opens its
         get sessions first and ends them after its read (a sliding session window)."""
-        assert self._staged is not None
-        staged, staging, slots = self._staged, self._staging, self._slots
+        slots = self._slots
         for begin in range(0, len(self.keys), slots.size):
             if self.cancelled:  # given up: no new reads, nothing more into the cache
                 return
@@ -313,7 +303,7 @@ class LoadJob(JobState):
             slot_of = {int(row): int(slot) for row, slot in zip(wave.tolist(), slots.tolist())}
 
             def ranges(rows: np.ndarray, group: LayerGroup = group) -> RangeLists:
-                return staged.ranges(group, staging, np.array([slot_of[int(r)] for r in rows.tolist()], dtype=np.int64))
+                return self._rows.span(group, np.array([slot_of[int(r)] for r in rows.tolist()], dtype=np.int64))
 
             try:
                 if self.plan.mode == WHOLE:
@@ -336,8 +326,7 @@ class LoadJob(JobState):
             copy_s = time.perf_counter() - copy_start
             self.outcome.copy_s += copy_s
             self.outcome.copied_bytes += copied
-            if self._costs is not None:
-                self._costs.observe_copy(copy_s, int(good.size) * group.span_nbytes)
+            self.outcome.measured.copies.append((copy_s, int(good.size) * group.span_nbytes))
 
     def _publish(self, group: LayerGroup, rows: np.ndarray, slots: np.ndarray) -> int:
         """Copy `group` of `rows` (read into staging `slots`) into their cache blocks, verified

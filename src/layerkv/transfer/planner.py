@@ -21,15 +21,13 @@ transfer (TTFT ~ max(transfer, compute) instead of their sum).
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import numpy as np
+from layerkv.config import PlanMode
+from layerkv.transfer.costs import Costs, PlanKind
 
-WHOLE = "whole"  # one whole-object read per key into staging, then scatter (no session)
-GROUPS = "groups"  # layer groups, one range per key per group, through staging
-LAYERS = "layers"  # one range call per layer straight into the cache (no staging; register_kv_cache only)
+WHOLE, GROUPS, LAYERS = PlanMode.WHOLE, PlanMode.GROUPS, PlanMode.LAYERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +45,15 @@ class StepShape:
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    mode: str  # WHOLE, GROUPS or LAYERS
+    mode: PlanMode  # WHOLE, GROUPS or LAYERS
     group_ends: tuple[int, ...]  # exclusive end layer of each group (WHOLE: (num_layers,))
     lanes: int  # concurrent range calls per group read
     predicted_s: float = 0.0  # simulated time until the last layer is computed
     explored: bool = False  # chosen to measure a mode whose estimates were the oldest (Exploration)
+
+    @property
+    def kind(self) -> PlanKind:
+        return PlanKind(self.mode, self.lanes)
 
     @property
     def reads_beside_compute(self) -> bool:
@@ -62,159 +64,6 @@ class LoadPlan:
     def label(self) -> str:
         sizes = [e - b for b, e in zip((0, *self.group_ends), self.group_ends)]
         return f"{self.mode}:{'+'.join(map(str, sizes))}x{self.lanes}"
-
-
-class _Fit:
-    """seconds ~ m . components, where the components are what the defaults predict for each
-    term (fixed, per range or per key, per byte) of one call: exponentially forgetting least
-    squares on the *relative* error, pulled towards m = 1 (the defaults) by a small ridge (a
-    fraction of each term's own weight in the data, so a term the defaults think small can still
-    grow to what is measured; a term the data never exercise stays at its default). Relative
-    error makes one stalled call nearly weightless (its error stays ~-1 whatever m is) and lets
-    calls of different shapes (few large ranges, many small ones) separate the per-range cost
-    from the bandwidth, which one scale factor per sample cannot."""
-
-    def __init__(self, size: int, forget: float, ridge: float = 0.05) -> None:
-        self.forget = forget
-        self.ridge = ridge
-        self.gram = np.zeros((size, size))
-        self.rhs = np.zeros(size)
-        self.dirty = False
-
-    def update(self, components: np.ndarray, seconds: float) -> None:
-        """One sample; cheap (the receive thread calls it once per range call): `solve` later."""
-        row = components / seconds
-        self.gram = self.forget * self.gram + np.outer(row, row)
-        self.rhs = self.forget * self.rhs + row
-        self.dirty = True
-
-    def solve(self) -> np.ndarray:
-        ridge = self.ridge * np.diag(self.gram) + 1e-9  # relative to each term's weight in the data
-        m = np.linalg.solve(self.gram + np.diag(ridge), self.rhs + ridge)
-        self.dirty = False
-        return np.clip(m, 1 / 50, 50)
-
-
-# the per-unit costs each fit of `Costs` scales, in the order of its terms (bandwidths kept as
-# seconds per byte in the fit)
-_FIT_FIELDS = {
-    "ranges": ("call_s", "range_s", "range_cpu_s", "bytes_per_s"),
-    "whole": ("whole_call_s", "whole_key_s", "whole_bytes_per_s"),
-    "compute": ("compute_per_layer_s", "compute_per_layer_token_s"),
-}
-
-
-@dataclass(slots=True)
-class Costs:
-    """Running estimates of the store's per-call and per-range cost, its bandwidth, the local copy
-    bandwidth and the compute time per layer per token. Starts from values measured on Mooncake
-    over TCP loopback; every transfer refits them (`_Fit`), so plans follow what this machine
-    and transport do."""
-
-    call_s: float = 100e-6  # fixed cost of one range call (concurrent calls each pay it)
-    range_s: float = 10e-6  # cost of each range within a call that concurrent calls overlap
-    range_cpu_s: float = 30e-6  # cost of each range that concurrent calls do not overlap (measured here: most of it)
-    bytes_per_s: float = 1.5e9  # range payload bandwidth
-    whole_call_s: float = 150e-6  # fixed cost of one whole-object read call (includes the master lookup)
-    whole_key_s: float = 20e-6  # per object of a whole-object read
-    whole_bytes_per_s: float = 2.0e9
-    copy_bytes_per_s: float = 5.0e9  # staging scatter + checksum (host memory)
-    compute_per_layer_token_s: float = 2e-6  # compute of one layer for one token
-    compute_per_layer_s: float = 50e-6  # compute of one layer whatever the tokens (a decode step's floor)
-    weight: float = 0.2  # weight of each new sample (the fits forget old samples at 1 - weight)
-    # per plan kind (mode, lanes): measured transfer time / modelled transfer time, what the model
-    # leaves out (on a CPU-bound host per-layer reads compete with compute for the same cores)
-    kind_factor: dict[tuple[str, int], float] = field(default_factory=dict)
-    # per plan kind: measured step time / simulated finish (reads already corrected), what
-    # neither the model nor the read factor sees: on a CPU host overlapping reads slow the compute
-    finish_factor: dict[tuple[str, int], float] = field(default_factory=dict)
-    finish_samples: dict[tuple[str, int], int] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    _fits: dict[str, tuple[_Fit, tuple[float, ...]]] = field(default_factory=dict, repr=False, compare=False)
-
-    def snapshot(self) -> Costs:
-        """A copy with every fit solved for its samples so far (the planner reads only these)."""
-        with self._lock:
-            for name, (fit, prior) in self._fits.items():
-                if fit.dirty:
-                    for attr, unit in zip(_FIT_FIELDS[name], np.array(prior) * fit.solve()):
-                        setattr(self, attr, 1 / float(unit) if attr.endswith("bytes_per_s") else float(unit))
-            return Costs(self.call_s, self.range_s, self.range_cpu_s, self.bytes_per_s, self.whole_call_s, self.whole_key_s,
-                         self.whole_bytes_per_s, self.copy_bytes_per_s, self.compute_per_layer_token_s,
-                         self.compute_per_layer_s, self.weight, kind_factor=dict(self.kind_factor),
-                         finish_factor=dict(self.finish_factor), finish_samples=dict(self.finish_samples))
-
-    def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
-        """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
-        `ranges_per_call` ranges moving `nbytes` in all took `seconds`."""
-        if seconds > 0 and ranges_per_call > 0:
-            self._sample("ranges", (num_calls, ranges_per_call, num_calls * ranges_per_call, nbytes), seconds)
-
-    def observe_whole(self, seconds: float, keys_per_call: int, nbytes: int) -> None:
-        if seconds > 0 and keys_per_call > 0:
-            self._sample("whole", (1, keys_per_call, nbytes), seconds)
-
-    def observe_copy(self, seconds: float, nbytes: int) -> None:
-        """A staging scatter (and its checksums) of `nbytes`."""
-        if seconds <= 0 or nbytes <= 0:
-            return
-        with self._lock:
-            self.copy_bytes_per_s = _mix(self.copy_bytes_per_s, nbytes / seconds, self.weight)
-
-    def observe_transfer(self, kind: tuple[str, int], modelled_s: float, seconds: float) -> None:
-        """A load of plan kind `kind` read its last layer after `seconds`, where the cost model,
-        refitted with that load's own calls, says `modelled_s` (`transfer_s`): the factor keeps
-        only what the refitted model cannot explain (counting the fit's own error twice would
-        condemn a kind for one slow first call)."""
-        if seconds <= 0 or modelled_s <= 0:
-            return
-        with self._lock:
-            ratio = min(4.0, max(0.25, seconds / modelled_s))  # one odd load moves it at most this far
-            self.kind_factor[kind] = _mix(self.kind_factor.get(kind, 1.0), ratio, self.weight)
-
-    def observe_finish(self, kind: tuple[str, int], simulated_s: float, seconds: float) -> None:
-        """A step whose load was of kind `kind` computed its last layer after `seconds`, where
-        the refitted model (reads corrected by their factor) says `simulated_s`. The factor is
-        the mean of a kind's first steps (the prior 1 is no measurement), then forgets at
-        `weight`; one odd step moves it at most 4x."""
-        if seconds <= 0 or simulated_s <= 0:
-            return
-        with self._lock:
-            ratio = min(4.0, max(0.25, seconds / simulated_s))
-            n = self.finish_samples.get(kind, 0) + 1
-            self.finish_samples[kind] = n
-            self.finish_factor[kind] = _mix(self.finish_factor.get(kind, 1.0), ratio, max(self.weight, 1 / n))
-
-    def finish(self, kind: tuple[str, int]) -> float:
-        """`kind`'s finish factor; a kind not measured yet takes the mean of the measured kinds
-        whose reads, like its own, run beside the compute (layer and group plans: what slows
-        one such step slows the others; whole-object reads end before layer 0), else 1."""
-        if kind in self.finish_factor:
-            return self.finish_factor[kind]
-        alike = [f for (mode, _), f in self.finish_factor.items() if (mode == WHOLE) == (kind[0] == WHOLE)]
-        return sum(alike) / len(alike) if alike else 1.0
-
-    def measured(self, name: str) -> bool:
-        """Some sample of `name` ("ranges", "whole", "compute") has been seen."""
-        with self._lock:
-            return name in self._fits
-
-    def observe_compute(self, seconds: float, num_layers: int, num_tokens: int) -> None:
-        # fixed + per token: a 1-token decode step's time must not read as a per-token cost
-        if seconds > 0 and num_layers > 0 and num_tokens > 0:
-            self._sample("compute", (num_layers, num_layers * num_tokens), seconds)
-
-    def _sample(self, name: str, counts: tuple[float, ...], seconds: float) -> None:
-        """One (possibly concurrent) call of `counts` units of `name`'s terms (fixed, per range or
-        key, ..., per byte) took `seconds`; the per-unit costs are refitted at the next snapshot."""
-        with self._lock:
-            if name not in self._fits:  # the estimates when the first sample comes are the prior
-                self._fits[name] = (_Fit(len(counts), 1 - self.weight), self._units(name))
-            fit, prior = self._fits[name]
-            fit.update(np.array(prior) * np.array(counts, dtype=float), seconds)
-
-    def _units(self, name: str) -> tuple[float, ...]:
-        return tuple(1 / getattr(self, a) if a.endswith("bytes_per_s") else getattr(self, a) for a in _FIT_FIELDS[name])
 
 
 def choose_lanes(num_keys: int, max_lanes: int, min_keys_per_lane: int = 8) -> int:
@@ -263,7 +112,7 @@ def transfer_s(plan: LoadPlan, shape: StepShape, costs: Costs) -> float:
 def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, factor: float | None = None) -> tuple[float, float]:
     """(when the last layer is read, when it is computed)."""
     if factor is None:
-        factor = costs.kind_factor.get((plan.mode, plan.lanes), 1.0)
+        factor = costs.kind_factor.get(plan.kind, 1.0)
     N, lanes = shape.num_keys, plan.lanes
     keys_per_lane = math.ceil(N / lanes)
     compute_s = costs.compute_per_layer_s + costs.compute_per_layer_token_s * max(1, num_tokens)
@@ -286,13 +135,13 @@ def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, f
 
 
 def best_of_kinds(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
-                  lanes: int | None = None) -> dict[tuple[str, int], LoadPlan]:
+                  lanes: int | None = None) -> dict[PlanKind, LoadPlan]:
     """Each kind's (mode, lanes) best candidate, with its predicted finish time (the simulation
     times the kind's finish factor; ties: fewer groups); with `lanes`, only plans on exactly
     that many lanes. In `plan_kinds` order."""
-    best: dict[tuple[str, int], LoadPlan] = {}
+    best: dict[PlanKind, LoadPlan] = {}
     for plan in candidates(shape, max_lanes, lanes):
-        kind = (plan.mode, plan.lanes)
+        kind = plan.kind
         t = simulate(plan, shape, costs, num_tokens) * costs.finish(kind)
         old = best.get(kind)
         if old is None or (t, len(plan.group_ends)) < (old.predicted_s * (1 - 1e-9), len(old.group_ends)):
@@ -306,16 +155,16 @@ def fastest(plans: Iterable[LoadPlan]) -> LoadPlan:
 
 
 def choose_plan(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
-                kind: tuple[str, int] | None = None, lanes: int | None = None) -> LoadPlan:
+                kind: PlanKind | None = None, lanes: int | None = None) -> LoadPlan:
     """The candidate with the lowest predicted finish time; with `kind` (mode, lanes), the best
     candidate of that kind (if there is one); with `lanes`, only plans on that many lanes."""
     best = best_of_kinds(shape, costs, num_tokens, max_lanes, lanes)
     return best[kind] if kind in best else fastest(best.values())
 
 
-def plan_kinds(shape: StepShape, max_lanes: int, lanes: int | None = None) -> tuple[tuple[str, int], ...]:
+def plan_kinds(shape: StepShape, max_lanes: int, lanes: int | None = None) -> tuple[PlanKind, ...]:
     """The (mode, lanes) pairs `candidates` offers, in a fixed order."""
-    return tuple(dict.fromkeys((p.mode, p.lanes) for p in candidates(shape, max_lanes, lanes)))
+    return tuple(dict.fromkeys(p.kind for p in candidates(shape, max_lanes, lanes)))
 
 
 class Exploration:
@@ -336,11 +185,11 @@ class Exploration:
         self.settle = settle
         self.settled_every = settled_every
         self.plans = 0
-        self.last_used: dict[tuple[str, int], int] = {}  # kind -> number of the plan that last was one
-        self.uses: dict[tuple[str, int], int] = {}  # kind -> plans that were one
+        self.last_used: dict[PlanKind, int] = {}  # kind -> number of the plan that last was one
+        self.uses: dict[PlanKind, int] = {}  # kind -> plans that were one
         self.last_turn = -1  # number of the plan of the last turn
 
-    def kind_to_try(self, predicted_s: Mapping[tuple[str, int], float]) -> tuple[str, int] | None:
+    def kind_to_try(self, predicted_s: Mapping[PlanKind, float]) -> PlanKind | None:
         """The kind the next plan must be, or None (the planner chooses freely); `predicted_s`:
         each kind's best predicted finish time, in a fixed order."""
         if self.every <= 0 or len(predicted_s) < 2:
@@ -354,13 +203,96 @@ class Exploration:
         self.last_turn = self.plans
         return min(kinds, key=lambda k: (self.last_used.get(k, -1), kinds.index(k)))
 
-    def used(self, kind: tuple[str, int]) -> None:
+    def used(self, kind: PlanKind) -> None:
         self.last_used[kind] = self.plans
         self.uses[kind] = self.uses.get(kind, 0) + 1
         self.plans += 1
 
 
-def _mix(old: float, new: float, weight: float) -> float:
-    return (1 - weight) * old + weight * new
+@dataclass(slots=True)
+class Measured:
+    """The calls one load made, as the planner's fits take them: recorded by the job on the
+    receive thread, handed to `Planner.observe` by the compute thread after the job finished."""
+
+    ranges: list[tuple[float, int, int, int]] = field(default_factory=list)  # (s, calls, ranges per call, bytes)
+    wholes: list[tuple[float, int, int]] = field(default_factory=list)  # (s, keys per call, bytes)
+    copies: list[tuple[float, int]] = field(default_factory=list)  # (s, bytes) verified and copied out of staging
 
 
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """What one step measured, handed to `Planner.observe` once per step (compute thread)."""
+
+    num_tokens: int  # tokens the step computed
+    step_s: float  # from the step's start to its last layer computed
+    wait_s: float = 0.0  # of it, waiting for layers to load
+    compute_alone: bool = True  # no reads ran beside the compute (layer and group plans do)
+    plan: LoadPlan | None = None  # the step's load plan, when its load read every layer it was asked for
+    num_keys: int = 0  # objects that load read
+    transfer_s: float = 0.0  # from the load's start to its last layer read (0: not every layer read)
+    measured: Measured | None = None  # the calls of the step's load (a finished one)
+
+
+class Planner:
+    """One worker's load planner: owns the running costs and the exploration turns, and is
+    entered from two places only: `choose` a step's plan (the fixed knobs, or the fastest
+    simulated plan with `mode` auto), and `observe` what a step measured. Compute thread."""
+
+    def __init__(self, mode: PlanMode, shape: StepShape, *, lanes: int = 0, prefetch_layers: int | None = None,
+                 group_ends: tuple[int, ...] = (), exploration: Exploration | None = None) -> None:
+        self.mode = PlanMode(mode)
+        self.costs = Costs()
+        self.exploration = exploration or Exploration()
+        self.last_predictions: dict[str, float] = {}  # the last auto plan's best per kind (ms)
+        self._shape = shape  # the layout's part of every step's shape (num_keys 0)
+        self._lanes = lanes  # 0: chosen per step
+        self._prefetch = prefetch_layers
+        self._group_ends = group_ends  # the fixed "groups" plan's
+
+    def shape(self, num_keys: int) -> StepShape:
+        return replace(self._shape, num_keys=num_keys)
+
+    def choose(self, num_keys: int, num_tokens: int) -> tuple[LoadPlan, int | None]:
+        """This step's load plan and read-ahead cap (None: none)."""
+        L, lanes = self._shape.num_layers, self._lanes
+        if self.mode == LAYERS:  # straight into the cache only where the cache is registered
+            kind = LAYERS if self._shape.direct_ok else GROUPS
+            return LoadPlan(kind, tuple(range(1, L + 1)), lanes or 1), self._prefetch
+        if self.mode == GROUPS:
+            return LoadPlan(GROUPS, self._group_ends, lanes or 1), self._prefetch
+        if self.mode == WHOLE:
+            return LoadPlan(WHOLE, (L,), lanes or choose_lanes(num_keys, 4)), None
+        best = best_of_kinds(self.shape(num_keys), self.costs.snapshot(), num_tokens, lanes=lanes or None)
+        self.last_predictions = {f"{m}x{n}": round(p.predicted_s * 1e3, 3) for (m, n), p in best.items()}
+        trying = self.exploration.kind_to_try({kind: p.predicted_s for kind, p in best.items()})
+        plan = fastest(best.values())
+        explored = trying is not None and trying != plan.kind
+        if trying is not None:
+            plan = best[trying]
+        self.exploration.used(plan.kind)
+        return replace(plan, explored=explored), None
+
+    def observe(self, step: StepTimes) -> None:
+        """Fold one step's measurements into the costs: its load's calls (the fits), its compute
+        when no reads ran beside it (they slow it on a CPU host: their kind's finish factor, not
+        every kind's compute), then for an auto plan its kind's corrections: the reads against
+        the refitted model, and, once compute is measured, the step against the refitted
+        simulation (before that the prior would condemn the kind for its own error)."""
+        costs, measured = self.costs, step.measured
+        if measured is not None:
+            for call in measured.ranges:
+                costs.observe_ranges(*call)
+            for whole in measured.wholes:
+                costs.observe_whole(*whole)
+            for copy in measured.copies:
+                costs.observe_copy(*copy)
+        if step.compute_alone:
+            costs.observe_compute(step.step_s - step.wait_s, self._shape.num_layers, step.num_tokens)
+        plan = step.plan
+        if plan is None or plan.predicted_s <= 0:
+            return
+        shape = self.shape(step.num_keys)
+        if step.transfer_s > 0:
+            costs.observe_transfer(plan.kind, transfer_s(plan, shape, costs.snapshot()), step.transfer_s)
+        if step.step_s > 0 and step.num_tokens > 0 and costs.measured("compute"):
+            costs.observe_finish(plan.kind, simulate(plan, shape, costs.snapshot(), step.num_tokens), step.step_s)

@@ -1,6 +1,6 @@
 """The store reads of one load job: a wave of keys' range reads (a layer, a layer group) or
-whole-object reads, split over the plan's lanes, timed, counted into the job's outcome and fed
-to the planner's costs. Receive thread only (the job that owns it). A read that moved fewer
+whole-object reads, split over the plan's lanes, timed, counted into the job's outcome and
+recorded for the planner (`outcome.measured`). Receive thread only (the job that owns it). A read that moved fewer
 bytes than asked is a failed row; the job decides what that means.
 """
 
@@ -17,15 +17,15 @@ from layerkv.objects.ranges import RangeLists
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.lanes import Lanes, split_rows
-from layerkv.transfer.planner import Costs
+from layerkv.transfer.planner import Measured
 
 
 class JobReads:
-    def __init__(self, store: CheckedStore, keys: list[ObjectKey], lanes: Lanes, num_lanes: int, outcome: Any,
-                 costs: Costs | None) -> None:
-        """`outcome` has read_s, range_calls, loaded_bytes (a LoadOutcome)."""
+    def __init__(self, store: CheckedStore, keys: list[ObjectKey], lanes: Lanes, num_lanes: int, outcome: Any) -> None:
+        """`outcome` has read_s, range_calls, loaded_bytes and measured (a LoadOutcome)."""
         self._store, self._keys, self._lanes, self._num_lanes = store, keys, lanes, num_lanes
-        self._outcome, self._costs = outcome, costs
+        self._outcome = outcome
+        self._measured: Measured = outcome.measured
 
     def ranges(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int | None,
                what: str) -> tuple[np.ndarray, str]:
@@ -39,9 +39,8 @@ class JobReads:
         expected = int(np.sum(lists[0].sizes[0]))
         ok = got == expected
         self._count(elapsed, len(parts), expected * int(ok.sum()))
-        if self._costs is not None:
-            self._costs.observe_ranges(elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments,
-                                       expected * int(rows.size))
+        self._measured.ranges.append((elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments,
+                                      expected * int(rows.size)))
         return ok, f"{what} read returned {sorted(set(got[~ok].tolist()))} (expected {expected} bytes)"
 
     def whole(self, rows: np.ndarray, ptr_of: Callable[[int], int], nbytes: int) -> tuple[np.ndarray, str]:
@@ -58,8 +57,7 @@ class JobReads:
         elapsed = time.perf_counter() - start
         ok = got == nbytes
         self._count(elapsed, len(parts), nbytes * int(ok.sum()))
-        if self._costs is not None:
-            self._costs.observe_whole(elapsed, max(len(p) for p in parts), nbytes * int(rows.size))
+        self._measured.wholes.append((elapsed, max(len(p) for p in parts), nbytes * int(rows.size)))
         return ok, f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)"
 
     def _call_ranges(self, rows: np.ndarray, ranges: RangeLists, layer_idx: int | None) -> np.ndarray:

@@ -33,17 +33,16 @@ from typing import Any
 import numpy as np
 
 from layerkv.objects.header import Header
-from layerkv.objects.layout import CacheLayout
 from layerkv.messages import BlockHash, ReqId
 from layerkv.objects.seal import NONCE_NBYTES, TAG_NBYTES, context
 from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
-from layerkv.transfer.commit import PendingPut, PendingPuts
+from layerkv.transfer.caches import LentRows, RegisteredCaches
+from layerkv.transfer.commit import Commits, PendingPut
 from layerkv.transfer.lanes import Lanes, split_rows
 from layerkv.transfer.rows import KeyRows
-from layerkv.transfer.staged import LayerGroup, StagedLayers
-from layerkv.transfer.thread import JobState, TransferThread
-from layerkv.transfer.views import CacheViews
+from layerkv.transfer.staged import LayerGroup
+from layerkv.transfer.thread import JobState
 
 log = logging.getLogger(__name__)
 
@@ -81,38 +80,33 @@ class SaveJob(JobState):
         step_seq: int,
         *,
         store: CheckedStore,
-        layout: CacheLayout,
+        caches: RegisteredCaches,
         header: Header,
-        staging: np.ndarray,  # uint8 registered area [rows, width]: object images (staged) or headers
-        slots: np.ndarray,  # int64 [>= len(keys)]: the rows of `staging` this job holds, key i in slots[i]
-        views: CacheViews,
+        rows: LentRows,  # >= len(keys) slots, key i in slots[i]: object images (staged) or headers
         placement: Placement,
-        pending: PendingPuts,
-        staged: StagedLayers | None = None,  # staged mode: `staging` rows are object images
-        lanes: Lanes | None = None,
+        commits: Commits,  # its sessions wait there for the step's verdict; staged writes run on its thread
+        lanes: Lanes,
         num_lanes: int = 1,
-        writer: TransferThread | None = None,  # staged mode: where the write phase runs
+        staged: bool = True,  # False: per-layer writes straight from the cache (register_kv_cache)
     ) -> None:
         super().__init__("layerkv save")
         self.keys = keys
         self.step_seq = step_seq
         self._store = store
-        self._layout = layout
+        self._layout = layout = caches.layout
         self._header = header
-        self._staging = staging
-        self._slots = slots[: len(keys)]
+        self._staging = rows.array
+        self._slots = rows.slots[: len(keys)]
         if self._slots.size < len(keys):
-            raise ValueError(f"{slots.size} staging rows for {len(keys)} keys")
-        self._views = views
+            raise ValueError(f"{rows.slots.size} staging rows for {len(keys)} keys")
+        self._views = caches.views
         self._placement = placement
-        self._pending = pending
-        self._staged = staged
+        self._pending = commits.pending
+        self._staged = caches.staged if staged else None
         self._lanes = lanes
-        self._num_lanes = num_lanes if lanes is not None else 1
-        self._writer = writer
-        if staged is not None and writer is None:
-            raise ValueError("a staged save needs the write thread")
-        self._rows = KeyRows([k.block_id for k in keys], layout, staging, self._slots)
+        self._num_lanes = num_lanes
+        self._writer = commits.writer
+        self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, self._slots)
         self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, device event or None)
         self._finalized = False  # guarded by cond
         self.released = False  # guarded by cond: the job no longer reads the KV cache memory
@@ -146,7 +140,7 @@ class SaveJob(JobState):
     def run(self) -> None:
         """Send thread. Direct: the whole job. Staged: the copies; the writes then run on the
         write thread (`writes`), so the next step's copies never wait for this step's store."""
-        if self._staged is not None and self._writer is not None:
+        if self._staged is not None:
             try:
                 complete = self._copy_layers()
             except BaseException as exc:  # noqa: BLE001 - published; nothing was started
@@ -244,7 +238,7 @@ class SaveJob(JobState):
             return
         whole = LayerGroup(0, self._layout.num_layers, 0, self._layout.object_nbytes)
         parts = split_rows(active, self._num_lanes)
-        lists = [self._staged.ranges(whole, self._staging, self._slots[part]) for part in parts]
+        lists = [self._rows.span(whole, self._slots[part]) for part in parts]
         results = self._run_parts([functools.partial(self._put, part, rl, None) for part, rl in zip(parts, lists)])
         ok = np.concatenate(results)
         if not ok.all():
@@ -257,7 +251,7 @@ class SaveJob(JobState):
         self.outcome.pending = int(handed.size)
 
     def _run_parts(self, parts: list[Any]) -> list[Any]:
-        return self._lanes.run(parts) if self._lanes is not None else [part() for part in parts]
+        return self._lanes.run(parts)
 
     def _start_sessions(self) -> None:
         self._epoch = self._store.outage_epoch

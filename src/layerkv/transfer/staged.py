@@ -1,7 +1,8 @@
 """Staged transfers: per key, the contiguous object span of layers l..l+k-1 is read as ONE range
-into a registered host staging row, verified there, then scattered into the paged KV cache with
-one vectorised copy per cache segment (fan-out blocks included); saves gather a layer of every
-key from the cache into its object image the same way. Host caches copy with numpy; device
+into a registered host staging row, then copied into the paged KV cache with one vectorised copy
+per cache segment (fan-out blocks included) and verified where no peer can change the bytes any
+more (`publish`: in the cache for host caches, in a private host copy for device caches); saves
+gather a layer of every key from the cache into its object image the same way. Host caches copy with numpy; device
 caches (torch views) copy through torch, the only device-specific code of the data path. Built
 once per worker on the compute thread; read-only afterwards, used by the transfer threads.
 
@@ -19,7 +20,6 @@ import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.objects.layout import CacheLayout
-from layerkv.objects.ranges import RangeLists
 from layerkv.objects.seal import TAG_NBYTES, RowSealers, Sealer
 from layerkv.transfer.views import CacheViews
 
@@ -75,20 +75,6 @@ class StagedLayers:
         self._cache = views
         self.row_nbytes = layout.object_nbytes  # staging row width: any group, or the whole object
         self._views = views.layers  # [layer][segment]
-
-    def ranges(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray) -> RangeLists:
-        """Range lists moving `group`'s span of one key per slot of `slots` (its staging row);
-        the span is split into pieces of at most max_transfer_bytes."""
-        if (slots.size and int(slots.max()) >= staging.shape[0]) or group.span_nbytes > staging.shape[1]:
-            raise LayoutError(f"staging {list(staging.shape)} is too small for slots up to {int(slots.max())} x "
-                              f"{group.span_nbytes} bytes")
-        piece = self.layout.max_transfer_bytes
-        starts = np.arange(0, group.span_nbytes, piece, dtype=np.int64)  # [pieces]
-        sizes_row = np.minimum(piece, group.span_nbytes - starts).tolist()
-        offsets_row = (group.span_start + starts).tolist()
-        slot_ptrs = staging.ctypes.data + slots.astype(np.int64) * staging.strides[0]
-        ptrs = (slot_ptrs[:, None] + starts[None, :]).tolist()  # [slots, pieces]
-        return RangeLists(ptrs, [sizes_row] * len(slots), [offsets_row] * len(slots), len(sizes_row))
 
     def scatter(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
         """cache[block_ids[j]] <- staging[slots[j]] for every segment of every layer of `group`
