@@ -1,4 +1,4 @@
-"""A pool of named daemon threads, the one pool type of the package (transfer/lanes.py's lanes
+"""A pool of named daemon threads, the one pool type of the package (transfer/calls.py's lanes
 and store/bounded.py's bounded store calls run on it; it imports nothing of layerkv, so any
 package may use it).
 

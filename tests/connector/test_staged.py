@@ -15,7 +15,7 @@ from layerkv.objects.header import Header
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES, GET_START
 from layerkv.transfer.costs import Costs
-from layerkv.transfer.staged import layer_groups
+from layerkv.transfer.views import layer_groups
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from layerkv.transfer.lanes import Lanes, split_rows
+from layerkv.transfer.calls import Lanes, split_rows
 
 
 def test_parts_run_at_once_on_named_lanes_and_results_keep_their_order() -> None:

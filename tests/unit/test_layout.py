@@ -14,7 +14,7 @@ from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
 from layerkv.objects.layout import CacheLayout
 from tests.layouts import layer_group_template, layers_adjacent
-from layerkv.transfer.rows import KeyRows
+from layerkv.transfer.calls import KeyRows
 from layerkv.objects.ranges import RangeLists, join_ranges
 
 MiB = 1 << 20

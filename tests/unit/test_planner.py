@@ -173,7 +173,7 @@ def test_exploration_tries_the_least_recently_used_plausible_kind_then_settles()
     """Every 4th plan while a plausible kind has < 2 samples, then every 16th: a short run pays
     for a few explorations only."""
     predicted = {(LAYERS, 1): 1.0, (GROUPS, 1): 1.2, (WHOLE, 4): 1.4, (GROUPS, 4): 2.0}  # (GROUPS, 4): > 1.5x
-    exploring = Exploration(every=4, plausible=1.5, settle=2, settled_every=16)
+    exploring = Exploration(every=4, plausible=1.5, min_samples=2, sampled_every=16)
     tried = []
     for _ in range(50):
         kind = exploring.kind_to_try(predicted)

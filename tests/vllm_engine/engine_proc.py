@@ -1,6 +1,6 @@
 """The test side of the engine processes: `TierEngine` is layerkv.bench.vllm_engines'
 EngineProcess running the tier's host (tests/vllm_engine/engine_host.py), whose `generate`
-settles by default and returns the outputs; `ServeProcess` is `vllm serve` with its /health
+commits the last step by default and returns the outputs; `ServeProcess` is `vllm serve` with its /health
 polled. Test thread only.
 """
 
@@ -27,10 +27,10 @@ class TierEngine(EngineProcess):
         return super().call(op, timeout_s, **args)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1,  # type: ignore[override]
-                 reset_prefix_cache: bool = False, settle: bool = True) -> list[dict[str, Any]]:
-        """Outputs in prompt order; `settle` (default): the last step's saves are committed
+                 reset_prefix_cache: bool = False, commit: bool = True) -> list[dict[str, Any]]:
+        """Outputs in prompt order; `commit` (default): the last step's saves are committed
         before this returns (layerkv.bench.vllm_host.generate)."""
-        return super().generate(prompts, reset_prefix_cache=reset_prefix_cache, settle=settle,
+        return super().generate(prompts, reset_prefix_cache=reset_prefix_cache, commit=commit,
                                 max_tokens=max_tokens)["outputs"]
 
 

@@ -17,7 +17,7 @@ from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps,
 from layerkv.bench.plots import line_plot
 from layerkv.objects.layout import CacheLayout
 from layerkv.store.checked import CheckedStore
-from layerkv.transfer.rows import KeyRows
+from layerkv.transfer.calls import KeyRows
 
 NAME = "datapath"
 KiB, MiB = 1 << 10, 1 << 20

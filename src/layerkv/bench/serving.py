@@ -171,12 +171,12 @@ def measure(rig: Rig, step: Step) -> list[Run]:
     if "mooncake-producer" in e:
         e["mooncake-producer"].generate([prefix])
     before = rig.reader.layerkv_keys()
-    e["layerkv-producer"].generate([prefix], settle=True)  # settle: layerkv commits before returning
+    e["layerkv-producer"].generate([prefix], commit=True)  # commit: layerkv commits before returning
     # this prefix's objects: what its first save added (the cells of one prefix and repeat share it)
     prefix_keys = rig.prefix_keys.setdefault((step.cell[0], step.repeat), sorted(rig.reader.layerkv_keys() - before))
     for producer in ("layerkv-keyed-producer", "layerkv-encrypted-producer"):
         if producer in e:
-            e[producer].generate([prefix], settle=True)
+            e[producer].generate([prefix], commit=True)
     transfer_ms, found = rig.reader.read_whole_ms(prefix_keys)
     runs = [Run(TRANSFER, step.cell, step.repeat, transfer_ms, found * BLOCK_SIZE, (), ())]
     for contender in step.contenders:
@@ -188,10 +188,10 @@ def measure(rig: Rig, step: Step) -> list[Run]:
         else:
             reply = e[ENGINE_OF[contender]].generate([prompt], reset_prefix_cache=True)
         runs.append(_run(contender, step, reply))
-    # settled: its suffix blocks are in the pool before the next cell lists the keys
+    # committed: its suffix blocks are in the pool before the next cell lists the keys
     for producer, contender in REFERENCES:
         if producer in e:
-            reply = e[producer].generate([prompt], settle=producer.startswith("layerkv"))
+            reply = e[producer].generate([prompt], commit=producer.startswith("layerkv"))
             runs.append(_run(contender, step, reply, reference=True))
     return runs
 
@@ -203,7 +203,7 @@ def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[Loa
     e = rig.engines
     prefixes, prompts = load_prompts(rig.grid.load_requests, repeat)
     e["mooncake-producer"].generate(prefixes)
-    e["layerkv-producer"].generate(prefixes, settle=True)
+    e["layerkv-producer"].generate(prefixes, commit=True)
     runs = []
     for contender in contenders:
         engine = ENGINE_OF[contender]

@@ -133,11 +133,11 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.name} {op} failed: {reply.get('error')}\n{reply.get('traceback')}")
         return reply
 
-    def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, settle: bool = False,
+    def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, commit: bool = False,
                  max_tokens: int = 1) -> dict[str, Any]:
         """{"wall_ms": ..., "outputs": [{"token_ids", "logprobs", "num_cached_tokens", ...}]}."""
         return self.call("generate", prompts=prompts, max_tokens=max_tokens, reset_prefix_cache=reset_prefix_cache,
-                         settle=settle)
+                         commit=commit)
 
     def request_stop(self) -> None:
         """Ask the host to shut vLLM down (returns at once; `stop` waits)."""

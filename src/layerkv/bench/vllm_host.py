@@ -6,7 +6,7 @@ carry vLLM's logs to a file. vLLM spawns its engine core and workers from here. 
     python -m layerkv.bench.vllm_host '<spec json>' <reply fd>   (tests: tests.vllm_engine.engine_host)
     spec: {"llm": {LLM keyword arguments}}
     commands: {"op": "generate", "prompts": [[ids]], "max_tokens": 1, "reset_prefix_cache": bool,
-               "settle": bool}, {"op": "counters"}, {"op": "shutdown"}
+               "commit": bool}, {"op": "counters"}, {"op": "shutdown"}
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any
 
-SETTLE_TOKEN = 3  # a one-token prompt: no full block, nothing to save or load
+COMMIT_TOKEN = 3  # a one-token prompt: no full block, nothing to save or load
 
 
 def _params(max_tokens: int) -> Any:
@@ -45,7 +45,7 @@ def _output(out: Any) -> dict[str, Any]:
 def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     """Generate greedily for every prompt (one batch); `reset_prefix_cache` first drops vLLM's
     local prefix cache (not the connector's pool), so prefix hits can only come from the pool.
-    `settle`: two one-token requests afterwards, so that layerkv commits the last step's saves
+    `commit`: two one-token requests afterwards, so that layerkv commits the last step's saves
     (a later step carries the verdict, docs/data-safety.md) before this returns."""
     if cmd.get("reset_prefix_cache") and not llm.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
@@ -53,9 +53,9 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     outs = llm.generate(prompts, _params(cmd.get("max_tokens", 1)), use_tqdm=False)
     wall_ms = (time.perf_counter() - start) * 1000
-    if cmd.get("settle"):
+    if cmd.get("commit"):
         for _ in range(2):
-            llm.generate([{"prompt_token_ids": [SETTLE_TOKEN]}], _params(1), use_tqdm=False)
+            llm.generate([{"prompt_token_ids": [COMMIT_TOKEN]}], _params(1), use_tqdm=False)
     return {"wall_ms": wall_ms, "outputs": [_output(o) for o in outs]}
 
 

@@ -1,8 +1,9 @@
 """Scheduler side of the connector: pool hit planning (windowed exists queries that stop at
-the first miss), the per-step plan (blocks to load, new full blocks to save) and the commit
-verdicts: a step's saves are committed only after every worker of every rank and stage reported
-the step, and never those of a request whose block table held a block that failed to load.
-Runs on the engine's scheduler thread only; no locks.
+the first miss), the per-step plan (blocks to load, new full blocks to save, and the commit
+verdicts of earlier steps, which transfer/commit.py's `Verdicts` decides: a step's saves are
+committed only after every worker of every rank and stage reported the step, and never those of
+a request whose block table held a block that failed to load). Runs on the engine's scheduler
+thread only; no locks.
 """
 
 from __future__ import annotations
@@ -10,18 +11,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
-from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
+from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.stats import SchedulerStats
 from layerkv.store.checked import CheckedStore
+from layerkv.transfer.commit import Verdicts
 from layerkv.objects.tenant_key import tenant_keys
 
 log = logging.getLogger(__name__)
@@ -102,16 +103,6 @@ class _PendingLoad:
     generations: tuple[int, ...]  # per block: the tenant key it is found under (PoolLookup.locate)
 
 
-@dataclass(slots=True)
-class _AwaitedStep:
-    """A step with saves whose verdict waits for every worker's report."""
-
-    block_tables: dict[ReqId, frozenset[int]]  # every request of the step: all its block ids
-    since_s: float  # monotonic time the step was planned
-    invalid_block_ids: set[int] = field(default_factory=set)  # reported while it waited
-    num_reports: int = 0
-
-
 class SchedulerConnector:
     """The scheduler hooks (see hooks.SchedulerHooks) backed by a store."""
 
@@ -133,9 +124,8 @@ class SchedulerConnector:
         self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc
         self._ended: set[ReqId] = set()
         self._next_step_seq = 0
-        self._num_workers = deployment.tp_size * deployment.pp_size  # reports a step needs
-        self._awaiting: dict[int, _AwaitedStep] = {}  # step seq -> its saves' owners, until settled
-        self._verdicts: list[StepVerdict] = []  # decided, not yet sent
+        # a step's verdict needs every TP rank's and pipeline stage's report (transfer/commit.py)
+        self._verdicts = Verdicts(deployment.tp_size * deployment.pp_size, config.commit_timeout_s, self._stats)
         self._suspect: set[int] = set()  # block ids whose load failed and that nobody rewrote since
 
     # -- hooks ----------------------------------------------------------------------------
@@ -204,9 +194,8 @@ class SchedulerConnector:
         self._ended.clear()
         seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
         if saves:
-            self._awaiting[seq] = _AwaitedStep({r.req_id: frozenset(r.block_ids + r.other_block_ids) for r in step.requests},
-                                               time.monotonic())
-        verdicts, self._verdicts = tuple(self._verdicts), []
+            self._verdicts.await_step(seq, {r.req_id: frozenset(r.block_ids + r.other_block_ids) for r in step.requests})
+        verdicts = self._verdicts.take()
         self._stats.steps += 1
         self._stats.load_blocks += sum(len(spec) for spec in loads)
         self._stats.save_blocks += sum(len(spec) for spec in saves)
@@ -234,31 +223,11 @@ class SchedulerConnector:
         return frozenset(stale)
 
     def update_connector_output(self, report: WorkerReport) -> None:
-        """A step's combined worker output: decide the steps every worker has now reported.
-        Failed blocks count against every step still waiting (under async scheduling a step can
-        be built before the previous step's failures are known)."""
+        """A step's combined worker output: its failed blocks, and the steps every worker has
+        now reported are decided (Verdicts.report)."""
         self._stats.load_failures += len(report.invalid_block_ids)
         self._suspect |= report.invalid_block_ids
-        for awaited in self._awaiting.values():
-            awaited.invalid_block_ids |= report.invalid_block_ids
-        counts = Counter(report.reported_steps)
-        for seq, n in counts.items():
-            if seq in self._awaiting:
-                self._awaiting[seq].num_reports += n
-        latest = max(counts, default=-1)
-        for seq in sorted(self._awaiting):
-            awaited = self._awaiting[seq]
-            if awaited.num_reports >= self._num_workers:
-                del self._awaiting[seq]
-                tainted = frozenset(r for r, blocks in awaited.block_tables.items() if blocks & awaited.invalid_block_ids)
-                self._verdicts.append(StepVerdict(seq, tainted))
-                self._stats.tainted_requests += len(tainted)
-            elif seq < latest:  # a later step is reported, this one never will be in full
-                del self._awaiting[seq]
-                log.warning("layerkv: step %d was reported by %d of %d workers; revoking its saves",
-                            seq, awaited.num_reports, self._num_workers)
-                self._verdicts.append(StepVerdict(seq, revoke_all=True))
-                self._stats.unreported_steps += 1
+        self._verdicts.report(report.invalid_block_ids, report.reported_steps)
 
     def stats(self) -> SchedulerStats:
         """Cumulative counters (the live object: read, do not keep for a snapshot)."""
@@ -267,16 +236,8 @@ class SchedulerConnector:
     def has_pending_work(self) -> bool:
         """True while a step's saves wait for their verdict or a decided verdict waits for the
         next step to carry it: the engine must keep stepping (with nothing scheduled) or the
-        last step's objects are never committed. A step whose reports did not all come within
-        commit_timeout_s is given up here too (the workers revoke such sessions themselves)."""
-        deadline = time.monotonic() - self.config.commit_timeout_s
-        for seq in [s for s, a in self._awaiting.items() if a.since_s < deadline]:
-            awaited = self._awaiting.pop(seq)
-            log.warning("layerkv: step %d was reported by %d of %d workers within %.0f s; revoking its saves",
-                        seq, awaited.num_reports, self._num_workers, self.config.commit_timeout_s)
-            self._verdicts.append(StepVerdict(seq, revoke_all=True))
-            self._stats.unreported_steps += 1
-        return bool(self._awaiting or self._verdicts)
+        last step's objects are never committed."""
+        return self._verdicts.pending()
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
         self._matched.pop(request.req_id, None)

@@ -28,17 +28,16 @@ from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.stats import WorkerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import tenant_keys
-from layerkv.transfer.lanes import Lanes
+from layerkv.transfer.calls import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
 from layerkv.transfer.caches import RegisteredCaches
 from layerkv.transfer.planner import Planner, StepTimes
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.commit import Commits
-from layerkv.transfer.staged import completion_event
+from layerkv.transfer.views import CacheViews, completion_event
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
-from layerkv.transfer.views import CacheViews
 from layerkv.connector.worker_jobs import JobFactory, JobLedger, check_block_size
 
 log = logging.getLogger(__name__)

@@ -20,13 +20,13 @@ from layerkv.connector.stats import WorkerStats
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import TenantKeys
-from layerkv.transfer.lanes import Lanes
+from layerkv.transfer.calls import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.commit import CommitJob, Commits
 from layerkv.transfer.planner import Planner, StepShape, choose_lanes
 from layerkv.transfer.save import SaveJob, SaveKey
-from layerkv.transfer.staged import layer_groups
+from layerkv.transfer.views import layer_groups
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import numpy as np
 from layerkv.config import LayerKVConfig
 from layerkv.objects.header import Header
 from layerkv.objects.keys import block_keys, namespace_for
-from layerkv.transfer.rows import KeyRows
+from layerkv.transfer.calls import KeyRows
 from layerkv.transfer.views import CacheViews
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment

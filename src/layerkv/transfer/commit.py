@@ -1,19 +1,24 @@
-"""The commit protocol, worker side, in one room. A step's saves are written during the step and
+"""The commit protocol in one room, both sides. Worker side: a step's saves are written during the step and
 left open: each object's put session waits here (`PendingPuts`), grouped by the step that wrote
 it. The scheduler side sends each step's verdict in a later step's plan (`StepVerdict`, once every
 worker reported the step); `Commits.apply` then queues a `CommitJob` on the write thread, which
 commits (put end) the objects of requests known clean and revokes those of requests that
 attended to KV that failed to load. A step whose verdict never comes is revoked after
 `commit_timeout_s` (`Commits.expire`, the write thread's idle chore); shutdown revokes whatever is
-still pending (`Commits.drain`).
+still pending (`Commits.drain`). Scheduler side (`Verdicts`): the steps with saves wait for every
+worker's report of them; each step's verdict goes out with the next plan.
 
     save job (write thread):   put start ─ write ─> PendingPuts.add(step)
     plan of a later step:      Commits.apply(verdicts) ─> CommitJob.run (write thread):
                                    put end (clean) / put revoke (tainted), a revoke always before
                                    a new put start of the same key (same thread, in order)
 
+    scheduler:  plan N (saves) ─ Verdicts.await_step(N) ... workers report N ─ Verdicts.report
+                ─ plan N+1 carries Verdicts.take() = [verdict on N]
+
 Threads: `PendingPuts` is guarded by its lock (save jobs add, the commit job and the idle chore
-pop); `Commits` is the compute thread's, except `expire` (write thread) and its counter (lock).
+pop); `Commits` is the compute thread's, except `expire` (write thread) and its counter (lock);
+`Verdicts` is the scheduler thread's.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -202,3 +210,83 @@ class Commits:
     def drain(self, why: str) -> int:
         """Revoke every pending put (shutdown); returns how many."""
         return revoke_all(self.store, self.pending.pop_all(), why)
+
+
+# -- scheduler side -------------------------------------------------------------------------
+class VerdictStats(Protocol):
+    tainted_requests: int
+    unreported_steps: int
+
+
+@dataclass(slots=True)
+class _AwaitedStep:
+    """A step with saves whose verdict waits for every worker's report."""
+
+    block_tables: dict[ReqId, frozenset[int]]  # every request of the step: all its block ids
+    since_s: float  # monotonic time the step was planned
+    invalid_block_ids: set[int] = field(default_factory=set)  # reported while it waited
+    num_reports: int = 0
+
+
+class Verdicts:
+    """The scheduler side: the steps with saves that wait for their workers' reports, and the
+    verdicts decided but not yet carried by a plan. A step is decided once all `num_workers`
+    (every TP rank and pipeline stage) reported it: commit, except the objects of requests whose
+    block table held a block that failed to load on any worker; a step some worker never reports
+    is revoked whole (once a later step is reported, or after `commit_timeout_s`). Scheduler
+    thread only."""
+
+    def __init__(self, num_workers: int, commit_timeout_s: float, stats: VerdictStats,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._num_workers = num_workers
+        self._timeout_s = commit_timeout_s
+        self._stats = stats
+        self._clock = clock
+        self._awaiting: dict[int, _AwaitedStep] = {}  # step seq -> its requests' block tables, until decided
+        self._decided: list[StepVerdict] = []  # not yet sent
+
+    def await_step(self, step_seq: int, block_tables: dict[ReqId, frozenset[int]]) -> None:
+        """Step `step_seq` plans saves: its verdict waits for its reports."""
+        self._awaiting[step_seq] = _AwaitedStep(block_tables, self._clock())
+
+    def take(self) -> tuple[StepVerdict, ...]:
+        """The verdicts decided since the last call (the next plan carries them)."""
+        decided, self._decided = tuple(self._decided), []
+        return decided
+
+    def report(self, invalid_block_ids: AbstractSet[int], reported_steps: Sequence[int]) -> None:
+        """One combined worker output. Failed blocks count against every step still waiting
+        (under async scheduling a step can be built before the previous step's failures are
+        known)."""
+        for awaited in self._awaiting.values():
+            awaited.invalid_block_ids |= invalid_block_ids
+        counts = Counter(reported_steps)
+        for seq, n in counts.items():
+            if seq in self._awaiting:
+                self._awaiting[seq].num_reports += n
+        latest = max(counts, default=-1)
+        for seq in sorted(self._awaiting):
+            awaited = self._awaiting[seq]
+            if awaited.num_reports >= self._num_workers:
+                del self._awaiting[seq]
+                tainted = frozenset(r for r, blocks in awaited.block_tables.items() if blocks & awaited.invalid_block_ids)
+                self._decided.append(StepVerdict(seq, tainted))
+                self._stats.tainted_requests += len(tainted)
+            elif seq < latest:  # a later step is reported, this one never will be in full
+                self._revoke(seq, "")
+
+    def pending(self) -> bool:
+        """A step waits for its verdict, or a verdict for the next plan: the engine must keep
+        stepping. A step whose reports did not all come within commit_timeout_s is revoked here
+        (the workers revoke such sessions themselves too)."""
+        deadline = self._clock() - self._timeout_s
+        for seq in [s for s, a in self._awaiting.items() if a.since_s < deadline]:
+            self._revoke(seq, f" within {self._timeout_s:.0f} s")
+        return bool(self._awaiting or self._decided)
+
+    def _revoke(self, seq: int, within: str) -> None:
+        awaited = self._awaiting.pop(seq)
+        log.warning("layerkv: step %d was reported by %d of %d workers%s; revoking its saves",
+                    seq, awaited.num_reports, self._num_workers, within)
+        self._decided.append(StepVerdict(seq, revoke_all=True))
+        self._stats.unreported_steps += 1

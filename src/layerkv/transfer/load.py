@@ -7,7 +7,7 @@ last read returned. Objects whose bytes fail their checksum (or whose header is 
 removed from the pool. With `staged` (GROUPS / WHOLE plans: the default, and the only plans
 unless the KV cache itself is registered) it reads groups of layers (or whole objects) as one range
 per key into its staging rows and copies them into the cache, verified where no peer can change
-them any more (in the cache for host caches, in a private copy for device caches; staged.py). More keys than staging rows stream through the rows a wave at a time, and their get
+them any more (in the cache for host caches, in a private copy for device caches; views.py). More keys than staging rows stream through the rows a wave at a time, and their get
 sessions are opened for one wave and ended behind it (a sliding session window): the sessions and
 staging a step holds are bounded whatever the prompt length. A job that gave up touches nothing
 any more: no copy into the cache, no verification, no removal of objects.
@@ -38,12 +38,10 @@ from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.checks import ObjectChecks
-from layerkv.transfer.lanes import Lanes
-from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, LoadPlan, Measured
-from layerkv.transfer.rows import KeyRows
-from layerkv.transfer.reads import JobReads
+from layerkv.transfer.calls import JobReads, KeyRows, Lanes
+from layerkv.transfer.planner import GROUPS, LAYERS, LoadPlan, Measured, WHOLE
 from layerkv.transfer.sessions import GetSessions
-from layerkv.transfer.staged import LayerGroup, groups_of
+from layerkv.transfer.views import LayerGroup, groups_of
 from layerkv.transfer.thread import JobState
 
 log = logging.getLogger(__name__)

@@ -173,17 +173,17 @@ class Exploration:
     is judged forever by a few samples (the first whole-object read of a process paid for its
     buffer; a model fitted only on many small ranges on 4 lanes cannot tell per-range cost from
     bandwidth, nor whether lanes overlap). Turns come every `every` plans while a plausible kind
-    has fewer than `settle` samples, then every `settled_every` plans (a short run must not pay
+    has fewer than `min_samples` samples, then every `sampled_every` plans (a short run must not pay
     for exploring: 4-request demos and 24-request runs lost to the best fixed plan with a turn
     every 4th plan). Kinds predicted far slower are never forced (a forced whole-object read
     under a long suffix would give up all overlap). Call `kind_to_try` then `used` once per
     plan; compute thread only."""
 
-    def __init__(self, every: int = 4, plausible: float = 1.5, settle: int = 2, settled_every: int = 16) -> None:
+    def __init__(self, every: int = 4, plausible: float = 1.5, min_samples: int = 2, sampled_every: int = 16) -> None:
         self.every = every
         self.plausible = plausible
-        self.settle = settle
-        self.settled_every = settled_every
+        self.min_samples = min_samples
+        self.sampled_every = sampled_every
         self.plans = 0
         self.last_used: dict[PlanKind, int] = {}  # kind -> number of the plan that last was one
         self.uses: dict[PlanKind, int] = {}  # kind -> plans that were one
@@ -196,8 +196,8 @@ class Exploration:
             return None
         limit = self.plausible * min(predicted_s.values())
         kinds = [k for k, t in predicted_s.items() if t <= limit]
-        settled = all(self.uses.get(k, 0) >= self.settle for k in kinds)
-        period = self.settled_every if settled else self.every
+        sampled = all(self.uses.get(k, 0) >= self.min_samples for k in kinds)
+        period = self.sampled_every if sampled else self.every
         if self.last_turn >= 0 and self.plans - self.last_turn < period:
             return None
         self.last_turn = self.plans

@@ -39,9 +39,8 @@ from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.commit import Commits, PendingPut
-from layerkv.transfer.lanes import Lanes, split_rows
-from layerkv.transfer.rows import KeyRows
-from layerkv.transfer.staged import LayerGroup
+from layerkv.transfer.calls import KeyRows, Lanes, split_rows
+from layerkv.transfer.views import LayerGroup
 from layerkv.transfer.thread import JobState
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,23 @@
-"""Views of the registered KV caches, one per cache segment, indexed by block id: what the
-transfer threads use to tag a block's layer, fan a loaded block out to other blocks and
-scatter staged rows. Built once at registration on the compute thread, read-only afterwards.
+"""The registered KV caches as the transfer threads see them, built once at registration on the
+compute thread and read-only afterwards:
 
-    segment s of layer l:  view[b] = the nbytes bytes of block b  (object bytes [offset, offset + nbytes))
+* `CacheViews`: one view per cache segment, indexed by block id: what the jobs use to tag a
+  block's layer and fan a loaded block out to other blocks.
 
-Host caches get numpy views (tags, staging scatter); device caches get torch uint8 views on
-their device (fan-out with device copies; no host reads of device memory).
+      segment s of layer l:  view[b] = the nbytes bytes of block b  (object bytes [offset, offset + nbytes))
+
+* `StagedLayers`: transfers through staging. Per key, the contiguous object span of layers
+  l..l+k-1 (a `LayerGroup`) is read as ONE range into a registered host staging row, then copied
+  into the paged KV cache with one vectorised copy per cache segment (fan-out blocks included)
+  and verified where no peer can change the bytes any more (`publish`: in the cache for host
+  caches, in a private host copy for device caches); saves gather a layer of every key from the
+  cache into its object image the same way.
+
+      object:   | header | L0 | L1 | L2 | L3 | L4 | ...      groups (k=2): [0,1) [1,3) [3,5) ...
+      staging:  row i = key i's span of one group  ->  cache[block] for every segment of the group
+
+Host caches get numpy views and copies; device caches get torch uint8 views on their device and
+torch copies (no host reads of device memory), the only device-specific code of the data path.
 """
 
 from __future__ import annotations
@@ -13,13 +25,16 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.objects.layout import CacheLayout
-from layerkv.objects.seal import RowSealers, Sealer
+from layerkv.objects.seal import TAG_NBYTES, RowSealers, Sealer
+
+if TYPE_CHECKING:
+    from layerkv.transfer.checks import ObjectChecks
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -113,3 +128,207 @@ def _device_views(layout: CacheLayout, layer_idx: int, storages: list[tuple[int,
         blocks = torch.as_strided(owner[2], (layout.num_blocks, nbytes), (stride, 1), ptr - owner[0])
         views.append(SegmentView(blocks, offset, nbytes))
     return tuple(views)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers [first_layer, end_layer) read together: object bytes [span_start, span_start +
+    span_nbytes). The group of layer 0 starts at 0 (the header travels with it)."""
+
+    first_layer: int
+    end_layer: int
+    span_start: int
+    span_nbytes: int
+
+    @property
+    def label(self) -> str:
+        last = self.end_layer - 1
+        return f"layer {self.first_layer}" if last == self.first_layer else f"layers {self.first_layer}..{last}"
+
+
+def layer_groups(layout: CacheLayout, layers_per_range: int) -> tuple[LayerGroup, ...]:
+    """Layer 0 alone (compute can start early), then groups of `layers_per_range` layers; the
+    last group holds what is left."""
+    if layers_per_range < 1:
+        raise LayoutError(f"layers_per_range={layers_per_range} must be >= 1")
+    n = layout.num_layers
+    bounds = [0, *range(1, n, layers_per_range), n] if n > 1 else [0, 1]
+    return groups_of(layout, tuple(bounds[1:]))
+
+
+def groups_of(layout: CacheLayout, group_ends: tuple[int, ...]) -> tuple[LayerGroup, ...]:
+    """The groups [0, e0), [e0, e1), ... (exclusive ends); the first one includes the header."""
+    groups, first = [], 0
+    for end in group_ends:
+        start = 0 if first == 0 else layout.layer_offset(first)
+        stop = layout.layer_offset(end - 1) + layout.layer_nbytes(end - 1)
+        groups.append(LayerGroup(first, end, start, stop - start))
+        first = end
+    return tuple(groups)
+
+
+class StagedLayers:
+    """Layer groups of a layout plus views of every cache segment (numpy on the host, torch on a
+    device)."""
+
+    def __init__(self, views: CacheViews) -> None:
+        layout = views.layout
+        self.on_host = views.on_host
+        self.layout = layout
+        self._cache = views
+        self.row_nbytes = layout.object_nbytes  # staging row width: any group, or the whole object
+        self._views = views.layers  # [layer][segment]
+
+    def scatter(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
+        """cache[block_ids[j]] <- staging[slots[j]] for every segment of every layer of `group`
+        (one fancy-indexed copy per segment; a slot may feed several blocks)."""
+        if block_ids.size == 0:
+            return
+        n = int(slots.size)
+        first = int(slots[0]) if n else 0
+        in_order = n > 0 and int(slots[-1]) == first + n - 1 and bool(np.all(np.diff(slots) == 1))
+        ids = block_ids if self.on_host else _device_ids(block_ids, self._views[group.first_layer][0].blocks)
+        for layer_idx in range(group.first_layer, group.end_layer):
+            for seg in self._views[layer_idx]:
+                col = seg.object_offset - group.span_start
+                src = staging[first : first + n, col : col + seg.nbytes] if in_order else staging[slots, col : col + seg.nbytes]
+                if self.on_host:
+                    seg.blocks[ids] = src
+                else:
+                    seg.blocks[ids] = _to_device(src, seg.blocks)
+        if not self.on_host:
+            _synchronize(self._views[group.first_layer][0].blocks)
+
+    def publish(self, group: LayerGroup, staging: np.ndarray, rows: np.ndarray, slots: np.ndarray,
+                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray], checks: ObjectChecks) -> tuple[int, np.ndarray]:
+        """Copy `group` of the keys `rows` (block `block_ids[row]`, read into staging `slots`)
+        into the cache, verified where no peer can change the bytes any more: host caches are
+        copied first and their tags computed in the cache (staging stays writable by anyone who
+        reaches the store's ports), device caches are tagged in a private host copy and copied
+        from it. `fan_out` = (row, block) pairs that also want a key, copied only from a verified
+        key. Returns (bytes copied, the rows that failed). The caller holds its cache-writes lock."""
+        extra_rows, extra_blocks = fan_out
+        layers = range(group.first_layer, group.end_layer)
+        layer_nbytes = sum(self.layout.layer_nbytes(l) for l in layers)
+        sealer = checks.sealer(rows)
+        bad = np.zeros(0, dtype=np.int64)
+        if self.on_host and not sealer.encrypts:
+            self.scatter(group, staging, slots, block_ids[rows])
+            if rows.size:
+                contexts = checks.contexts(rows)
+                tags = np.empty((rows.size, len(layers), TAG_NBYTES), dtype=np.uint8)
+                for j, l in enumerate(layers):
+                    tags[:, j] = self._cache.tags(l, block_ids[rows], contexts, sealer)
+                ok = checks.layers(group.first_layer, rows, tags)
+                rows, bad = rows[ok], rows[~ok]
+            fan = np.isin(extra_rows, rows)
+            for l in layers:
+                self._cache.copy_blocks(l, block_ids[extra_rows[fan]], extra_blocks[fan])
+            return layer_nbytes * (int(rows.size) + int(fan.sum())), bad
+        # device caches and encrypted objects: verified (decrypted) in a private copy, then copied
+        private = staging[slots, : group.span_nbytes]  # fancy indexing: an unregistered copy
+        local = np.arange(rows.size, dtype=np.int64)
+        if rows.size:
+            contexts = checks.contexts(rows)
+            if sealer.encrypts:
+                ok = checks.judge(group.first_layer, rows, ~self.open(group, private, rows, contexts, checks))
+            else:
+                ok = checks.layers(group.first_layer, rows, self.tags(group, private, local, contexts, sealer))
+            rows, local, bad = rows[ok], local[ok], rows[~ok]
+        local_of_row = np.full(len(block_ids), -1, dtype=np.int64)
+        local_of_row[rows] = local
+        fan = local_of_row[extra_rows] >= 0 if extra_rows.size else np.zeros(0, dtype=bool)
+        targets = np.concatenate([block_ids[rows], extra_blocks[fan]])
+        self.scatter(group, private, np.concatenate([local, local_of_row[extra_rows[fan]]]), targets)
+        return layer_nbytes * int(targets.size), bad
+
+    def open(self, group: LayerGroup, private: np.ndarray, rows: np.ndarray, contexts: Sequence[bytes],
+             checks: ObjectChecks) -> np.ndarray:
+        """Decrypt each layer of `group` in `private` (row i = key rows[i]'s span) in place,
+        against the tags the headers carry; returns bool [rows, layers of group]: decrypted."""
+        out = np.empty((rows.size, group.end_layer - group.first_layer), dtype=bool)
+        for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
+            col = self.layout.layer_offset(layer_idx) - group.span_start
+            width = self.layout.layer_nbytes(layer_idx)
+            want = checks.expected(rows, layer_idx)
+            out[:, j] = checks.sealer(rows).open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
+        return out
+
+    def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
+                      contexts: Sequence[bytes], sealer: Sealer) -> np.ndarray:
+        """`gather` then the layer's tags (uint8 [len(slots), 16]); an encrypting sealer gathers
+        into private memory, encrypts there and puts only ciphertext into staging."""
+        if not sealer.encrypts:
+            self.gather(layer_idx, staging, slots, block_ids)
+            return self.layer_tags(layer_idx, staging, slots, contexts, sealer)
+        col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+        private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
+        self.gather(layer_idx, private, np.arange(len(slots), dtype=np.int64), block_ids)
+        spans = [private[i, col:] for i in range(len(slots))]
+        tags = sealer.seal_layers(contexts, layer_idx, spans)
+        staging[slots, col : col + width] = private[:, col:]
+        return tags
+
+    def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
+        """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
+        layer's place in the object image (rows are whole objects: header first)."""
+        views = self._views[layer_idx]
+        ids = block_ids if self.on_host else _device_ids(block_ids, views[0].blocks)
+        for seg in views:
+            src = seg.blocks[ids]
+            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if self.on_host else src.cpu().numpy()
+
+    def layer_tags(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
+                   sealer: Sealer | RowSealers) -> np.ndarray:
+        """Tags of `layer_idx` in the object images at `slots`: uint8 [len(slots), 16]."""
+        col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+        return sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
+
+    def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
+             sealer: Sealer | RowSealers) -> np.ndarray:
+        """Tags of each layer of `group` in staging rows `slots` (spans of the group): uint8
+        [len(slots), layers in group, 16] (the same values CacheViews.tags gives for a block)."""
+        out = np.empty((len(slots), group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)
+        for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
+            col = self.layout.layer_offset(layer_idx) - group.span_start
+            width = self.layout.layer_nbytes(layer_idx)
+            out[:, j] = sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
+        return out
+
+
+def _device_ids(block_ids: np.ndarray, like: Any) -> Any:
+    """Block ids as an index tensor on the cache's device."""
+    import torch
+
+    return torch.as_tensor(block_ids, dtype=torch.int64, device=like.device)
+
+
+def _to_device(rows: np.ndarray, like: Any) -> Any:
+    """Staged rows (host) as a tensor on the cache's device (pageable memory: the copy itself
+    is synchronous; pinned staging and side streams are the GPU work's)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)
+
+
+def _synchronize(like: Any) -> None:
+    """Wait on the receive thread until the device copies it queued have landed, so a layer is
+    published (and a give-up returns) only after its bytes are in the cache, whatever stream
+    the compute runs on. A device-wide wait, on the transfer thread only (never in the layer
+    loop of the compute thread); events are the GPU work's."""
+    import torch
+
+    if like.device.type != "cpu":
+        torch.accelerator.synchronize(like.device)
+
+
+def completion_event(device_type: str) -> Any:
+    """A marker the send thread waits on before it reads a layer the device just wrote: a
+    device event on any accelerator (CUDA, NPU, XPU, ...), None for host memory."""
+    if device_type == "cpu":
+        return None
+    import torch  # pragma: no cover - no accelerator here
+
+    event = torch.Event(device=device_type)
+    event.record()
+    return event
