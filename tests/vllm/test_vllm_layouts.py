@@ -21,6 +21,7 @@ from layerkv.errors import LayoutError, UnsupportedSetupError  # noqa: E402
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
 from layerkv.integrations.vllm_setup import USABLE_LAYOUTS  # noqa: E402
 from layerkv.objects.layout import CacheLayout  # noqa: E402
+from tests.layouts import layers_adjacent  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -2,7 +2,7 @@
 deployment, layout and block the object belongs to, which write it is (a random nonce), and
 carries one 16-byte tag per layer and, with a tenant key, a MAC over itself (layerkv.objects.seal).
 Worker side; a `Header` is immutable after construction and may be used from any thread (the
-send thread encodes, the receive thread verifies).
+send thread encodes, or the write thread for direct saves; the receive thread verifies).
 
     offset  size  field (little-endian)
          0     8  magic b"LAYERKV\\0"

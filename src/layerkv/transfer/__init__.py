@@ -1,2 +1,4 @@
-"""Layerwise transfer: a receive thread that reads layers ahead of compute and a send thread
-that writes each layer after compute, one job per engine step (see load.py, save.py)."""
+"""Layerwise transfer, one job per engine step: a receive thread reads layers ahead of compute
+(load.py), a send thread copies each layer into its object image after compute and a write
+thread writes the images and runs the commits (save.py, commit.py); the planner chooses how
+loads read (planner.py). Map: docs/architecture.md."""

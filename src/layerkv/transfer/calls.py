@@ -121,15 +121,18 @@ def split_rows(rows: Any, lanes: int) -> list[Any]:
 
 
 class JobReads:
-    def __init__(self, store: CheckedStore, keys: list[ObjectKey], lanes: Lanes, num_lanes: int, outcome: Any) -> None:
-        """`outcome` has read_s, range_calls, loaded_bytes and measured (a LoadOutcome)."""
+    def __init__(self, store: CheckedStore, keys: list[ObjectKey], lanes: Lanes, num_lanes: int, outcome: Any,
+                 fail: Callable[[np.ndarray, str], None]) -> None:
+        """`outcome` has read_s, range_calls, loaded_bytes and measured (a LoadOutcome); `fail`
+        marks the rows whose read moved fewer bytes than asked (the job's, with the reason)."""
         self._store, self._keys, self._lanes, self._num_lanes = store, keys, lanes, num_lanes
         self._outcome = outcome
         self._measured: Measured = outcome.measured
+        self._fail = fail
 
     def ranges(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int | None,
-               what: str) -> tuple[np.ndarray, str]:
-        """Range reads of `rows`; (mask of rows whose read moved every byte, why the others failed)."""
+               what: str) -> np.ndarray:
+        """Range reads of `rows`; the rows whose read moved every byte (the others failed)."""
         parts = split_rows(rows, self._num_lanes)
         lists = [ranges(part) for part in parts]
         start = time.perf_counter()
@@ -141,10 +144,12 @@ class JobReads:
         self._count(elapsed, len(parts), expected * int(ok.sum()))
         self._measured.ranges.append((elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments,
                                       expected * int(rows.size)))
-        return ok, f"{what} read returned {sorted(set(got[~ok].tolist()))} (expected {expected} bytes)"
+        if not ok.all():
+            self._fail(rows[~ok], f"{what} read returned {sorted(set(got[~ok].tolist()))} (expected {expected} bytes)")
+        return rows[ok]
 
-    def whole(self, rows: np.ndarray, ptr_of: Callable[[int], int], nbytes: int) -> tuple[np.ndarray, str]:
-        """Whole-object reads of `rows` into `ptr_of(row)`; (mask of full reads, why the others failed)."""
+    def whole(self, rows: np.ndarray, ptr_of: Callable[[int], int], nbytes: int) -> np.ndarray:
+        """Whole-object reads of `rows` into `ptr_of(row)`; the rows read in full (the others failed)."""
         parts = split_rows(rows, self._num_lanes)
 
         def read(part: np.ndarray) -> np.ndarray:
@@ -158,7 +163,9 @@ class JobReads:
         ok = got == nbytes
         self._count(elapsed, len(parts), nbytes * int(ok.sum()))
         self._measured.wholes.append((elapsed, max(len(p) for p in parts), nbytes * int(rows.size)))
-        return ok, f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)"
+        if not ok.all():
+            self._fail(rows[~ok], f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)")
+        return rows[ok]
 
     def _call_ranges(self, rows: np.ndarray, ranges: RangeLists, layer_idx: int | None) -> np.ndarray:
         return np.asarray(self._store.batch_get_into_multi_buffer_ranges(

@@ -120,7 +120,7 @@ class LoadJob(JobState):
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.outcome = LoadOutcome()  # receive thread; read after finished
         self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
-        self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome)  # receive thread
+        self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome, self._fail)  # receive thread
         self._checks = ObjectChecks(headers, [k.key for k in keys], [k.block_hash for k in keys],
                                     layout.num_layers, [k.generation for k in keys])  # receive thread
 
@@ -266,7 +266,7 @@ class LoadJob(JobState):
         def ranges(rows: np.ndarray) -> RangeLists:
             return self._rows.header_and_layer(0, rows) if layer_idx == 0 else self._rows.layer(layer_idx, rows)
 
-        good = self._get_concurrently(active, ranges, layer_idx, f"layer {layer_idx}")
+        good = self._reads.ranges(active, ranges, layer_idx, f"layer {layer_idx}")
         with self._cache_writes:  # the blocks are ours only until a give-up
             if self.cancelled:
                 return
@@ -305,9 +305,10 @@ class LoadJob(JobState):
 
             try:
                 if self.plan.mode == WHOLE:
-                    good = self._get_whole(wave, slot_of)
+                    good = self._reads.whole(wave, lambda r: self._staging.ctypes.data + slot_of[r] * self._staging.strides[0],
+                                             self._layout.object_nbytes)
                 else:
-                    good = self._get_concurrently(wave, ranges, group.first_layer, group.label)
+                    good = self._reads.ranges(wave, ranges, group.first_layer, group.label)
             finally:
                 if windowed:
                     self._sessions.end(wave)  # behind the window's read
@@ -340,23 +341,6 @@ class LoadJob(JobState):
         if bad.size:
             self._fail(bad, "layer tag mismatch")
         return copied
-
-    def _get_concurrently(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int,
-                          what: str) -> np.ndarray:
-        """Range reads of `rows` over the plan's lanes; fails short reads, returns the rest."""
-        ok, why = self._reads.ranges(rows, ranges, layer_idx, what)
-        if not ok.all():
-            self._fail(rows[~ok], why)
-        return rows[ok]
-
-    def _get_whole(self, rows: np.ndarray, slot_of: dict[int, int]) -> np.ndarray:
-        """Whole-object reads of `rows` into their staging slots, over the lanes."""
-        staging = self._staging
-        ok, why = self._reads.whole(rows, lambda r: staging.ctypes.data + slot_of[r] * staging.strides[0],
-                                    self._layout.object_nbytes)
-        if not ok.all():
-            self._fail(rows[~ok], why)
-        return rows[ok]
 
     def _verify_headers(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Mask of `rows` whose header (in staging slot `slots[i]`) matches; the others fail."""

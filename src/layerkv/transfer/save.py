@@ -27,8 +27,9 @@ import functools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class SaveKey:
 
 @dataclass(slots=True)
 class SaveOutcome:
-    """What a finished save did (send thread writes, compute thread reads after `finished`)."""
+    """What a finished save did (the send and write threads write, the compute thread reads after `finished`)."""
 
     started: int = 0
     skipped_existing: int = 0  # put start answered OBJECT_EXISTS (written by someone else)
@@ -109,9 +110,9 @@ class SaveJob(JobState):
         self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, device event or None)
         self._finalized = False  # guarded by cond
         self.released = False  # guarded by cond: the job no longer reads the KV cache memory
-        self._open = np.zeros(len(keys), dtype=bool)  # send thread: started, not yet handed over / revoked
-        self._sent_layers: set[int] = set()  # send thread
-        self._tags = np.zeros((len(keys), layout.num_layers, TAG_NBYTES), dtype=np.uint8)  # send thread
+        self._open = np.zeros(len(keys), dtype=bool)  # write thread: started, not yet handed over / revoked
+        self._sent_layers: set[int] = set()  # the thread that runs `run` (send: staged, write: direct)
+        self._tags = np.zeros((len(keys), layout.num_layers, TAG_NBYTES), dtype=np.uint8)  # likewise
         # one random nonce per object write: tags of an earlier write (or another object) never verify
         self._nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * len(keys)), dtype=np.uint8).reshape(-1, NONCE_NBYTES)
         self._contexts = [context(k.key, self._nonces[i].tobytes()) for i, k in enumerate(keys)]
@@ -135,10 +136,11 @@ class SaveJob(JobState):
             self._finalized = True
             self.cond.notify_all()
 
-    # -- send thread ----------------------------------------------------------------------
+    # -- send thread (staged) / write thread (direct) --------------------------------------
     def run(self) -> None:
-        """Send thread. Direct: the whole job. Staged: the copies; the writes then run on the
-        write thread (`writes`), so the next step's copies never wait for this step's store."""
+        """Staged (on the send thread): the copies; the writes then run on the write thread
+        (`write_images`), so the next step's copies never wait for this step's store. Direct
+        (on the write thread, after this step's commits): the whole job."""
         if self._staged is not None:
             try:
                 complete = self._copy_layers()
@@ -150,7 +152,7 @@ class SaveJob(JobState):
                 try:
                     # queued before the compute thread is released: the next step's verdict on
                     # this step (queued on the same thread) must come after these writes
-                    self._writer.submit(_Writes(self))
+                    self._writer.submit(_WritePhase(self.write_images, self.cancel))
                     with self.cond:
                         self.released = True
                         self.cond.notify_all()
@@ -168,10 +170,23 @@ class SaveJob(JobState):
             self._finish()
 
     def write_images(self) -> None:
-        """Write thread: put starts, one write per key of its object image, hand over."""
+        """Write thread: put starts, one write per key of its whole object image (split over the
+        lanes), then the sessions wait for the step's verdict (PendingPuts)."""
         try:
             if not self.cancelled:
-                self._write_images()
+                self._start_sessions()
+                self._fence()
+                active = np.flatnonzero(self._open)
+                if active.size:
+                    whole = LayerGroup(0, self._layout.num_layers, 0, self._layout.object_nbytes)
+                    parts = split_rows(active, self._num_lanes)
+                    writes = [functools.partial(self._put, part, self._rows.span(whole, self._slots[part]), None)
+                              for part in parts]
+                    ok = np.concatenate(self._lanes.run(writes))
+                    if not ok.all():
+                        self._revoke(active[~ok], "object write failed")
+                    if not self.cancelled:  # shut down while writing: nobody will commit these (_finish revokes)
+                        self._hand_to_pending(active[ok])
         except BaseException as exc:  # noqa: BLE001 - published; sessions revoked below
             log.exception("layerkv: write thread failed; revoking this step's put sessions")
             self.outcome.error = exc
@@ -227,30 +242,6 @@ class SaveJob(JobState):
         self._header.encode_into(self._staging, rows, [k.block_hash for k in self.keys], [k.key for k in self.keys],
                                  self._nonces, self._tags)
         return True
-
-    def _write_images(self) -> None:
-        assert self._staged is not None
-        self._start_sessions()
-        self._fence()
-        active = np.flatnonzero(self._open)
-        if active.size == 0:
-            return
-        whole = LayerGroup(0, self._layout.num_layers, 0, self._layout.object_nbytes)
-        parts = split_rows(active, self._num_lanes)
-        lists = [self._rows.span(whole, self._slots[part]) for part in parts]
-        results = self._run_parts([functools.partial(self._put, part, rl, None) for part, rl in zip(parts, lists)])
-        ok = np.concatenate(results)
-        if not ok.all():
-            self._revoke(active[~ok], "object write failed")
-        if self.cancelled:  # shut down while writing: nobody will commit these
-            return  # run() revokes every session still open
-        handed = active[ok]
-        self._pending.add(self.step_seq, [PendingPut(self.keys[i].key, self.keys[i].owner) for i in handed.tolist()])
-        self._open[handed] = False
-        self.outcome.pending = int(handed.size)
-
-    def _run_parts(self, parts: list[Any]) -> list[Any]:
-        return self._lanes.run(parts)
 
     def _start_sessions(self) -> None:
         self._epoch = self._store.outage_epoch
@@ -319,7 +310,10 @@ class SaveJob(JobState):
         ok = self._put(rows, self._rows.header(rows), None)
         if not ok.all():
             self._revoke(rows[~ok], "header write failed")
-        handed = rows[ok]
+        self._hand_to_pending(rows[ok])
+
+    def _hand_to_pending(self, handed: np.ndarray) -> None:
+        """Every byte of `handed` is written: their sessions wait for the step's verdict."""
         self._pending.add(self.step_seq, [PendingPut(self.keys[i].key, self.keys[i].owner) for i in handed.tolist()])
         self._open[handed] = False
         self.outcome.pending = int(handed.size)
@@ -355,14 +349,8 @@ class SaveJob(JobState):
         self._store.batch_put_session_revoke(keys)  # a failed revoke leaves PROCESSING to the store's timeout
 
 
-class _Writes:
-    """The write phase of a staged SaveJob, queued on the write thread."""
+class _WritePhase(NamedTuple):
+    """The write phase of a staged SaveJob, queued on the write thread (a StepJob)."""
 
-    def __init__(self, job: SaveJob) -> None:
-        self.job = job
-
-    def run(self) -> None:
-        self.job.write_images()
-
-    def cancel(self) -> None:
-        self.job.cancel()
+    run: Callable[[], None]
+    cancel: Callable[[], None]

@@ -217,8 +217,9 @@ class StagedLayers:
             if rows.size:
                 contexts = checks.contexts(rows)
                 tags = np.empty((rows.size, len(layers), TAG_NBYTES), dtype=np.uint8)
-                for j, l in enumerate(layers):
-                    tags[:, j] = self._cache.tags(l, block_ids[rows], contexts, sealer)
+                ids = block_ids[rows].tolist()
+                for j, l in enumerate(layers):  # in the cache: no peer can change these bytes
+                    tags[:, j] = sealer.rows_tags(contexts, l, [v.blocks for v in self._views[l]], ids)
                 ok = checks.layers(group.first_layer, rows, tags)
                 rows, bad = rows[ok], rows[~ok]
             fan = np.isin(extra_rows, rows)
@@ -260,7 +261,8 @@ class StagedLayers:
         into private memory, encrypts there and puts only ciphertext into staging."""
         if not sealer.encrypts:
             self.gather(layer_idx, staging, slots, block_ids)
-            return self.layer_tags(layer_idx, staging, slots, contexts, sealer)
+            col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+            return sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
         self.gather(layer_idx, private, np.arange(len(slots), dtype=np.int64), block_ids)
@@ -277,12 +279,6 @@ class StagedLayers:
         for seg in views:
             src = seg.blocks[ids]
             staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if self.on_host else src.cpu().numpy()
-
-    def layer_tags(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
-                   sealer: Sealer | RowSealers) -> np.ndarray:
-        """Tags of `layer_idx` in the object images at `slots`: uint8 [len(slots), 16]."""
-        col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
-        return sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
 
     def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
              sealer: Sealer | RowSealers) -> np.ndarray:
