@@ -211,3 +211,15 @@ def test_master_with_tenants_runs_mooncake_in_multi_tenant_mode(tmp_path: Path) 
     bad = subprocess.run([sys.executable, "-m", "layerkv.cli", "master", "--tenant", "no-size"], capture_output=True,
                          text=True, env=_env(), timeout=60)
     assert bad.returncode == 2 and "--tenant 'no-size' must be NAME=SIZE" in bad.stderr
+
+
+def test_master_host_must_be_an_address_of_this_host() -> None:
+    """`--host` names the address other hosts dial: not an IPv4 address is a usage error (2), an
+    address no interface of this host has fails before mooncake_master starts (1), naming it."""
+    bad = subprocess.run([sys.executable, "-m", "layerkv.cli", "master", "--host", "master.local"], capture_output=True,
+                         text=True, env=_env(), timeout=60)
+    assert bad.returncode == 2 and "'master.local' is not an IPv4 address" in bad.stderr
+    absent = subprocess.run([sys.executable, "-m", "layerkv.cli", "master", "--host", "192.0.2.7", "--port", "0",
+                             "--http-port", "0"], capture_output=True, text=True, env=_env(), timeout=60)
+    assert absent.returncode == 1, absent.stderr
+    assert "host '192.0.2.7' is not an address of this host" in absent.stderr and absent.stdout == ""

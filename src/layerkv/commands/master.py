@@ -1,4 +1,6 @@
-"""`layerkv master`: a local Mooncake deployment on loopback for development and demos.
+"""`layerkv master`: a Mooncake deployment: on loopback for development and demos (the default),
+or on one address of this host (`--host`) for a pool that engines and storage holders on other
+hosts join (`layerkv segment` adds a holder there; docs/deployment.md).
 
 Starts `mooncake_master` (HTTP metadata server built in) and, in this process, one Mooncake
 client that mounts the global segment where objects live; prints the client config as one JSON
@@ -11,6 +13,7 @@ Main thread only.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -21,7 +24,7 @@ from typing import Any
 
 from layerkv.commands import add_mooncake_log_flag
 from layerkv.errors import ConfigError, PortInUseError, StoreError
-from layerkv.store.mooncake_master import DEFAULT_LOCAL_BUFFER_BYTES, MasterProcess, start_master
+from layerkv.store.mooncake_master import DEFAULT_LOCAL_BUFFER_BYTES, LOOPBACK, MasterProcess, start_master
 
 DEFAULT_RPC_PORT = 50051
 DEFAULT_HTTP_PORT = 8080
@@ -31,14 +34,19 @@ WATCH_INTERVAL_S = 0.5  # how fast the death of mooncake_master is noticed
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "master",
-        help="run a local mooncake_master (+ a segment holder) on 127.0.0.1",
-        description="Run mooncake_master on 127.0.0.1 with an HTTP metadata server and a client that "
+        help="run a mooncake_master (+ a segment holder) on 127.0.0.1 or --host",
+        description="Run mooncake_master on 127.0.0.1 (or --host) with an HTTP metadata server and a client that "
         "mounts the global segment; print the Mooncake client config (one JSON line); stop on Ctrl-C. "
         "Fails (exit 1) if a port is taken or the master dies.",
     )
+    parser.add_argument("--host", type=host_address, default=LOOPBACK,
+                        help="the IPv4 address of this host that the master publishes and other hosts dial (default "
+                             "127.0.0.1: this host only). Mooncake listens on every interface whatever this says: "
+                             "expose it only on a network of trusted peers (docs/deployment.md)")
     parser.add_argument("--port", type=int, default=DEFAULT_RPC_PORT, help="master RPC port (0: any free port)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP metadata port (0: any free port)")
-    parser.add_argument("--segment-size", default="1GB", help="global segment mounted by this process (e.g. 512MB, 1GB)")
+    parser.add_argument("--segment-size", default="1GB",
+                        help="global segment mounted by this process (e.g. 512MB, 1GB; 0: none, storage on other hosts)")
     parser.add_argument("--client-segment-size", default="0", help="global_segment_size in the printed client config")
     parser.add_argument("--lease-ttl-ms", type=int, default=None, help="master --default_kv_lease_ttl")
     parser.add_argument("--config-out", type=Path, default=None, help="also write the client config JSON here")
@@ -53,7 +61,16 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def host_address(text: str) -> str:
+    """An IPv4 address (argparse type): the address a process publishes to other hosts."""
+    try:
+        return str(ipaddress.IPv4Address(text))
+    except ipaddress.AddressValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 address (e.g. 10.0.0.5)") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)  # before mooncake is imported
     from layerkv.store import native_log
     from layerkv.store.mooncake import MooncakeStore, parse_size  # imports mooncake lazily
 
@@ -72,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
     holder = None
     try:
         master = start_master(args.lease_ttl_ms, rpc_port=args.port or None, http_port=args.http_port or None,
-                              log_path=args.log_file, tenant_quotas=quotas)
-        holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes),
-                                                    tenant_id=next(iter(quotas)) if quotas else None)
+                              log_path=args.log_file, tenant_quotas=quotas, host=args.host)
+        if segment_bytes:  # 0: storage lives only in holders on other hosts (`layerkv segment`)
+            holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes),
+                                                        tenant_id=next(iter(quotas)) if quotas else None)
         master.check_serving()  # still ours after the holder mounted: only then announce it
         client_config = master.config(global_segment_size=client_segment_bytes,
                                       local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES)
@@ -133,7 +151,9 @@ def _announce(master: MasterProcess, client_config: dict[str, Any], segment_byte
         config_out.write_text(json.dumps(client_config, indent=2) + "\n")
     print(
         f"layerkv master: mooncake_master pid {master.pid} serving {master.address} and metadata {master.metadata_url}, "
-        f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}; log {master.log_path}.\n"
+        + (f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}" if segment_bytes
+           else "no segment here (storage: `layerkv segment` on other hosts)")
+        + f"; log {master.log_path}.\n"
         f"Metrics and the key listing (/get_all_keys, unauthenticated) on {master.metrics_url}.\n"
         f"Clients: save the JSON below and export MOONCAKE_CONFIG_PATH=<file>"
         + (f" (written to {config_out})" if config_out else "")

@@ -93,13 +93,17 @@ class MasterPorts:
     metrics_port: int
 
     @classmethod
-    def pick(cls, rpc_port: int | None = None, http_port: int | None = None) -> MasterPorts:
-        """The given ports, the others chosen free by the kernel (three distinct ports: the
-        picking sockets stay open until all are chosen)."""
+    def pick(cls, rpc_port: int | None = None, http_port: int | None = None, host: str = LOOPBACK) -> MasterPorts:
+        """The given ports, the others chosen free by the kernel on `host` (three distinct
+        ports: the picking sockets stay open until all are chosen)."""
         with contextlib.ExitStack() as held:
             def pick_one() -> int:
                 sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                sock.bind((LOOPBACK, 0))
+                try:
+                    sock.bind((host, 0))
+                except OSError as exc:  # EADDRNOTAVAIL: no interface of this host has it
+                    raise ConfigError(f"host {host!r} is not an address of this host ({exc.strerror}): "
+                                      "give one of its interfaces' addresses, or 127.0.0.1") from None
                 return int(sock.getsockname()[1])
 
             return cls(rpc_port or pick_one(), http_port or pick_one(), pick_one())
@@ -110,29 +114,32 @@ class MasterPorts:
 
 @dataclass(slots=True)
 class MasterProcess:
-    """A running `mooncake_master` bound to 127.0.0.1 that serves its RPC and HTTP ports itself
-    (checked by pid, not by a connect). Stop it with `stop()`."""
+    """A running `mooncake_master` on `host` (127.0.0.1 by default; another address serves other
+    hosts) that serves its RPC and HTTP ports itself (checked by pid, not by a connect). Stop it
+    with `stop()`. Mooncake 0.3.13 listens on every interface whatever `host` says; `host` is the
+    address it publishes and clients dial."""
 
     ports: MasterPorts
     lease_ttl_ms: int | None
     log_path: Path
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     tenant_quotas_path: Path | None = None  # multi-tenant mode with these quotas (write_tenant_quotas)
+    host: str = LOOPBACK
 
     @property
     def address(self) -> str:
-        """The master's RPC address, `127.0.0.1:<rpc_port>` (Mooncake's master_server_address)."""
-        return f"{LOOPBACK}:{self.ports.rpc_port}"
+        """The master's RPC address, `<host>:<rpc_port>` (Mooncake's master_server_address)."""
+        return f"{self.host}:{self.ports.rpc_port}"
 
     @property
     def metadata_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.ports.http_port}/metadata"
+        return f"http://{self.host}:{self.ports.http_port}/metadata"
 
     @property
     def metrics_url(self) -> str:
         """The master's HTTP server for metrics and its key listing (`/get_all_keys`:
         unauthenticated, every object key in the pool)."""
-        return f"http://{LOOPBACK}:{self.ports.metrics_port}"
+        return f"http://{self.host}:{self.ports.metrics_port}"
 
     @property
     def pid(self) -> int:
@@ -143,11 +150,11 @@ class MasterProcess:
         args = [
             str(binary),
             f"--rpc_port={self.ports.rpc_port}",
-            f"--rpc_address={LOOPBACK}",
+            f"--rpc_address={self.host}",
             "--enable_http_metadata_server=true",
-            f"--http_metadata_server_host={LOOPBACK}",
+            f"--http_metadata_server_host={self.host}",
             f"--http_metadata_server_port={self.ports.http_port}",
-            f"--metrics_host={LOOPBACK}",
+            f"--metrics_host={self.host}",
             f"--metrics_port={self.ports.metrics_port}",
         ]
         if self.lease_ttl_ms is not None:
@@ -235,7 +242,7 @@ class MasterProcess:
             found = port_owner.listeners(port)
             if found:
                 raise PortInUseError(
-                    f"port {port} ({role}) on {LOOPBACK} is already in use by {found[0].holder()}; "
+                    f"port {port} ({role}) on {self.host} is already in use by {found[0].holder()}; "
                     "mooncake_master cannot serve there", port)
 
     def _raise_taken_port(self, what: str) -> None:
@@ -252,9 +259,9 @@ class MasterProcess:
     def serving(self, probe_timeout_s: float = 0.5) -> bool:
         """True if the RPC port accepts a connection and the metadata server answers HTTP
         (whoever serves them: see owns_ports)."""
-        if tcp_reachable(LOOPBACK, self.ports.rpc_port, probe_timeout_s) is not None:
+        if tcp_reachable(self.host, self.ports.rpc_port, probe_timeout_s) is not None:
             return False
-        return http_answers(LOOPBACK, self.ports.http_port, "/metadata?key=layerkv_probe", probe_timeout_s)
+        return http_answers(self.host, self.ports.http_port, "/metadata?key=layerkv_probe", probe_timeout_s)
 
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -280,10 +287,12 @@ class MasterProcess:
         self,
         global_segment_size: int | str = MIN_SEGMENT_BYTES,
         local_buffer_size: int | str = DEFAULT_LOCAL_BUFFER_BYTES,
+        local_hostname: str | None = None,
     ) -> dict[str, Any]:
-        """The Mooncake client JSON config (MOONCAKE_CONFIG_PATH format) for this master."""
+        """The Mooncake client JSON config (MOONCAKE_CONFIG_PATH format) for this master; a client
+        on another host sets `local_hostname` to its own address (default: the master's host)."""
         return {
-            "local_hostname": LOOPBACK,
+            "local_hostname": local_hostname or self.host,
             "metadata_server": self.metadata_url,
             "master_server_address": self.address,
             "protocol": "tcp",
@@ -325,9 +334,10 @@ def start_master(
     log_path: str | os.PathLike[str] | None = None,
     timeout_s: float = 20.0,
     tenant_quotas: dict[str, int] | None = None,
+    host: str = LOOPBACK,
 ) -> MasterProcess:
-    """Start a `mooncake_master` on loopback (free ports unless given) and wait until it serves
-    its ports itself.
+    """Start a `mooncake_master` on `host` (loopback by default; free ports unless given) and
+    wait until it serves its ports itself.
 
     `lease_ttl_ms` sets --default_kv_lease_ttl (Mooncake's default otherwise). The log goes to
     `log_path` (a fresh temp file by default). A port given here that another process holds
@@ -346,8 +356,8 @@ def start_master(
     if tenant_quotas is not None:
         quotas_path = write_tenant_quotas(Path(str(log_path) + ".tenants.yaml"), tenant_quotas)
     for attempt in range(1, START_ATTEMPTS + 1):
-        master = MasterProcess(MasterPorts.pick(rpc_port, http_port), lease_ttl_ms, Path(log_path),
-                               tenant_quotas_path=quotas_path)
+        master = MasterProcess(MasterPorts.pick(rpc_port, http_port, host), lease_ttl_ms, Path(log_path),
+                               tenant_quotas_path=quotas_path, host=host)
         try:
             master.start(timeout_s)
             return master

@@ -1,0 +1,51 @@
+"""One Mooncake pool over five hosts (tests/cluster/conftest.py): a producer engine on its host
+saves through the master host into the two storage hosts' segments, a consumer engine on
+another host loads them; its outputs equal local compute, bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from tests.cluster.conftest import Pool
+from tests.e2e.harness import MODEL, assert_identical, local_oracle, prompts_with_prefix, random_tokens, small_engine
+from layerkv.engine import Engine
+
+pytestmark = pytest.mark.mooncake
+MAX_TOKENS = 3
+
+
+def _job(tag: str, prompts: list[list[int]], **extra: Any) -> dict[str, Any]:
+    engine = dataclasses.replace(small_engine(), model_id=f"cluster/{tag}")
+    return {"model": dataclasses.asdict(MODEL), "engine": dataclasses.asdict(engine), "prompts": prompts,
+            "max_tokens": MAX_TOKENS, **extra}
+
+
+def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    prefixes = [random_tokens(22, seed=seed), random_tokens(22, seed=seed + 1)]
+    producer = [prompts_with_prefix(p, 1, 6, seed=seed + 2 + i)[0] for i, p in enumerate(prefixes)]
+    consumer = [prompts_with_prefix(p, 1, 9, seed=seed + 4 + i)[0] for i, p in enumerate(prefixes)]
+    return producer, consumer
+
+
+def test_a_consumer_on_another_host_loads_what_a_producer_saved_into_two_storage_hosts(pool: Pool) -> None:
+    producer_prompts, consumer_prompts = _prompts(seed=71)
+    producer = pool.engine("producer", _job("basic", producer_prompts, hold=True), "producer")
+    try:
+        report = pool.report(producer)
+        assert report["idle"] and all(s["committed_keys"] > 0 and s["save_failed_keys"] == 0 for s in report["stats"])
+        out = pool.tmp / "basic-consumer.pt"
+        consumer = pool.engine("consumer", _job("basic", consumer_prompts, out=str(out)), "consumer")
+        seen = pool.report(consumer)
+        assert consumer.stop() == 0
+    finally:
+        assert producer.stop() == 0
+    got = torch.load(out, weights_only=False)
+    engine = dataclasses.replace(small_engine(), model_id="cluster/basic")
+    want = local_oracle(Engine(MODEL, engine), producer_prompts, consumer_prompts, MAX_TOKENS)
+    assert_identical(got, want)
+    assert seen["hit_tokens"] == [20, 20]
+    assert all(s["load_failed_blocks"] == 0 and s["load_range_calls"] > 0 for s in seen["stats"])
