@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 ENGINE_VENV ?= .venv-vllm-cpu
 EBIN   := $(ENGINE_VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_LIBS := libibverbs1 libnuma1 librdmacm1
+APT_LIBS := libibverbs1 libnuma1 librdmacm1 iproute2  # iproute2: the cluster tier (ip, tc)
 
 .PHONY: demo test env test-env clean
 
