@@ -65,8 +65,8 @@ def test_auto_picked_ports_lost_to_a_race_are_picked_again(held_port: int, monke
     real_pick = MasterPorts.pick
     picks: list[MasterPorts] = []
 
-    def pick(rpc_port: int | None = None, http_port: int | None = None) -> MasterPorts:
-        ports = real_pick(held_port if not picks else rpc_port, http_port)  # the first pick loses its RPC port
+    def pick(rpc_port: int | None = None, http_port: int | None = None, host: str = "127.0.0.1") -> MasterPorts:
+        ports = real_pick(held_port if not picks else rpc_port, http_port, host)  # the first pick loses its RPC port
         picks.append(ports)
         return ports
 
