@@ -175,3 +175,22 @@ def test_plans_rows_compare_every_plan_with_whole_objects(tmp_path: Path) -> Non
             assert {(backend, "put", f"layerkv save (auto), {label}"), (backend, "get", f"layerkv load (auto), {label}")} <= paths
     assert all(r["verified"] for r in result.rows if "verified" in r)
     _numbers_finite(result.rows)
+
+
+@pytest.mark.mooncake
+def test_network_on_a_namespace_cluster(tmp_path: Path) -> None:
+    """The suite over a real three-host namespace cluster (needs root: CI runs as root); every
+    cell of 3 link rates x 2 prompts, with the bound max(ceiling, transfer alone) it is judged by."""
+    from layerkv.bench.cluster_pool import cluster_problems
+
+    if cluster_problems():
+        pytest.fail("suite network cannot run here: " + "; ".join(cluster_problems()), pytrace=False)
+    result = _run("network", tmp_path, mooncake=True)
+    assert [(r["link"], r["prompt_tokens"]) for r in result.rows] == [
+        (link, n) for link in ("unshaped", "10gbit", "1gbit") for n in (128, 256)]
+    _numbers_finite(result.rows)
+    for row in result.rows:
+        assert row["bound_ms"] == max(row["ceiling_ms"], row["transfer_alone_ms"]) and row["pool_mib"] > 0
+        assert row["planner"] != "-"  # the planner's choice is reported
+    assert result.summary["cells"] == 6
+    _plots_exist(result, tmp_path)

@@ -8,12 +8,15 @@ when `hold`.
 
 `gate` {"method", "layer_idx", "when": "before" | "after"}: the first such store call prints
 "@@gate" and waits for a line on stdin before (or after) it runs, so the test can cut a link at
-that point (fault injection on top of the real client). `check_keys`: reported as `processing`
-(still PROCESSING) and `present` (batch_is_exist) after the prompts. `probes` {"prompts", "hit"}:
-after the prompts, "@@gate" again (the test heals the link), then each probe prompt (a prefix
-this engine never computed) is served, every `interval_s` (default 1), until one loads `hit` tokens from the pool:
-`recovery_s` is the time from the test's go to that hit (None: no probe hit). `role`: a KVRole
-value (default both).
+that point (fault injection on top of the real client). `check_keys`: reported as `present` (batch_is_exist) and `processing` (still PROCESSING,
+polled for up to `settle_s`, default 0: `processing_s` is when none was left) after the probes.
+`probes` {"prompts", "hit", "writes"?, "interval_s"?}: after the prompts, "@@gate" again (the
+test heals the link), then, every `interval_s` (default 1), one probe: with `writes`, its write
+prompt is served first by the writer (this engine when it saves, else a fresh producer engine in
+this process) and its probe prompt by the reader (this engine when it is a consumer, else a
+fresh consumer engine); without, this engine serves the probe prompt (a prefix it never
+computed). `recovery_s` is the time from the test's go to the first probe that loads `hit`
+tokens from the pool (None: none did). `role`: a KVRole value (default both).
 """
 
 from __future__ import annotations
@@ -71,18 +74,41 @@ def _wait_for_test() -> None:
     sys.stdin.readline()
 
 
-def _recover(engine: Any, probes: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Serve probe prompts after the test's go, one a second, until one gets `hit` tokens."""
+def _recover(engine: Any, role: KVRole, probes: dict[str, Any], max_tokens: int, helper: Any) -> dict[str, Any]:
+    """Serve probes after the test's go, one each `interval_s`, until one gets `hit` tokens.
+    `helper` makes the other engine of a write/read probe (see the module docstring)."""
     _wait_for_test()
     start = time.monotonic()
+    writer = reader = engine
+    if probes.get("writes"):
+        if role is KVRole.CONSUMER:
+            writer = helper(KVRole.PRODUCER)
+        else:
+            reader = helper(KVRole.CONSUMER)
     tries = []
-    for prompt in probes["prompts"]:
-        out = engine.generate([prompt], max_tokens)[0]
-        tries.append(out.num_external_tokens)
-        if out.num_external_tokens >= probes["hit"]:
-            return {"recovery_s": round(time.monotonic() - start, 2), "tries": tries}
-        time.sleep(probes.get("interval_s", 1.0))  # the next probe later (bounded by the number of probes)
-    return {"recovery_s": None, "tries": tries}
+    try:
+        for i, prompt in enumerate(probes["prompts"]):
+            if probes.get("writes"):
+                writer.generate([probes["writes"][i]], max_tokens)
+            out = reader.generate([prompt], max_tokens)[0]
+            tries.append(out.num_external_tokens)
+            if out.num_external_tokens >= probes["hit"]:
+                return {"recovery_s": round(time.monotonic() - start, 2), "tries": tries}
+            time.sleep(probes.get("interval_s", 1.0))  # the next probe later (bounded by the number of probes)
+        return {"recovery_s": None, "tries": tries}
+    finally:
+        for other in {writer, reader} - {engine}:
+            other.shutdown()
+
+
+def _processing(store: MooncakeStore, keys: list[Any], settle_s: float) -> tuple[list[Any], float]:
+    """The keys still PROCESSING, polled each second for up to `settle_s`; and when none was."""
+    start = time.monotonic()
+    while True:
+        left = processing_keys(store, keys)
+        if not left or time.monotonic() - start >= settle_s:
+            return left, round(time.monotonic() - start, 2)
+        time.sleep(1.0)
 
 
 def main(job_path: str) -> int:
@@ -91,17 +117,21 @@ def main(job_path: str) -> int:
     faulty = FaultyStore(store)  # no rules: its call log
     outer: Any = Gated(faulty, job["gate"]) if job.get("gate") else faulty  # sees the layer_idx CheckedStore passes
     config = LayerKVConfig.from_dict({"backend": "mooncake", **job.get("layerkv", {})}, env={})
-    engine = pooled_engine(ModelConfig(**job["model"]), EngineConfig(**job["engine"]), config,
-                           role=KVRole(job.get("role", KVRole.BOTH.value)),
-                           store_factory=lambda: CheckedStore(outer, max_batch_keys=config.max_transfer_blocks,
-                                                              call_timeout_s=config.store_call_timeout_s))
+
+    def make(role: KVRole) -> Any:
+        return pooled_engine(ModelConfig(**job["model"]), EngineConfig(**job["engine"]), config, role=role,
+                             store_factory=lambda: CheckedStore(outer, max_batch_keys=config.max_transfer_blocks,
+                                                                call_timeout_s=config.store_call_timeout_s))
+
+    role = KVRole(job.get("role", KVRole.BOTH.value))
+    engine = make(role)
     try:
         outputs, seconds = [], []
         for prompt in job["prompts"]:
             start = time.monotonic()
             outputs.append(engine.generate([prompt], job["max_tokens"])[0])
             seconds.append(round(time.monotonic() - start, 3))
-        recovery = _recover(engine, job["probes"], job["max_tokens"]) if job.get("probes") else None
+        recovery = _recover(engine, role, job["probes"], job["max_tokens"], make) if job.get("probes") else None
         workers = engine.runner.worker_hooks  # type: ignore[attr-defined]
         idle = all(w.is_idle(10.0) for w in workers)
         stats = [w.stats().as_dict() for w in workers]
@@ -110,9 +140,10 @@ def main(job_path: str) -> int:
     if job.get("out"):
         torch.save(outputs, job["out"])
     check = job.get("check_keys") or []
+    processing, processing_s = _processing(store, check, job.get("settle_s", 0.0)) if check else ([], 0.0)
     print("@@" + json.dumps({"stats": stats, "idle": idle, "put_keys": faulty.keys_sent(PUT_START),
                              "hit_tokens": [o.num_external_tokens for o in outputs], "seconds": seconds, "recovery": recovery,
-                             "processing": processing_keys(store, check) if check else [],
+                             "processing": processing, "processing_s": processing_s,
                              "present": list(store.batch_is_exist(check)) if check else []}), flush=True)
     if job.get("hold"):
         sys.stdin.read()  # hold the client until the test is done

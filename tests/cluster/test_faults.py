@@ -1,75 +1,21 @@
-"""Faults across hosts, each its own test, on the pool of tests/cluster/conftest.py. Every
-output equals local compute bit for bit: a request served from the pool equals the local run
-that computed its prefix as the producer did (`local_oracle`), and a request whose loads failed
-and were recomputed from its first block equals a fresh local run (`serve` on a new engine).
-No engine hangs (every wait is bounded), and no object is left PROCESSING. Each test prints how
-long the pool took to serve hits again."""
+"""Faults of the data path across hosts, each its own test, on the pool of
+tests/cluster/conftest.py (the master's faults: test_master_faults.py). Every output equals
+local compute bit for bit (tests/cluster/scenario.py), no engine hangs (every wait is bounded),
+no object is left PROCESSING. Each test prints how long the pool took to serve hits again."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from layerkv.engine import Engine
-from layerkv.engine.request import RequestOutput
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES
-from tests.cluster.conftest import Pool
-from tests.e2e.harness import MODEL, local_oracle, prompts_with_prefix, random_tokens, serve, small_engine
+from tests.cluster.pool import Pool
+from tests.cluster.scenario import FAST_FAILURE, HIT_TOKENS, Prompts, assert_local, cut_at_gate, job, make_prompts
 
 pytestmark = pytest.mark.mooncake
-MAX_TOKENS = 3
-PREFIX_TOKENS, HIT_TOKENS = 22, 20  # 5 full blocks of 4 are shared
-# bounded waits on the consumer: a cut link costs these, never a hang
-FAST_FAILURE = {"load_timeout_s": 8.0, "save_timeout_s": 8.0, "store_call_timeout_s": 8.0}
-
-
-@dataclasses.dataclass
-class Prompts:
-    producer: list[list[int]]
-    consumer: list[list[int]]
-    probes: list[list[int]]  # prefixes the consumer never computed: served to see hits return
-
-
-def _prompts(seed: int, num: int = 2, num_probes: int = 0) -> Prompts:
-    prefixes = [random_tokens(PREFIX_TOKENS, seed=seed + 10 * i) for i in range(num + num_probes)]
-    producer = [prompts_with_prefix(p, 1, 6, seed=seed + 10 * i + 1)[0] for i, p in enumerate(prefixes)]
-    consumer = [prompts_with_prefix(p, 1, 9, seed=seed + 10 * i + 2)[0] for i, p in enumerate(prefixes)]
-    return Prompts(producer, consumer[:num], consumer[num:])
-
-
-def _job(tag: str, prompts: Sequence[Sequence[int]], **extra: Any) -> dict[str, Any]:
-    engine = dataclasses.replace(small_engine(), model_id=f"cluster/{tag}")
-    return {"model": dataclasses.asdict(MODEL), "engine": dataclasses.asdict(engine), "prompts": [list(p) for p in prompts],
-            "max_tokens": MAX_TOKENS, **extra}
-
-
-def _identical(a: RequestOutput, b: RequestOutput) -> bool:
-    return a.token_ids == b.token_ids and len(a.logits) == len(b.logits) and all(
-        torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-
-
-def assert_local(tag: str, got: Sequence[RequestOutput], prompts: Prompts) -> list[str]:
-    """Each output equals a local run: with the producer's prefix KV, or fresh (recomputed from
-    the first block). Returns which it equals first, per request (the two may be the same bits:
-    computing a row does not depend on how many rows share its chunk; the stats tell which
-    path ran)."""
-    config = dataclasses.replace(small_engine(), model_id=f"cluster/{tag}")
-    loaded = local_oracle(Engine(MODEL, config), prompts.producer, prompts.consumer, MAX_TOKENS)
-    fresh = serve(Engine(MODEL, config), prompts.consumer, MAX_TOKENS)
-    kinds = []
-    for g, want, alone in zip(got, loaded, fresh, strict=True):
-        if _identical(g, want):
-            kinds.append("loaded")
-        elif _identical(g, alone):
-            kinds.append("recomputed")
-        else:
-            raise AssertionError(f"{g.req_id}: equals neither the local run with the pool's prefix nor a fresh local run")
-    return kinds
 
 
 def test_the_consumers_link_to_its_storage_host_goes_down_mid_load_and_comes_back(pool: Pool) -> None:
@@ -77,27 +23,21 @@ def test_the_consumers_link_to_its_storage_host_goes_down_mid_load_and_comes_bac
     when store1 is cut off: its later layers fail within load_timeout_s and the request is
     recomputed; the next request (still cut) too; after the link returns, probes of prefixes
     the consumer never computed hit the pool again."""
-    prompts = _prompts(seed=101, num_probes=12)
+    prompts = make_prompts(seed=101, num_probes=12)
     placement = {"preferred_segment": pool.segment_names["store1"]}
-    producer = pool.engine("producer", _job("linkcut", prompts.producer, layerkv=placement, hold=True), "producer")
+    producer = pool.engine("producer", job("linkcut", prompts.producer + prompts.probe_writes, layerkv=placement, hold=True),
+                           "producer")
     out = pool.tmp / "linkcut.pt"
     try:
         made = pool.report(producer)
         assert made["idle"] and made["stats"][0]["committed_keys"] > 0 and made["stats"][0]["save_failed_keys"] == 0
-        consumer = pool.engine("consumer", _job("linkcut", prompts.consumer, out=str(out), role=KVRole.CONSUMER.value,
+        consumer = pool.engine("consumer", job("linkcut", prompts.consumer, out=str(out), role=KVRole.CONSUMER.value,
                                                 layerkv={"transfer_plan": "layers", **FAST_FAILURE},
                                                 gate={"method": GET_RANGES, "layer_idx": 1, "when": "before"},
                                                 probes={"prompts": prompts.probes, "hit": HIT_TOKENS}), "consumer")
         try:
-            consumer.line("@@gate", 120.0)  # layer 0 read; layer 1 about to be
-            pool.cluster.cut("store1")
-            consumer.send()
-            consumer.line("@@gate", 120.0)  # both requests served while store1 was cut off
-            pool.cluster.heal("store1")
-            consumer.send()
-            seen = pool.report(consumer)
+            seen = cut_at_gate(pool, consumer, "store1")  # cut once layer 0 is read; healed after both requests
         finally:
-            pool.cluster.heal("store1")
             assert consumer.stop() == 0
     finally:
         assert producer.stop() == 0
@@ -110,3 +50,91 @@ def test_the_consumers_link_to_its_storage_host_goes_down_mid_load_and_comes_bac
     assert stats["load_failed_blocks"] >= 5 and stats["load_failed_blocks"] + 5 * stats["load_skipped_stuck"] >= 10
     assert seen["recovery"]["recovery_s"] is not None, seen["recovery"]
     assert seen["idle"]
+
+
+def _consume(pool: Pool, tag: str, prompts: Prompts, **extra: Any) -> tuple[dict[str, Any], list[str]]:
+    """A fresh consumer engine on the consumer host serves the consumer prompts: its report and
+    which local run each output equals."""
+    out = pool.tmp / f"{tag}.pt"
+    consumer = pool.engine("consumer", job(tag.partition("-")[0], prompts.consumer, out=str(out),
+                                           role=KVRole.CONSUMER.value, **extra), tag)
+    try:
+        seen = pool.report(consumer)
+    finally:
+        assert consumer.stop() == 0
+    return seen, assert_local(tag.partition("-")[0], torch.load(out, weights_only=False), prompts)
+
+
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_a_storage_host_is_lost_for_good(pool: Pool, replicas: int) -> None:
+    """Objects written with replica_num=2 live on both storage hosts; a consumer hits them
+    (before). Then store2 is lost for good (its holder killed, its link cut). Until the master
+    notices (no heartbeat for client_ttl, 10 s) it still lists store2's copies: a read sent there
+    fails within load_timeout_s and is recomputed (during). Once the master has dropped store2,
+    a fresh consumer hits every block from store1 (after). With replica_num=1 and every object
+    on store2, the blocks are recomputed (after: no hit, the objects went with their holder).
+    Every output equals local compute. Afterwards store2 comes back as a new, empty holder."""
+    tag = f"lost{replicas}"
+    prompts = make_prompts(seed=301 + replicas)
+    placement: dict[str, Any] = {"replica_num": replicas}
+    if replicas == 1:
+        placement["preferred_segment"] = pool.segment_names["store2"]
+    producer = pool.engine("producer", job(tag, prompts.producer, layerkv=placement, hold=True), "producer")
+    try:
+        made = pool.report(producer)
+        assert made["idle"] and made["stats"][0]["committed_keys"] > 0 and made["stats"][0]["save_failed_keys"] == 0
+        before, before_kinds = _consume(pool, f"{tag}-before", prompts)
+        pool.segments["store2"].proc.kill()
+        pool.cluster.cut("store2")
+        during, during_kinds = _consume(pool, f"{tag}-during", prompts, layerkv=FAST_FAILURE)
+        dropped_s = pool.wait_unmounted("store2")
+        after, after_kinds = _consume(pool, f"{tag}-after", prompts, layerkv=FAST_FAILURE, check_keys=made["put_keys"])
+    finally:
+        assert producer.stop() == 0
+        pool.cluster.heal("store2")
+        pool.segments["store2"].stop()
+        pool.start_segment("store2")
+    for name, seen, kinds in (("before", before, before_kinds), ("during", during, during_kinds), ("after", after, after_kinds)):
+        stats = seen["stats"][0]
+        print(f"store2 lost, replica_num={replicas}, {name}: {kinds}, hit tokens {seen['hit_tokens']}, load timeouts "
+              f"{stats['load_timeouts']}, failed blocks {stats['load_failed_blocks']}, requests {seen['seconds']} s")
+    print(f"the master dropped store2 {dropped_s} s after the consumer's 'during' run")
+    assert before_kinds == ["loaded", "loaded"] and before["hit_tokens"] == [HIT_TOKENS, HIT_TOKENS] and before["idle"]
+    assert max(during["seconds"]) < 2 * FAST_FAILURE["load_timeout_s"] + 5  # bounded, no hang
+    assert after["processing"] == [] and after["idle"]
+    stats = after["stats"][0]
+    if replicas == 2:  # every block from store1's copy
+        assert after_kinds == ["loaded", "loaded"] and after["hit_tokens"] == [HIT_TOKENS, HIT_TOKENS]
+        assert stats["load_failed_blocks"] == stats["load_timeouts"] == 0 and all(after["present"])
+    else:  # gone with store2: computed locally
+        assert after_kinds == ["recomputed", "recomputed"] and after["hit_tokens"] == [0, 0]
+        assert not any(after["present"])
+
+
+def test_a_rate_limited_link_between_consumer_and_storage(pool: Pool) -> None:
+    """The switch shapes what the storage hosts send the consumer to 1 Gbit/s (tc tbf): the
+    consumer still loads every shared block and its outputs equal local compute; the planner's
+    choice (auto) is printed with the loads' times."""
+    prompts = make_prompts(seed=501, num=4)
+    producer = pool.engine("producer", job("ratelimit", prompts.producer, hold=True), "producer")
+    out = pool.tmp / "ratelimit.pt"
+    pool.cluster.limit("consumer", "1gbit")
+    try:
+        made = pool.report(producer)
+        assert made["idle"] and made["stats"][0]["save_failed_keys"] == 0
+        consumer = pool.engine("consumer", job("ratelimit", prompts.consumer, out=str(out), role=KVRole.CONSUMER.value),
+                               "consumer")
+        try:
+            seen = pool.report(consumer)
+        finally:
+            assert consumer.stop() == 0
+    finally:
+        pool.cluster.unlimit("consumer")
+        assert producer.stop() == 0
+    kinds = assert_local("ratelimit", torch.load(out, weights_only=False), prompts)
+    stats = seen["stats"][0]
+    plans = {k.removeprefix("load_plans_"): v for k, v in stats.items() if k.startswith("load_plans_") and v}
+    print(f"consumer link at 1 Gbit/s: {kinds}, hit tokens {seen['hit_tokens']}, requests {seen['seconds']} s, "
+          f"planner chose {plans}, load wait {stats.get('load_wait_s', '-')} s")
+    assert kinds == ["loaded"] * 4 and seen["hit_tokens"] == [HIT_TOKENS] * 4
+    assert stats["load_failed_blocks"] == 0 and seen["idle"]

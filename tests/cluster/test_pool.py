@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cluster.conftest import Pool
+from tests.cluster.pool import Pool
 from tests.e2e.harness import MODEL, assert_identical, local_oracle, prompts_with_prefix, random_tokens, small_engine
 from layerkv.engine import Engine
 

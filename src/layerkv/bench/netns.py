@@ -152,6 +152,12 @@ class Cluster:
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
 
+    def unlimit(self, name: str) -> None:
+        """Remove the shaping `limit` put on host `name`'s downlink."""
+        argv = ["nsenter", f"--net=/proc/{self._switch.pid}/ns/net", "--", "tc", "qdisc", "del", "dev",
+                self.hosts[name].port, "root"]
+        subprocess.run(argv, capture_output=True, text=True, timeout=10)  # none there: nothing to remove
+
     def close(self) -> None:
         """Kill every process started on a host, then the hosts and the switch: their
         namespaces and links go with them. Idempotent."""

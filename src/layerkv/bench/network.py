@@ -1,0 +1,94 @@
+"""Suite `network` (only when named; needs root): time to first token on the reference engine
+across hosts — the consumer on its own network-namespace host, the pool's storage on another,
+the master on a third (layerkv.bench.network_cluster) — over consumer<-storage link rates
+(unshaped, 10 Gbit/s, 1 Gbit/s) and two prompt lengths with 90 % of each in the pool:
+recompute, the local-cache ceiling, layerkv (defaults), load-everything-first. Per cell the
+transfer alone (load-everything-first's load time) and the bound max(ceiling, transfer alone),
+which no loader can beat. Driver thread; the cluster runs in child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from layerkv.bench.common import BenchOptions, Progress, SuiteResult, ratio
+from layerkv.bench.plots import bar_plot
+
+NAME = "network"
+RATES = ("", "10gbit", "1gbit")  # "": unshaped
+GOAL = 1.25  # layerkv within this factor of the bound in every cell
+SUITE_TIMEOUT_S = 3600.0
+
+
+def _prompt_tokens(options: BenchOptions) -> list[int]:
+    return [128, 256] if options.tiny else [1024, 2048] if options.quick else [1024, 4096]
+
+
+def _run_cluster(options: BenchOptions) -> list[dict[str, Any]]:
+    if os.geteuid() != 0:
+        raise RuntimeError("bench network needs root: it makes network namespaces and veth links (run it as root)")
+    with tempfile.TemporaryDirectory(prefix="layerkv-bench-network-") as work:
+        job = Path(work) / "job.json"
+        out = Path(work) / "cells.json"
+        job.write_text(json.dumps({"rates": list(RATES), "prompt_tokens": _prompt_tokens(options), "quick": options.quick,
+                                   "tiny": options.tiny, "segment": "1GB", "out": str(out)}))
+        argv = [sys.executable, "-m", "layerkv.bench.network_cluster", str(job)]
+        if os.environ.get("LAYERKV_IN_NETNS") != "1":  # the cluster's switch is joined from a private namespace
+            argv = ["unshare", "--net", "--", "env", "LAYERKV_IN_NETNS=1", "bash", "-c", 'ip link set lo up && exec "$@"',
+                    "network", *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S)
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.splitlines()[-30:])
+            raise RuntimeError(f"bench network: the cluster run exited with {done.returncode}:\n{tail}")
+        return list(json.loads(out.read_text()))
+
+
+def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    result = SuiteResult(NAME)
+    progress.case(f"{NAME} cluster")
+    worst = 0.0
+    runs = _run_cluster(options)
+    for run_ in runs:
+        for cell in run_["cells"]:
+            transfer_ms, ceiling_ms = cell["transfer_s"] * 1e3, cell["ceiling_s"] * 1e3
+            bound_ms = max(ceiling_ms, transfer_ms)
+            layerkv_ms, load_all_ms = cell["layerkv_s"] * 1e3, cell["load_all_s"] * 1e3
+            over = ratio(layerkv_ms, bound_ms)
+            worst = max(worst, over) if math.isfinite(over) else worst
+            result.rows.append({
+                "link": run_["rate"], "prompt_tokens": cell["prompt_tokens"], "pool_mib": cell["prefix_bytes"] / (1 << 20),
+                "recompute_ms": cell["recompute_s"] * 1e3, "ceiling_ms": ceiling_ms, "transfer_alone_ms": transfer_ms,
+                "bound_ms": bound_ms, "layerkv_ms": layerkv_ms, "layerkv_over_bound": over,
+                "load_all_ms": load_all_ms, "load_all_over_ceiling_plus_transfer": ratio(load_all_ms, ceiling_ms + transfer_ms),
+                "planner": ", ".join(f"{k} {v}" for k, v in sorted(cell["plans"].items())) or "-",
+            })
+    result.summary["worst_layerkv_over_bound"] = worst
+    result.summary["cells_within_goal"] = float(sum(r["layerkv_over_bound"] <= GOAL for r in result.rows))
+    result.summary["cells"] = float(len(result.rows))
+    layers = sorted({cell["model_layers"] for run_ in runs for cell in run_["cells"]})
+    result.notes += [
+        "hosts: network namespaces on one bridge (layerkv.bench.netns): the master host (`layerkv master --host`, no "
+        "storage), one storage host (`layerkv segment`, 1 GB), the consumer host; the reference engine on the consumer "
+        "host reads over the bridge. `link` shapes what the storage host sends the consumer (tc tbf on the switch port; "
+        "unshaped: a veth, about 1.3 GB/s here).",
+        f"model as suite overlap ({', '.join(map(str, layers))} layers); 90 % of each prompt in the pool; best "
+        f"of {options.reps} fresh engines per variant (torch with 1 thread, the 2 CPUs are shared).",
+        "ceiling = the suffix computed over a prefix in the engine's own prefix cache; transfer alone = "
+        "load-everything-first's load time (every layer read before the forward); bound = max(ceiling, transfer "
+        f"alone): no loader beats it. Goal: layerkv (defaults) within {GOAL}x of the bound in every cell.",
+        "planner = the load plans layerkv's planner chose in its measured run (auto).",
+    ]
+    labels = [f"{r['link']}, {r['prompt_tokens']} tok" for r in result.rows]
+    result.plots.append(bar_plot(options.out_dir / "network_ttft.png", labels,
+                                 {name: [r[f"{key}_ms"] for r in result.rows] for name, key in
+                                  (("recompute", "recompute"), ("ceiling", "ceiling"), ("bound", "bound"),
+                                   ("layerkv", "layerkv"), ("load everything first", "load_all"))},
+                                 title="TTFT across hosts, 90 % in the pool", ylabel="ms"))
+    return result

@@ -1,0 +1,44 @@
+"""`layerkv bench network`'s cluster: python -m layerkv.bench.network_cluster <job.json>, run by
+the suite (layerkv.bench.network) inside a private network namespace. Makes a namespace cluster
+of three hosts (a master host, a storage host, the consumer's host; layerkv.bench.cluster_pool),
+then for each link rate shapes what the switch sends the consumer (tc tbf; none: unshaped) and
+runs layerkv.bench.network_host on the consumer host; writes the cells to the job's `out`.
+Removes the cluster on exit. Main thread only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from layerkv.bench.cluster_pool import started_pool
+
+HOSTS = ("master", "store", "consumer")
+CELL_TIMEOUT_S = 1800.0  # one rate's measurements (bounded: the reference engine's few prompts)
+
+
+def main(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    work = Path(job_path).parent
+    results = []
+    with started_pool(work, HOSTS, storage=("store",), segment=job["segment"]) as pool:
+        for i, rate in enumerate(job["rates"]):
+            if rate:
+                pool.cluster.limit("consumer", rate)
+            else:
+                pool.cluster.unlimit("consumer")
+            host_job = {"prompt_tokens": job["prompt_tokens"], "quick": job["quick"], "tiny": job["tiny"], "write": i == 0}
+            proc = pool.run_module("consumer", "layerkv.bench.network_host", host_job, f"consumer-{i}")
+            try:
+                cells = json.loads(proc.line("@@", CELL_TIMEOUT_S))
+            finally:
+                proc.stop()
+            results.append({"rate": rate or "unshaped", "cells": cells})
+            print(f"network: {rate or 'unshaped'} done", file=sys.stderr, flush=True)
+    Path(job["out"]).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
