@@ -4,7 +4,8 @@ config for this host, the prompt lengths, the repetitions and whether the prefix
 be written. For each prompt: a producer engine here writes its first 90 % into the pool (over the
 network, to the storage host) when asked, then the best of `reps` fresh engines of each variant:
 recompute (no pool), the local-cache ceiling (the suffix over a prefix in the engine's own
-cache), layerkv with its defaults, and load-everything-first (every layer read before the
+cache), layerkv with its defaults, layerkv with transfer_plan "layers" (each layer read ahead of
+the layer that needs it), and load-everything-first (every layer read before the
 forward: its load time is `transfer alone`). Prints one line "@@" + JSON. Main thread only.
 """
 
@@ -42,10 +43,10 @@ class NetworkRig:
         self.prefix_tokens = int(prompt_tokens * HIT_FRACTION) // BLOCK_SIZE * BLOCK_SIZE
         self.prefix_bytes = 0
 
-    def _pooled(self, role: KVRole, load_all: bool = False):  # type: ignore[no-untyped-def]
+    def _pooled(self, role: KVRole, load_all: bool = False, plan: str | None = None):  # type: ignore[no-untyped-def]
         from layerkv.engine import Engine, make_deployment
 
-        config = LayerKVConfig.from_dict({"backend": "mooncake"}, env={})
+        config = LayerKVConfig.from_dict({"backend": "mooncake", **({"transfer_plan": plan} if plan else {})}, env={})
 
         def store() -> CheckedStore:
             return CheckedStore(self.store, max_batch_keys=config.max_transfer_blocks, call_timeout_s=config.store_call_timeout_s)
@@ -81,9 +82,10 @@ class NetworkRig:
             raise RuntimeError(f"network: local prefix cache hit {out.num_local_cached_tokens} < {self.prefix_tokens} tokens")
         return float(out.ttft_s)
 
-    def pooled(self, load_all: bool) -> tuple[float, float, dict[str, int]]:
-        """(TTFT, transfer alone or nan, the plans the planner chose) of one fresh consumer."""
-        engine = self._pooled(KVRole.CONSUMER, load_all)
+    def pooled(self, load_all: bool, plan: str | None = None) -> tuple[float, float, dict[str, int]]:
+        """(TTFT, transfer alone or nan, the plans the planner chose) of one fresh consumer
+        (`plan`: its transfer_plan, default auto)."""
+        engine = self._pooled(KVRole.CONSUMER, load_all, plan)
         try:
             out = engine.generate([self.prompt], 1)[0]
             if out.num_external_tokens != self.prefix_tokens:
@@ -104,8 +106,9 @@ def measure(store: MooncakeStore, options: BenchOptions, prompt_tokens: int, wri
     reps = options.reps
     load_all, transfer, _ = _best(lambda: rig.pooled(True), reps)
     defaults, _, plans = _best(lambda: rig.pooled(False), reps)
+    layerwise, _, _ = _best(lambda: rig.pooled(False, "layers"), reps)
     return {"prompt_tokens": prompt_tokens, "prefix_tokens": rig.prefix_tokens, "recompute_s": _best(rig.recompute, reps),
-            "ceiling_s": _best(rig.ceiling, reps), "layerkv_s": defaults, "load_all_s": load_all, "transfer_s": transfer,
+            "ceiling_s": _best(rig.ceiling, reps), "layerkv_s": defaults, "layerwise_s": layerwise, "load_all_s": load_all, "transfer_s": transfer,
             "plans": plans, "prefix_bytes": rig.prefix_bytes, "model_layers": rig.model.num_layers}
 
 

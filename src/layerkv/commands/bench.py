@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Run benchmark suites (all by default) and write results.json, results.md and PNGs.")
     p.add_argument("suites", nargs="*", metavar="SUITE",
                    help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
-                        f"{', '.join(OPT_IN_SUITES)} (real vLLM engines, see --engine-python)")
+                        "serving (real vLLM engines, see --engine-python), network (hosts as network namespaces: needs root)")
     p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
