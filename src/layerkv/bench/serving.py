@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
@@ -102,34 +102,9 @@ class Rig:
             raise
 
     def _spec(self, name: str, layerkv_config: Path, connector_config: Path) -> tuple[dict[str, Any], dict[str, str]]:
-        g = self.grid
-        kwargs: dict[str, Any] = dict(
-            model=str(self.model), skip_tokenizer_init=True, dtype=g.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
-            max_model_len=g.max_model_len, max_num_batched_tokens=g.max_model_len, gpu_memory_utilization=0.3, seed=0,
-            disable_log_stats=False,
-        )
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
-        if name.startswith("layerkv"):
-            role = "kv_producer" if name.endswith("producer") else "kv_consumer"
-            extra: dict[str, Any] = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
-            if name.startswith(("layerkv-keyed", "layerkv-encrypted")):
-                extra.update(ENCRYPTED_EXTRA if name.startswith("layerkv-encrypted") else KEYED_EXTRA,
-                             tenant_key_file=str(self.key_file()))
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-                "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-            env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
-        elif name.startswith("mooncake"):
-            producer = name.endswith("producer")
-            # the lookup server's IPC socket is named after lookup_rpc_port: one per engine
-            extra = {"lookup_rpc_port": os.getpid() * 4 + (1 if producer else 2)}
-            if producer:
-                extra["enable_lookup"] = False  # never loads: its reference runs are local-cache runs
-            kwargs["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector",
-                                            "kv_role": "kv_producer" if producer else "kv_consumer",
-                                            "kv_connector_extra_config": extra}
-            env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
-        return kwargs, engine_env(self.pythonpath, env)
+        keyed = name.startswith(("layerkv-keyed", "layerkv-encrypted"))
+        return engine_spec(self.grid, self.model, self.pythonpath, name, layerkv_config, connector_config,
+                           self.key_file() if keyed else None)
 
     def key_file(self) -> Path:
         """The keyed engines' tenant key (one for all of them: a producer and its consumer share it)."""
@@ -154,13 +129,56 @@ class Rig:
         self.master.stop()
 
 
+def engine_spec(grid: Grid, model: Path, pythonpath: Path, name: str, layerkv_config: Path, connector_config: Path,
+            key_file: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The LLM kwargs and environment of engine `name` (ENGINES of serving_grid) on `model`, its
+    pool clients configured by `layerkv_config` (layerkv) / `connector_config` (vLLM's
+    MooncakeStoreConnector); `key_file`: the keyed engines' tenant key."""
+    g = grid
+    kwargs: dict[str, Any] = dict(
+        model=str(model), skip_tokenizer_init=True, dtype=g.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
+        max_model_len=g.max_model_len, max_num_batched_tokens=g.max_model_len, gpu_memory_utilization=0.3, seed=0,
+        disable_log_stats=False,
+    )
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
+    if name.startswith("layerkv"):
+        role = "kv_producer" if name.endswith("producer") else "kv_consumer"
+        extra: dict[str, Any] = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
+        if name.startswith(("layerkv-keyed", "layerkv-encrypted")):
+            extra.update(ENCRYPTED_EXTRA if name.startswith("layerkv-encrypted") else KEYED_EXTRA,
+                         tenant_key_file=str(key_file))
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
+            "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
+    elif name.startswith("mooncake"):
+        producer = name.endswith("producer")
+        # the lookup server's IPC socket is named after lookup_rpc_port: one per engine
+        extra = {"lookup_rpc_port": os.getpid() * 4 + (1 if producer else 2)}
+        if producer:
+            extra["enable_lookup"] = False  # never loads: its reference runs are local-cache runs
+        kwargs["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector",
+                                        "kv_role": "kv_producer" if producer else "kv_consumer",
+                                        "kv_connector_extra_config": extra}
+        env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
+    return kwargs, engine_env(pythonpath, env)
+
+
 def _run(contender: str, step: Step, reply: dict[str, Any], reference: bool = False) -> Run:
     (out,) = reply["outputs"]
     return Run(contender, step.cell, step.repeat, float(reply["wall_ms"]), int(out["num_cached_tokens"]),
                tuple(out["token_ids"]), tuple(out["logprobs"]), reference, out["first_token_ms"])
 
 
-def measure(rig: Rig, step: Step) -> list[Run]:
+class Engines(Protocol):
+    """What `measure` needs of a rig: Rig here, layerkv.bench.network_vllm's across hosts."""
+
+    engines: dict[str, EngineProcess]
+    reader: PoolReader
+    prefix_keys: dict[tuple[int, int], list[str]]
+
+
+def measure(rig: Engines, step: Step) -> list[Run]:
     """Fill the pool with the prefix (both producers), time every contender once on
     prefix + suffix, then the producers' local-cache reference runs (after the pool runs: their
     suffix blocks reach the pool too, and the consumers must not see them)."""
