@@ -86,6 +86,10 @@ class LayerKVConfig:
     # A step's written objects wait for the scheduler's verdict (every rank and stage clean) at
     # most this long, then they are revoked (Mooncake discards put starts after 30 s).
     commit_timeout_s: float = field(default=20.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 20"))
+    # Prefill/decode: a request whose kv_transfer_params name the prefix a prefill server commits
+    # (layerkv_prefix_tokens) waits this long for it in the pool (its lookup answers "ask again",
+    # the engine serves other requests), then loads what is there and computes the rest. 0: no wait.
+    prefill_wait_s: float = field(default=5.0, metadata=_rule("0 <= value <= 600", lambda v: 0 <= v <= 600, "default is 5"))
     # A load that has held its get sessions this long restarts them (below the store's lease
     # TTL: Mooncake's default_kv_lease_ttl is 10 s, the embedded store's embedded_lease_ttl_s).
     lease_renew_after_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 5"))

@@ -5,8 +5,10 @@ Plain frozen dataclasses, picklable, no behaviour; built on the engine's schedul
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from layerkv.errors import ConfigError
 
@@ -72,6 +74,9 @@ class RequestView:
     num_prompt_tokens: int
     num_tokens: int  # prompt + output so far
     block_hashes: tuple[BlockHash, ...]  # one per full block of the request's tokens
+    # what the client sent along (vLLM's Request.kv_transfer_params; a prefill server's promise:
+    # connector/prefill_wait.py)
+    kv_transfer_params: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

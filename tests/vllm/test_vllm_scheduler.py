@@ -125,3 +125,27 @@ def test_each_step_output_reaches_core_as_worker_report(doubles):
     reports = doubles.schedulers[0].reports
     assert len(reports) == len(steps) - 1  # the last schedule() found nothing left to update
     assert reports == [WorkerReport()] * len(reports)
+
+
+def test_a_lookup_that_asks_again_leaves_the_request_waiting_and_schedules_the_others(doubles):
+    """connector/prefill_wait.py: None from the lookup (a prefill server's prefix not in the
+    pool yet). vLLM's real scheduler keeps the request waiting, schedules the one behind it, and
+    asks again next step; the view carries the request's kv_transfer_params."""
+    engine = make_engine()
+    core = doubles.schedulers[0]
+    promise = {"layerkv_prefix_tokens": 32}
+    waiting = make_request("a", prompt(3, 40), kv_transfer_params=promise)
+    core.pool_hashes.update(waiting.block_hashes[:4])
+    core.ask_again.add("a")
+    engine.scheduler.add_request(waiting)
+    engine.scheduler.add_request(make_request("b", prompt(4, 40)))
+
+    out = engine.scheduler.schedule()
+    assert out.num_scheduled_tokens == {"b": 40}
+    views = [c[1][0] for c in core.calls if c[0] == "get_num_new_matched_tokens" and c[1][0].req_id == "a"]
+    assert views and views[0].kv_transfer_params == promise
+    engine.scheduler.update_from_output(out, runner_output(engine.scheduler, out))
+
+    core.ask_again.clear()  # the prefix is in the pool now
+    out = engine.scheduler.schedule()
+    assert out.num_scheduled_tokens["a"] == 8 and out.has_sync_kv_loads  # 32 tokens from the pool, 8 computed

@@ -42,6 +42,7 @@ class RecordingScheduler:
     """Double of layerkv.connector.SchedulerConnector: the "pool" holds `pool_hashes`."""
 
     pool_hashes: set[bytes] = set()  # set per test through the `doubles` fixture
+    ask_again: set[str] = set()  # request ids whose lookup answers None ("ask again next step")
 
     def __init__(self, config: Any, deployment: Any, store: Any = None) -> None:
         self.config, self.deployment = config, deployment
@@ -52,6 +53,8 @@ class RecordingScheduler:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.calls.append(("get_num_new_matched_tokens", (request, num_computed_tokens)))
+        if request.req_id in self.ask_again:
+            return None, False
         hit_blocks = 0
         for h in request.block_hashes:
             if h not in self.pool_hashes:
@@ -146,6 +149,7 @@ def doubles(monkeypatch):
     monkeypatch.setattr(Doubles, "schedulers", [])
     monkeypatch.setattr(Doubles, "workers", [])
     monkeypatch.setattr(RecordingScheduler, "pool_hashes", set())
+    monkeypatch.setattr(RecordingScheduler, "ask_again", set())
     monkeypatch.setattr(facade, "SCHEDULER_SIDE", RecordingScheduler)
     monkeypatch.setattr(facade, "WORKER_SIDE", RecordingWorker)
     return Doubles
@@ -237,14 +241,15 @@ def make_engine(num_blocks: int = 64, layout: str = "LBHNC", **config_kwargs) ->
     return Engine(vllm_config, kv_cache_config, scheduler)
 
 
-def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int = 2):
+def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
     params.update_from_generation_config({}, 2)
     return Request(
         request_id=req_id, prompt_token_ids=prompt_token_ids, sampling_params=params, pooling_params=None,

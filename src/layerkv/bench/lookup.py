@@ -67,7 +67,7 @@ def measure(backend: Backend, prompt_tokens: int, window_blocks: int, reps: int,
                     start = time.perf_counter()
                     if variant == "windowed":
                         hit_tokens, _ = connector.get_num_new_matched_tokens(request, 0)
-                        hit = hit_tokens // BLOCK_SIZE
+                        hit = (hit_tokens or 0) // BLOCK_SIZE  # no kv_transfer_params: never None
                     else:
                         flags = connector._lookup.present(list(hashes))  # the bench reuses the scheduler's lookup
                         hit = next((i for i, f in enumerate(flags) if not f), len(flags))

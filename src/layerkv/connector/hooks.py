@@ -24,8 +24,9 @@ from layerkv.messages import RequestView, ReqId, SchedulerStep, WorkerReport
 
 
 class SchedulerHooks(Protocol):
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
-        """(tokens the pool can provide beyond `num_computed_tokens`, load_async=False)."""
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens the pool can provide beyond `num_computed_tokens`, load_async=False); None
+        tokens: not known yet, ask again next step (the engine schedules the request later)."""
         ...
 
     def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None: ...
@@ -37,7 +38,8 @@ class SchedulerHooks(Protocol):
     def update_connector_output(self, report: WorkerReport) -> None: ...
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict[str, Any] | None]:
-        """(delay freeing the blocks?, kv_transfer_params). layerkv never delays."""
+        """(delay freeing the blocks?, kv_transfer_params). layerkv never delays; a role that
+        saves names the prefix it commits (connector/prefill_wait.py)."""
         ...
 
     def has_pending_work(self) -> bool:

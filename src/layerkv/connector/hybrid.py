@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.prefill_wait import PREFIX_TOKENS, promised_tokens
 from layerkv.connector.stats import SchedulerStats, WorkerStats
 
 
@@ -85,7 +86,7 @@ class GroupedScheduler:
         self._windows = tuple(windows) if windows is not None else (0,) * len(self.subs)
         self._check(self._windows)
 
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The longest prefix for which every group is complete: each full group holds every
         block of it, each sliding-window group the blocks of the window that ends at it. Full
         groups first (their hits are prefixes: the shortest bounds all); then each window group
@@ -95,15 +96,20 @@ class GroupedScheduler:
         if request.req_id in self._failed:
             return 0, False
         hit = self._hit(request, num_computed_tokens)
+        if hit is None:  # a full group waits for a prefill server's prefix: ask again
+            return None, False
         if self.load_async and hit > 0:
             self._local[request.req_id] = num_computed_tokens
         return hit, self.load_async and hit > 0
 
-    def _hit(self, request: RequestView, num_computed_tokens: int) -> int:
+    def _hit(self, request: RequestView, num_computed_tokens: int) -> int | None:
+        """The hit in tokens; None while a full group asks to be asked again."""
         hit: int | None = None
         for sub, window in zip(self.subs, self._windows):
             if not window:
                 tokens, _ = sub.get_num_new_matched_tokens(request, num_computed_tokens)
+                if tokens is None:
+                    return None
                 hit = tokens if hit is None else min(hit, tokens)
                 if hit == 0:
                     return 0
@@ -162,9 +168,12 @@ class GroupedScheduler:
         self._loading.pop(request.req_id, None)
         self._local.pop(request.req_id, None)
         self._failed.discard(request.req_id)
+        promised: list[int] = []
         for sub, ids in zip(self.subs, block_ids):
-            sub.request_finished(request, tuple(ids))
-        return False, None
+            _, params = sub.request_finished(request, tuple(ids))
+            promised.append(promised_tokens(params))
+        # the prefix every group commits (each rounds to its own block size)
+        return (False, {PREFIX_TOKENS: min(promised)}) if promised and min(promised) > 0 else (False, None)
 
     def has_pending_work(self) -> bool:
         return any(sub.has_pending_work() for sub in self.subs)

@@ -20,6 +20,7 @@ from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.prefill_wait import PREFIX_TOKENS, PrefillWaits, promised_tokens
 from layerkv.connector.stats import SchedulerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.commit import Verdicts
@@ -127,9 +128,13 @@ class SchedulerConnector:
         # a step's verdict needs every TP rank's and pipeline stage's report (transfer/commit.py)
         self._verdicts = Verdicts(deployment.tp_size * deployment.pp_size, config.commit_timeout_s, self._stats)
         self._suspect: set[int] = set()  # block ids whose load failed and that nobody rewrote since
+        self._waits = PrefillWaits(config.prefill_wait_s, self._stats)
 
     # -- hooks ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The pool's hit beyond `num_computed_tokens`; None ("ask again next step") while the
+        prefix a prefill server promised in the request's kv_transfer_params is not all there
+        yet, for up to prefill_wait_s (connector/prefill_wait.py)."""
         self._matched.pop(request.req_id, None)
         if not self.deployment.role.loads or num_computed_tokens % self._block_size:
             return 0, False
@@ -138,8 +143,16 @@ class SchedulerConnector:
         start_block = num_computed_tokens // self._block_size
         if start_block >= end_block:
             return 0, False
+        promised = min(end_block, promised_tokens(request.kv_transfer_params) // self._block_size)
+        waits = promised > start_block and self.config.prefill_wait_s > 0 and not self._waits.waited_out(request.req_id)
+        if waits and self._waits.too_soon(request.req_id):
+            return None, False
         self._stats.lookups += 1
         generations = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
+        if waits:
+            if start_block + len(generations) < promised and self._waits.keep_waiting(request.req_id):
+                return None, False
+            self._waits.done(request.req_id)
         if not generations:
             return 0, False
         self._matched[request.req_id] = self._hit(start_block, generations)
@@ -240,10 +253,17 @@ class SchedulerConnector:
         return self._verdicts.pending()
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
+        """Never holds the blocks (saves copy them out in the step). A role that saves names
+        the prefix it commits, for a decode server (connector/prefill_wait.py): every full block
+        of the prompt, unless the store is down (nothing is saved then)."""
         self._matched.pop(request.req_id, None)
         self._pending.pop(request.req_id, None)
+        self._waits.forget(request.req_id)
         self._ended.add(request.req_id)
-        return False, None
+        prefix = request.num_prompt_tokens // self._block_size * self._block_size
+        if not self.deployment.role.saves or prefix == 0 or self.store.is_down():
+            return False, None
+        return False, {PREFIX_TOKENS: prefix}
 
     # -- save planning --------------------------------------------------------------------
     def _plan_saves(self, step: SchedulerStep, loading: set[ReqId]) -> tuple[BlockSpec, ...]:

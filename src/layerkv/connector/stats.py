@@ -25,6 +25,9 @@ class SchedulerStats:
     tainted_requests: int = 0  # requests whose step's saves were revoked (a block they used failed)
     unreported_steps: int = 0  # steps some worker never reported: their saves revoked
     stale_blocks_reinvalidated: int = 0  # failed blocks a later request hit in the engine's prefix cache
+    prefill_waits: int = 0  # requests that waited for a prefill server's prefix (connector/prefill_wait.py)
+    prefill_wait_timeouts: int = 0  # ... and stopped waiting at prefill_wait_s without all of it
+    prefill_wait_ms: int = 0  # their waits, summed
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -120,16 +121,20 @@ class Engine:
         return dict(self.runner.caches[pp_rank * self.config.tp_size + tp_rank].tensors)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], salts: Sequence[bytes] | None = None
+        self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], salts: Sequence[bytes] | None = None,
+        kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run `prompts` to completion (greedy); outputs in prompt order."""
+        """Run `prompts` to completion (greedy); outputs in prompt order. `kv_transfer_params`:
+        per prompt, what a client sends along (a prefill server's output's, for a decode server)."""
         if self._closed:
             raise RuntimeError("Engine.generate after shutdown()")
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         salts = list(salts) if salts is not None else [b""] * len(prompts)
-        if len(limits) != len(prompts) or len(salts) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts need as many max_tokens and salts ({len(limits)}, {len(salts)})")
-        requests = [self._make_request(p, m, s) for p, m, s in zip(prompts, limits, salts)]
+        params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
+        if len(limits) != len(prompts) or len(salts) != len(prompts) or len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need as many max_tokens, salts and kv_transfer_params "
+                             f"({len(limits)}, {len(salts)}, {len(params)})")
+        requests = [self._make_request(p, m, s, k) for p, m, s, k in zip(prompts, limits, salts, params)]
         for request in requests:
             self.scheduler.add_request(request)
         while self.scheduler.has_work():
@@ -138,16 +143,24 @@ class Engine:
             hooks.flush()
         return [r.to_output() for r in requests]
 
-    def add_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes = b"") -> str:
+    def add_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes = b"",
+                    kv_transfer_params: Mapping[str, Any] | None = None) -> str:
         """Queue one request (for driving `step()` by hand); returns its request id."""
-        request = self._make_request(prompt, max_tokens, salt)
+        request = self._make_request(prompt, max_tokens, salt, kv_transfer_params)
         self.scheduler.add_request(request)
         return request.req_id
+
+    def output(self, req_id: str) -> RequestOutput | None:
+        """A request's output once it finished (None before): what a server would send the
+        client at that moment (its saves may still be uncommitted: no flush)."""
+        request = self.scheduler.requests.get(req_id)
+        return request.to_output() if request is not None and request.finish_time_s is not None else None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def _make_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes) -> Request:
+    def _make_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes,
+                      kv_transfer_params: Mapping[str, Any] | None = None) -> Request:
         vocab, cfg = self.model_config.vocab_size, self.config
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be non-empty token ids in [0, {vocab}); got {list(prompt)[:8]}...")
@@ -159,14 +172,16 @@ class Engine:
                 f"a prompt of {len(prompt)} tokens + max_tokens={max_tokens} needs {num_blocks_needed} blocks; "
                 f"num_blocks={cfg.num_blocks}"
             )
-        return Request(f"req-{next(self._req_counter)}", tuple(prompt), max_tokens, salt, cfg.block_size)
+        return Request(f"req-{next(self._req_counter)}", tuple(prompt), max_tokens, salt, cfg.block_size, kv_transfer_params)
 
     def step(self) -> StepRecord:
         """One engine step: schedule, forward (with worker hooks), update (with scheduler hooks)."""
         start_s = time.monotonic()
         plan = self.scheduler.schedule()
         if not plan.chunks and not plan.connector_step.finished_req_ids and self.scheduler.waiting:
-            raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} requests wait for blocks")
+            if not self.scheduler.num_asked_later:
+                raise RuntimeError(f"no progress possible: {len(self.scheduler.waiting)} requests wait for blocks")
+            time.sleep(0.001)  # only requests the connector asked to ask again: it bounds their wait
         out = self.runner.execute(plan.chunks, plan.connector_meta, plan.connector_step.finished_req_ids)
         report = WorkerReport(out.finished_sending, out.finished_recving, out.invalid_block_ids, out.reported_steps)
         result = self.scheduler.update_from_output(plan, out.last_logits, report, out.draft_logits)

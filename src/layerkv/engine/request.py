@@ -6,8 +6,10 @@ only by the engine's scheduler thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -23,8 +25,11 @@ class RequestStatus(Enum):
 
 
 class Request:
-    def __init__(self, req_id: ReqId, prompt_token_ids: tuple[int, ...], max_tokens: int, salt: bytes, block_size: int) -> None:
+    def __init__(self, req_id: ReqId, prompt_token_ids: tuple[int, ...], max_tokens: int, salt: bytes, block_size: int,
+                 kv_transfer_params: Mapping[str, Any] | None = None) -> None:
         self.req_id = req_id
+        self.kv_transfer_params = kv_transfer_params  # from the client (a prefill server's, via a proxy)
+        self.finished_kv_transfer_params: dict[str, Any] | None = None  # the connector's, at the finish
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.salt = salt
@@ -63,6 +68,7 @@ class Request:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_tokens=self.num_tokens,
             block_hashes=self.block_hashes,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def to_output(self) -> RequestOutput:
@@ -80,6 +86,7 @@ class Request:
             num_local_cached_tokens=max(self.num_local_cached_tokens, 0),
             num_external_tokens=self.num_external_tokens,
             num_preemptions=self.num_preemptions,
+            kv_transfer_params=self.finished_kv_transfer_params,
         )
 
 
@@ -100,6 +107,8 @@ class RequestOutput:
     # MTP models: the draft layer's prediction of the token after token_ids[i] (else empty)
     draft_token_ids: tuple[int, ...] = ()
     draft_logits: tuple[torch.Tensor, ...] = ()
+    # what the connector returned at the finish (a prefill server's promise for a decode server)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def ttft_s(self) -> float:

@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in scheduling order: the last one is preempted first
         self._finished_since_last_step: set[ReqId] = set()
+        self.num_asked_later = 0  # waiting requests the connector asked to ask again (last schedule)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.req_id] = request
@@ -116,6 +117,16 @@ class Scheduler:
         return StepPlan(chunks=tuple(chunks), connector_step=step, connector_meta=meta)
 
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Waiting requests in line while budget and seats last. One whose lookup answers
+        "ask again" (None: a prefill server's prefix is not all in the pool yet) keeps its place
+        and the next one is tried, as vLLM's scheduler does."""
+        asked_later: list[Request] = []
+        budget = self._schedule_line(budget, chunks, asked_later)
+        self.waiting.extendleft(reversed(asked_later))
+        self.num_asked_later = len(asked_later)
+        return budget
+
+    def _schedule_line(self, budget: int, chunks: list[ScheduledChunk], asked_later: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             resumed = request.status is RequestStatus.PREEMPTED
@@ -124,6 +135,9 @@ class Scheduler:
             hit_block_ids = self.block_pool.cached_prefix(request.block_hashes[:max_hit_blocks])
             num_local = len(hit_block_ids) * self.block_size
             num_external, load_async = self.hooks.get_num_new_matched_tokens(request.view(), num_local)
+            if num_external is None:
+                asked_later.append(self.waiting.popleft())
+                continue
             if load_async:
                 raise UnsupportedSetupError("get_num_new_matched_tokens returned load_async=True; the reference engine loads synchronously")
             if num_external < 0 or num_local + num_external >= request.num_tokens:
@@ -249,7 +263,7 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_time_s = now
-        self.hooks.request_finished(request.view(), tuple(request.block_ids))
+        _, request.finished_kv_transfer_params = self.hooks.request_finished(request.view(), tuple(request.block_ids))
         self.block_pool.free(request.block_ids)
         request.block_ids = []
         self._finished_since_last_step.add(request.req_id)

@@ -156,9 +156,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Request) -> None:
         self._steps.track(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._steps.track(request)
-        # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (connector/hybrid.py)
+        # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (connector/hybrid.py).
+        # None: a prefill server's prefix is not all in the pool yet; vLLM asks again next step.
         return self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
 
 
 def request_view(request: Request) -> RequestView:
-    """`request.block_hashes` already chain the cache salt, LoRA id and multimodal hashes."""
+    """`request.block_hashes` already chain the cache salt, LoRA id and multimodal hashes;
+    `kv_transfer_params` is what the client sent (a prefill server's promise, from a proxy)."""
     return RequestView(
         req_id=request.request_id,
         num_prompt_tokens=request.num_prompt_tokens,
         num_tokens=request.num_tokens,
         block_hashes=tuple(request.block_hashes),
+        kv_transfer_params=getattr(request, "kv_transfer_params", None),
     )
 
 
