@@ -76,6 +76,7 @@ def test_a_storage_host_is_lost_for_good(pool: Pool, replicas: int) -> None:
     Every output equals local compute. Afterwards store2 comes back as a new, empty holder."""
     tag = f"lost{replicas}"
     prompts = make_prompts(seed=301 + replicas)
+    assert set(pool.segment_names.values()) <= set(pool.mounted_segments())  # both holders there to start with
     placement: dict[str, Any] = {"replica_num": replicas}
     if replicas == 1:
         placement["preferred_segment"] = pool.segment_names["store2"]

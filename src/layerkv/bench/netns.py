@@ -142,7 +142,13 @@ class Cluster:
         _ip("link", "set", self.hosts[name].port, "down", netns_pid=self._switch.pid)
 
     def heal(self, name: str) -> None:
-        _ip("link", "set", self.hosts[name].port, "up", netns_pid=self._switch.pid)
+        """Undo `cut`; returns once the host carries traffic again. Its failed neighbour entries
+        (ARP lookups made while cut) are flushed: they would answer "no route to host" for a
+        while after the link is back."""
+        host = self.hosts[name]
+        _ip("link", "set", host.port, "up", netns_pid=self._switch.pid)
+        _ip("neigh", "flush", "all", netns_pid=host.pid)
+        wait_reachable(host.addr)
 
     def _port(self, name: str) -> str:
         return self._test_port if name == TEST_HOST else self.hosts[name].port
