@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from layerkv.bench.overlap import BLOCK_SIZE, HIT_FRACTION, LoadAllFirst, _best, _model
+from layerkv.bench.overlap import (BLOCK_SIZE, HIT_FRACTION, LoadAllFirst, _best, _model, ttft_compute_alone,
+                                   ttft_recompute)
 from layerkv.bench.common import BenchOptions
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
@@ -68,19 +69,10 @@ class NetworkRig:
             producer.shutdown()
 
     def recompute(self) -> float:
-        from layerkv.engine import Engine
-
-        return float(Engine(self.model, self.engine_config, weights=self.weights).generate([self.prompt], 1)[0].ttft_s)
+        return ttft_recompute(self.model, self.engine_config, self.weights, self.prompt)
 
     def ceiling(self) -> float:
-        from layerkv.engine import Engine
-
-        engine = Engine(self.model, self.engine_config, weights=self.weights)
-        engine.generate([self.prompt[: self.prefix_tokens + 1]], 1)
-        out = engine.generate([self.prompt], 1)[0]
-        if out.num_local_cached_tokens < self.prefix_tokens:
-            raise RuntimeError(f"network: local prefix cache hit {out.num_local_cached_tokens} < {self.prefix_tokens} tokens")
-        return float(out.ttft_s)
+        return ttft_compute_alone(self.model, self.engine_config, self.weights, self.prompt, self.prefix_tokens)
 
     def pooled(self, load_all: bool, plan: str | None = None) -> tuple[float, float, dict[str, int]]:
         """(TTFT, transfer alone or nan, the plans the planner chose) of one fresh consumer

@@ -68,6 +68,26 @@ def _model(options: BenchOptions, deep: bool = False):  # type: ignore[no-untype
     return model, (1024 if options.quick else 2048)
 
 
+def ttft_recompute(model: Any, engine_config: Any, weights: Any, prompt: list[int]) -> float:
+    """TTFT of `prompt` computed whole by a fresh engine without a pool."""
+    from layerkv.engine import Engine
+
+    return float(Engine(model, engine_config, weights=weights).generate([prompt], 1)[0].ttft_s)
+
+
+def ttft_compute_alone(model: Any, engine_config: Any, weights: Any, prompt: list[int], prefix_tokens: int) -> float:
+    """TTFT of `prompt` over its first `prefix_tokens` already in a fresh engine's own prefix
+    cache (the local-cache ceiling: no transfer)."""
+    from layerkv.engine import Engine
+
+    engine = Engine(model, engine_config, weights=weights)
+    engine.generate([prompt[: prefix_tokens + 1]], 1)
+    out = engine.generate([prompt], 1)[0]
+    if out.num_local_cached_tokens < prefix_tokens:
+        raise RuntimeError(f"bench: local prefix cache hit {out.num_local_cached_tokens} < {prefix_tokens} tokens")
+    return float(out.ttft_s)
+
+
 class _Rig:
     """One pool (embedded) filled once with the prompt's prefix; builds fresh engines per run."""
 
@@ -102,20 +122,11 @@ class _Rig:
         return Engine(self.model, self.engine_config, scheduler, workers, weights=self.weights)
 
     def ttft_recompute(self) -> float:
-        from layerkv.engine import Engine
-
-        return Engine(self.model, self.engine_config, weights=self.weights).generate([self.prompt], 1)[0].ttft_s
+        return ttft_recompute(self.model, self.engine_config, self.weights, self.prompt)
 
     def ttft_compute_alone(self) -> float:
         """The 10 % suffix computed over a prefix already in the local cache (no transfer)."""
-        from layerkv.engine import Engine
-
-        engine = Engine(self.model, self.engine_config, weights=self.weights)
-        engine.generate([self.prompt[: self.prefix_tokens + 1]], 1)
-        out = engine.generate([self.prompt], 1)[0]
-        if out.num_local_cached_tokens < self.prefix_tokens:
-            raise RuntimeError(f"overlap: local prefix cache hit {out.num_local_cached_tokens} < {self.prefix_tokens} tokens")
-        return out.ttft_s
+        return ttft_compute_alone(self.model, self.engine_config, self.weights, self.prompt, self.prefix_tokens)
 
     def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int, float, float, int]:
         """(TTFT, transfer-alone seconds or nan, range calls, seconds the compute thread waited
