@@ -90,6 +90,11 @@ class LayerKVConfig:
     # (layerkv_prefix_tokens) waits this long for it in the pool (its lookup answers "ask again",
     # the engine serves other requests), then loads what is there and computes the rest. 0: no wait.
     prefill_wait_s: float = field(default=5.0, metadata=_rule("0 <= value <= 600", lambda v: 0 <= v <= 600, "default is 5"))
+    # Objects per block: the KV heads split into this many head ranges (0: one per head group of
+    # this server, min(tp_size, num_kv_heads)). Servers of different TP sizes share objects when
+    # they split alike: set it on each to the largest TP size among them (e.g. 2 for a TP=2
+    # prefill server and a TP=1 decode server). Must divide the KV heads.
+    store_shards: int = field(default=0, metadata=_rule("0 <= value <= 1024", lambda v: 0 <= v <= 1024, "default is 0 (one per head group)"))
     # A load that has held its get sessions this long restarts them (below the store's lease
     # TTL: Mooncake's default_kv_lease_ttl is 10 s, the embedded store's embedded_lease_ttl_s).
     lease_renew_after_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 5"))

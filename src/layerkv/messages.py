@@ -56,12 +56,18 @@ class Deployment:
     # A sliding-window KV cache group of a hybrid model (connector/hybrid.py): a hit ending at block N
     # needs only this group's blocks [N - window_blocks, N); 0: every block of the hit.
     window_blocks: int = 0
+    # Objects per block: the KV heads split into this many equal head ranges (objects/keys.py
+    # storage_role); 0: one per KV head group of this deployment (min(tp_size, num_kv_heads)).
+    # Servers of different TP sizes share objects when they split alike (config store_shards).
+    store_shards: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "tp_size", "pp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Deployment.{name}={value!r} must be an int >= 1")
+        if isinstance(self.store_shards, bool) or not isinstance(self.store_shards, int) or self.store_shards < 0:
+            raise ConfigError(f"Deployment.store_shards={self.store_shards!r} must be an int >= 0")
         if not self.model_id:
             raise ConfigError("Deployment.model_id must not be empty")
 

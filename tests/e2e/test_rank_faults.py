@@ -153,7 +153,8 @@ def _clean_pool(tag: str, topology: Topology, resume: int, **layerkv: Any) -> di
         producer = oracle.pooled()
         serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
         produced = _pool_objects(backend.client(), producer, [PRODUCER_PROMPT])
-        late = {h.hex() for h in _hashes(PRODUCER_PROMPT)[resume // BLOCK_SIZE :]}
+        # block ids as the keys name them (keyed: each stage namespace's keyed hash, not the engine's)
+        late = {w.namespace.block_id(h).hex() for w in producer.workers for h in _hashes(PRODUCER_PROMPT)[resume // BLOCK_SIZE :]}
         backend.remove([k for k in produced if k.split("@")[1] in late])
         consumer = oracle.pooled()
         serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)

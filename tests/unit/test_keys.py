@@ -225,3 +225,49 @@ def test_encrypted_objects_have_names_of_their_own() -> None:
     assert block_key(encrypted, block_hash, 0) != block_key(keyed, block_hash, 0)
     assert namespace_for(BASE, "default", layout, names_key=key, encrypted=False) == keyed
     assert namespace_for(BASE, "default", layout) == namespace_for(BASE, "default", layout, encrypted=False)
+
+
+# (tp_size, num_kv_heads, store_shards) -> each rank's shards
+SHARD_TABLE = {
+    (1, 2, 2): [(0, 1)],
+    (2, 2, 2): [(0,), (1,)],
+    (1, 8, 4): [(0, 1, 2, 3)],
+    (2, 8, 4): [(0, 1), (2, 3)],
+    (4, 8, 8): [(0, 1), (2, 3), (4, 5), (6, 7)],
+    (4, 2, 2): [(0,), (0,), (1,), (1,)],  # replicated heads: put_step 2
+}
+
+
+@pytest.mark.parametrize(("tp_size", "num_kv_heads", "shards"), sorted(SHARD_TABLE))
+def test_store_shards_split_the_heads_whatever_the_tp_size(tp_size: int, num_kv_heads: int, shards: int) -> None:
+    roles = [storage_role(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=num_kv_heads,
+                                              store_shards=shards)) for r in range(tp_size)]
+    assert [r.storage_ranks for r in roles] == SHARD_TABLE[(tp_size, num_kv_heads, shards)]
+    assert {r.num_storage_ranks for r in roles} == {shards}
+    written = [s for r in roles if r.writes for s in r.storage_ranks]
+    assert sorted(written) == list(range(shards))  # every shard has exactly one writer
+
+
+def test_the_same_split_names_the_same_objects_at_any_tp_size() -> None:
+    layout = make_layout()
+    names = {namespace_for(dataclasses.replace(BASE, tp_size=tp, num_kv_heads=8, store_shards=4), "default", layout).name
+             for tp in (1, 2, 4)}
+    assert len(names) == 1
+    # unchosen, the split follows the TP size and the TP size is in the name: private to it
+    private = {namespace_for(dataclasses.replace(BASE, tp_size=tp, num_kv_heads=2), "default", layout).name for tp in (2, 4)}
+    assert len(private) == 2
+    assert namespace_for(dataclasses.replace(BASE, store_shards=2), "default", layout).name not in {
+        namespace_for(dataclasses.replace(BASE, store_shards=4), "default", layout).name}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tp_size": 4, "num_kv_heads": 8, "store_shards": 2}, r"store_shards=2 must divide num_kv_heads=8 and be a multiple of this deployment's 4"),
+        ({"tp_size": 1, "num_kv_heads": 8, "store_shards": 3}, r"store_shards=3 must divide num_kv_heads=8"),
+        ({"tp_size": 2, "num_kv_heads": 1, "is_mla": True, "store_shards": 2}, r"MLA latent is one head"),
+    ],
+)
+def test_splits_that_do_not_fit_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(UnsupportedSetupError, match=message):
+        storage_role(dataclasses.replace(BASE, **change))

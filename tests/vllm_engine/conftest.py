@@ -112,8 +112,13 @@ class Fleet:
         if name == "tp2":  # tensor parallel 2, one core per rank
             transfer = layerkv_transfer("kv_both", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector")
             transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
+            transfer["kv_connector_extra_config"]["store_shards"] = 2  # shares with tp1-shards (one object per head)
             return (llm_kwargs(self.model_dir, transfer, tensor_parallel_size=2),
                     engine_env(mooncake, faults, VLLM_CPU_OMP_THREADS_BIND="0|1"))
+        if name == "tp1-shards":  # tensor parallel 1 splitting blocks as tp2 does: each rank of either reads the other's
+            transfer = layerkv_transfer("kv_both")
+            transfer["kv_connector_extra_config"]["store_shards"] = 2
+            return llm_kwargs(self.model_dir, transfer), engine_env(mooncake, faults)
         if name == "embedded":  # one process: engine core + uni executor in the host process
             transfer = layerkv_transfer("kv_both", backend="embedded")
             # its tests run while the other engines start (each busy-waits on its OMP threads):

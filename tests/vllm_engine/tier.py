@@ -19,6 +19,7 @@ REPO = Path(__file__).parents[2]
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 TENANT = "engine-tier"
 README = REPO / "README.md"
+DOCS_VLLM = REPO / "docs" / "vllm.md"
 MODEL_NAME = "tiny-llama"
 # What the README leaves to the deployment: a model this CPU can serve, its KV blocks and dtype,
 # loopback, and prompt-token details in the usage block (to see the pool hit).
@@ -107,8 +108,26 @@ def vllm_serve() -> list[str]:
     return [str(Path(sys.executable).with_name("vllm")), "serve"]
 
 
+def pd_serve_argv(role: str) -> list[str]:
+    """The prefill ("prefill") or decode ("decode") `vllm serve ...` command of docs/vllm.md's
+    prefill/decode section, as argv, without its --port."""
+    section = DOCS_VLLM.read_text().split("## Prefill/decode disaggregation", 1)[1].split("\n## ", 1)[0]
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "layerkv pd-proxy" in b]
+    commands = [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.startswith("vllm serve")]
+    assert len(commands) == 2, commands
+    argv = commands[0 if role == "prefill" else 1]
+    port = argv.index("--port")
+    return argv[:port] + argv[port + 2:]
+
+
 def serve_process(name: str, model_dir: Path, mooncake_config: Path, fault_dir: Path, log_dir: Path) -> ServeProcess:
-    """Start one server with the README's command (the fleet stops it at the end)."""
+    """Start one server with the README's command, or serve-prefill / serve-decode with docs/vllm.md's
+    prefill/decode commands (the fleet stops it at the end)."""
     port = MasterPorts.pick().rpc_port  # a free loopback port
-    command = [*vllm_serve(), str(model_dir), *readme_serve_argv()[3:], "--port", str(port), *TEST_FLAGS]
-    return ServeProcess(name, command, port, engine_env(mooncake_config, fault_dir), log_dir)
+    pd = {"serve-prefill": "prefill", "serve-decode": "decode"}.get(name)
+    argv = pd_serve_argv(pd) if pd else readme_serve_argv()
+    command = [*vllm_serve(), str(model_dir), *argv[3:], "--port", str(port), *TEST_FLAGS]
+    env = engine_env(mooncake_config, fault_dir)
+    if "--tensor-parallel-size" in argv:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank, as the tier's tp2
+    return ServeProcess(name, command, port, env, log_dir)

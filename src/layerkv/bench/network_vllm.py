@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import stat
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,10 @@ from typing import Any
 from layerkv.bench.cluster_pool import ClusterPool
 from layerkv.bench.netns import TEST_HOST, TEST_HOST_ADDR
 from layerkv.bench.pool_reader import PoolReader
-from layerkv.bench.serving import engine_spec, measure
+from layerkv.bench.serving import engine_spec, make_model, measure
 from layerkv.bench.serving_grid import BLOCK_SIZE, Grid
 from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, Run, Step, schedule, suite_rows
-from layerkv.bench.vllm_engines import EngineProcess, engine_env, link_layerkv
+from layerkv.bench.vllm_engines import EngineProcess, link_layerkv
 from layerkv.bench.vllm_model import native_dtype
 
 CONTENDERS = (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
@@ -48,12 +47,7 @@ class ClusterEngines:
     def __init__(self, pool: ClusterPool, engine_python: str, grid_: Grid, work: Path) -> None:
         self.grid, self.work = grid_, work
         self.pythonpath = link_layerkv(work)
-        self.model = work / "model"
-        made = subprocess.run([engine_python, "-m", "layerkv.bench.vllm_model", str(self.model), "--layers",
-                               str(grid_.num_layers), "--hidden", str(grid_.hidden_size), "--dtype", grid_.dtype],
-                              env=engine_env(self.pythonpath, {}), capture_output=True, text=True, timeout=600)
-        if made.returncode != 0:
-            raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
+        self.model = make_model(engine_python, self.pythonpath, work, grid_)
         self.reader = PoolReader(pool.metrics_url, dict(pool.config, local_hostname=TEST_HOST_ADDR, global_segment_size=0),
                                  grid_.kv_bytes_per_token * BLOCK_SIZE + 4096)
         self.prefix_keys: dict[tuple[int, int], list[str]] = {}

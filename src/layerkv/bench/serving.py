@@ -53,6 +53,17 @@ REFERENCES = (("layerkv-producer", LAYERKV), ("mooncake-producer", MOONCAKE), ("
               ("layerkv-encrypted-producer", LAYERKV_ENCRYPTED))
 
 
+def make_model(python: str, pythonpath: Path, work_dir: Path, grid: Grid) -> Path:
+    """The grid's random-weight Llama in work_dir/model, made by the engine's Python."""
+    model = work_dir / "model"
+    made = subprocess.run([python, "-m", "layerkv.bench.vllm_model", str(model), "--layers", str(grid.num_layers),
+                           "--hidden", str(grid.hidden_size), "--dtype", grid.dtype],
+                          env=engine_env(pythonpath, {}), capture_output=True, text=True, timeout=600)
+    if made.returncode != 0:
+        raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
+    return model
+
+
 def omp_bind() -> str:
     """Every CPU for vLLM's OpenMP threads in every engine (one engine computes at a time);
     LAYERKV_BENCH_OMP_BIND overrides (e.g. "0": one core for compute)."""
@@ -70,12 +81,7 @@ class Rig:
         self.python, self.vllm_version = os.path.abspath(options.engine_python), vllm_version  # engines run in work_dir
         self.pythonpath = link_layerkv(work_dir)
         progress.case(f"{NAME}: model")
-        self.model = work_dir / "model"
-        made = subprocess.run([self.python, "-m", "layerkv.bench.vllm_model", str(self.model), "--layers",
-                               str(grid.num_layers), "--hidden", str(grid.hidden_size), "--dtype", grid.dtype],
-                              env=engine_env(self.pythonpath, {}), capture_output=True, text=True, timeout=600)
-        if made.returncode != 0:
-            raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
+        self.model = make_model(self.python, self.pythonpath, work_dir, grid)
         progress.case(f"{NAME}: pool")
         self.master = LocalMaster(segment_size=str(grid.pool_bytes()))
         self.engines: dict[str, EngineProcess] = {}

@@ -134,10 +134,10 @@ class EngineProcess:
         return reply
 
     def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, commit: bool = False,
-                 max_tokens: int = 1) -> dict[str, Any]:
+                 max_tokens: int = 1, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
         """{"wall_ms": ..., "outputs": [{"token_ids", "logprobs", "num_cached_tokens", ...}]}."""
         return self.call("generate", prompts=prompts, max_tokens=max_tokens, reset_prefix_cache=reset_prefix_cache,
-                         commit=commit)
+                         commit=commit, kv_transfer_params=kv_transfer_params)
 
     def request_stop(self) -> None:
         """Ask the host to shut vLLM down (returns at once; `stop` waits)."""

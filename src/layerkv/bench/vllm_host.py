@@ -6,7 +6,7 @@ carry vLLM's logs to a file. vLLM spawns its engine core and workers from here. 
     python -m layerkv.bench.vllm_host '<spec json>' <reply fd>   (tests: tests.vllm_engine.engine_host)
     spec: {"llm": {LLM keyword arguments}}
     commands: {"op": "generate", "prompts": [[ids]], "max_tokens": 1, "reset_prefix_cache": bool,
-               "commit": bool}, {"op": "counters"}, {"op": "shutdown"}
+               "commit": bool, "kv_transfer_params": {...} or null}, {"op": "counters"}, {"op": "shutdown"}
 """
 
 from __future__ import annotations
@@ -21,10 +21,14 @@ from typing import Any
 COMMIT_TOKEN = 3  # a one-token prompt: no full block, nothing to save or load
 
 
-def _params(max_tokens: int) -> Any:
+def _params(max_tokens: int, kv_transfer_params: dict[str, Any] | None = None) -> Any:
+    """Greedy; `kv_transfer_params` reach the connector as a P/D proxy's request body does
+    (vLLM reads them from the sampling params' extra_args)."""
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True,
+                          extra_args=extra)
 
 
 def _output(out: Any) -> dict[str, Any]:
@@ -39,6 +43,7 @@ def _output(out: Any) -> dict[str, Any]:
         "logprobs": [float(lp).hex() for lp in chosen],  # exact: compared bit for bit
         "num_cached_tokens": int(out.num_cached_tokens or 0),
         "first_token_ms": first_token_s * 1000 if first_token_s else None,  # engine's arrival -> first token
+        "kv_transfer_params": getattr(out, "kv_transfer_params", None),  # what a P/D proxy passes on
     }
 
 
@@ -51,7 +56,7 @@ def generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
     prompts = [{"prompt_token_ids": ids} for ids in cmd["prompts"]]
     start = time.perf_counter()
-    outs = llm.generate(prompts, _params(cmd.get("max_tokens", 1)), use_tqdm=False)
+    outs = llm.generate(prompts, _params(cmd.get("max_tokens", 1), cmd.get("kv_transfer_params")), use_tqdm=False)
     wall_ms = (time.perf_counter() - start) * 1000
     if cmd.get("commit"):
         for _ in range(2):

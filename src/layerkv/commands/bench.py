@@ -21,13 +21,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Run benchmark suites (all by default) and write results.json, results.md and PNGs.")
     p.add_argument("suites", nargs="*", metavar="SUITE",
                    help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
-                        "serving (real vLLM engines, see --engine-python), network (hosts as network namespaces: needs root)")
+                        "serving (real vLLM engines, see --engine-python), pd (prefill/decode, real vLLM engines), "
+                        "network (hosts as network namespaces: needs root)")
     p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--engine-python", default=DEFAULT_ENGINE_PYTHON,
-                   help="suite serving: the Python that runs vLLM (with vllm and mooncake installed; "
+                   help="suites serving, pd, network: the Python that runs vLLM (with vllm and mooncake installed; "
                         "default: %(default)s)")
     p.add_argument("--tenant-keys", action="store_true",
                    help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "

@@ -1,5 +1,5 @@
 """The engine-neutral connector: `SchedulerConnector` (scheduler.py) and `WorkerConnector`
-(worker.py) implement the vLLM-named hooks of hooks.py over a `CheckedStore` the caller opens
+(worker.py; `worker_connector` builds a rank's, shards.py) implement the vLLM-named hooks of hooks.py over a `CheckedStore` the caller opens
 (`store.factory.open_checked_store`). Engines (reference engine, vLLM facade) import from here.
 """
 
@@ -9,6 +9,7 @@ from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
 from layerkv.connector.scheduler import PoolLookup, SchedulerConnector
 from layerkv.connector.stats import SchedulerStats, WorkerStats
 from layerkv.connector.worker import WorkerConnector
+from layerkv.connector.shards import ShardedWorker, worker_connector
 
 __all__ = [
     "BlockSpec",
@@ -19,4 +20,6 @@ __all__ = [
     "StepVerdict",
     "WorkerConnector",
     "WorkerStats",
+    "ShardedWorker",
+    "worker_connector",
 ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.objects.keys import Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
+from layerkv.objects.keys import with_store_shards, Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.prefill_wait import PREFIX_TOKENS, PrefillWaits, promised_tokens
@@ -108,6 +108,7 @@ class SchedulerConnector:
     """The scheduler hooks (see hooks.SchedulerHooks) backed by a store."""
 
     def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> None:
+        deployment = with_store_shards(deployment, config.store_shards)
         self.config = config
         self.deployment = deployment
         self.store = store

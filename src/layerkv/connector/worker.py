@@ -21,7 +21,7 @@ from typing import Any
 import layerkv.connector.worker_jobs as worker_jobs
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, TransferError
-from layerkv.objects.keys import storage_role, tenant_namespaces
+from layerkv.objects.keys import with_store_shards, storage_role, tenant_namespaces
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec, StepPlan
@@ -63,13 +63,24 @@ class WorkerConnector:
       in staging and are verified as they reach the cache, saves gather the cache into staging.
     """
 
-    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> None:
+    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore, shard: int | None = None) -> None:
+        """`shard`: which of this rank's shards it stores (connector/shards.py builds one worker
+        per shard when the split is finer than the TP size); None: the rank's only one."""
         if not isinstance(store, CheckedStore):
             raise TypeError(f"WorkerConnector needs a CheckedStore (store.factory.open_checked_store), got {type(store).__name__}")
+        deployment = with_store_shards(deployment, config.store_shards)
         self.config = config
         self.deployment = deployment
         self.store = store
         self.storage_role = storage_role(deployment)
+        ranks = self.storage_role.storage_ranks
+        if shard is None and len(ranks) > 1:
+            raise ConfigError(f"this rank holds {len(ranks)} shards of each block (store_shards="
+                              f"{self.storage_role.num_storage_ranks}, tp_size={deployment.tp_size}): build its worker "
+                              "with layerkv.connector.shards.worker_connector")
+        if shard is not None and shard not in ranks:
+            raise ConfigError(f"shard={shard} is not one of this rank's shards {list(ranks)}")
+        self.storage_rank = ranks[0] if shard is None else shard
         self.tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
         self.namespaces = tenant_namespaces(deployment, config.tenant, config.model_fingerprint, self.tenant_keys,
                                             config.encrypt_objects)
@@ -90,6 +101,7 @@ class WorkerConnector:
         self._areas: StagingAreas | None = None  # registered rows, one job at a time (once registered)
         self._closed = False  # compute thread: shutdown() ran
         rank = f"{deployment.pp_rank}-{deployment.tp_rank}" if deployment.pp_size > 1 else str(deployment.tp_rank)
+        rank += f"s{shard}" if len(ranks) > 1 else ""
         self.planner: Planner | None = None  # once the KV caches are registered (compute thread)
         # one lane pool per transfer thread: a stuck write never holds up a read (or the reverse)
         self._load_lanes = Lanes(f"layerkv-rlane-{rank}", max_lanes=8)
@@ -118,13 +130,13 @@ class WorkerConnector:
         self._areas = StagingAreas.for_layout(self.layout, self.config.staging_nbytes, direct)
         caches = RegisteredCaches.over(CacheViews(self.layout, kv_caches), self._areas)
         self.planner = worker_jobs.planner_for(self.config, caches)
-        self._jobs = JobFactory(self.config, self.store, self.namespaces, headers, self.storage_role.storage_rank, caches,
+        self._jobs = JobFactory(self.config, self.store, self.namespaces, headers, self.storage_rank, caches,
                                 self.planner, self._load_lanes, self._save_lanes, self.commits, self._stats)
         # the store can reach these and nothing else of the engine's (the live cache only when the
         # user opts in; a Mooncake client that mounts a global segment in this process exposes it too)
         registered = self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
-        log.info("layerkv: rank %d: %d layers, object %d bytes, staging %d MiB%s %s, namespace %s",
-                 self.deployment.tp_rank, self.layout.num_layers, self.layout.object_nbytes, self._areas.nbytes() >> 20,
+        log.info("layerkv: rank %d shard %d: %d layers, object %d bytes, staging %d MiB%s %s, namespace %s",
+                 self.deployment.tp_rank, self.storage_rank, self.layout.num_layers, self.layout.object_nbytes, self._areas.nbytes() >> 20,
                  " and the live KV cache (register_kv_cache)" if direct else "",
                  "registered with the store" if registered else "not registered yet (retried)", self.namespace.name)
 

@@ -33,12 +33,18 @@ class EngineConfig:
     tp_size: int = 1
     pp_size: int = 1  # pipeline stages (each holds an even share of the layers)
     model_id: str = "layerkv/reference-llama"
+    # Byte order of a K/V cache block: "NHD" [block_size, heads, head_dim] (vLLM's GPU default) or
+    # "HND" [heads, block_size, head_dim] (vLLM's CPU default; a rank holding several shards of a
+    # block, config store_shards, needs it). The tensors are [2, num_blocks, block_size, heads, head_dim] either way.
+    kv_layout: str = "NHD"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "tp_size", "pp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be a positive int")
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ConfigError(f"EngineConfig.kv_layout={self.kv_layout!r} must be 'NHD' or 'HND'")
 
 
 def make_deployment(
@@ -63,13 +69,13 @@ def make_deployment(
 
 
 def kv_signature(model_config: ModelConfig, engine_config: EngineConfig) -> str:
-    """Per-layer cache shapes of one rank, as the scheduler side can compute them (no tensors)."""
+    """Per-layer cache shapes of the whole model (every KV head; the namespace adds the split), as
+    the scheduler side can compute them (no tensors)."""
     m, bs = model_config, engine_config.block_size
     if m.is_mla:
         attn = f"mla[{bs},{m.mla_latent_dim}]"
     else:
-        heads = max(1, m.num_kv_heads // engine_config.tp_size)
-        attn = f"kv[2,{bs},{heads},{m.head_dim}]"
+        attn = f"kv[2,{bs},{m.num_kv_heads},{m.head_dim}]{engine_config.kv_layout}"  # every head: TP-independent
     index = f"+idx[{bs},{m.index_dim}]" if m.index_dim else ""
     return f"{m.num_layers}+{m.num_mtp_layers}mtp x {attn}{index} {m.dtype}"
 
@@ -105,6 +111,7 @@ class Engine:
             engine_config.block_size,
             worker_hooks or [NullWorker() for _ in range(num_workers)],
             engine_config.pp_size,
+            kv_layout=engine_config.kv_layout,
         )
         self.steps: list[StepRecord] = []  # every step since construction
         self._req_counter = itertools.count()

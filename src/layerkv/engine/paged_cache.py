@@ -1,5 +1,6 @@
 """One TP rank's paged KV caches in vLLM's layouts: per attention layer either K/V
-[2, num_blocks, block_size, num_kv_heads_on_rank, head_dim] or one flat entry per token
+[2, num_blocks, block_size, num_kv_heads_on_rank, head_dim] (stored in that order, NHD, or with
+the heads outermost in a block, HND) or one flat entry per token
 [num_blocks, block_size, dim] (MLA latent, sparse-attention indexer keys); slot-mapping writes
 and block gathers for attention. Worker side; written by the compute thread, and by a connector's
 transfer threads for blocks the scheduler handed it (never concurrently for the same block).
@@ -12,6 +13,13 @@ from collections.abc import Sequence
 import torch
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, heads_outer: bool) -> torch.Tensor:
+    if heads_outer and len(shape) == 5:  # [2, num_blocks, block_size, heads, head_dim] over HND memory
+        two, num_blocks, block_size, heads, head_dim = shape
+        return torch.zeros((two, num_blocks, heads, block_size, head_dim), dtype=dtype).transpose(2, 3)
+    return torch.zeros(shape, dtype=dtype)
+
+
 def slot_mapping(block_ids: Sequence[int], start_token: int, end_token: int, block_size: int) -> torch.Tensor:
     """Flat slot (block_id * block_size + offset) of each token position in [start, end)."""
     positions = torch.arange(start_token, end_token)  # [n]
@@ -22,10 +30,13 @@ def slot_mapping(block_ids: Sequence[int], start_token: int, end_token: int, blo
 class RankKVCache:
     """Caches of every layer on one rank; `tensors` is what `register_kv_caches` receives."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], block_size: int, dtype: torch.dtype) -> None:
-        """`shapes`: cache name -> full tensor shape (see the module docstring), in layer order."""
+    def __init__(self, shapes: dict[str, tuple[int, ...]], block_size: int, dtype: torch.dtype,
+                 heads_outer: bool = False) -> None:
+        """`shapes`: cache name -> full tensor shape (see the module docstring), in layer order.
+        `heads_outer`: K/V blocks stored as [heads, block_size, head_dim] (vLLM's HND) behind the
+        same [2, num_blocks, block_size, heads, head_dim] tensor shape."""
         self.block_size = block_size
-        self.tensors: dict[str, torch.Tensor] = {name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}
+        self.tensors: dict[str, torch.Tensor] = {name: _zeros(shape, dtype, heads_outer) for name, shape in shapes.items()}
 
     def _block_index(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         return torch.as_tensor(list(block_ids[: -(-num_tokens // self.block_size)]), dtype=torch.long)
@@ -33,9 +44,9 @@ class RankKVCache:
     def write_kv(self, name: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [n, hkv, d] into flat slots [n]."""
         cache = self.tensors[name]
-        flat = cache.view(2, -1, cache.shape[3], cache.shape[4])  # [2, num_blocks*block_size, hkv, d]
-        flat[0, slots] = k
-        flat[1, slots] = v
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        cache[0, blocks, offsets] = k
+        cache[1, blocks, offsets] = v
 
     def gather_kv(self, name: str, block_ids: Sequence[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_tokens, hkv, d] of the first `num_tokens` positions of `block_ids`."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from layerkv.config import LayerKVConfig
-from layerkv.connector import SchedulerConnector, WorkerConnector
+from layerkv.connector import SchedulerConnector, worker_connector
 from layerkv.engine.engine import Engine, EngineConfig, make_deployment
 from layerkv.engine.model import ModelConfig, Weights
 from layerkv.messages import KVRole
@@ -29,7 +29,7 @@ def pooled_engine(
     open_store = store_factory or (lambda: open_checked_store(config))
     scheduler = SchedulerConnector(config, make_deployment(model_config, engine_config, 0, role), open_store())
     workers = [  # stage-major: worker_hooks[stage * tp_size + rank]
-        WorkerConnector(config, make_deployment(model_config, engine_config, rank, role, stage), open_store())
+        worker_connector(config, make_deployment(model_config, engine_config, rank, role, stage), open_store())
         for stage in range(engine_config.pp_size)
         for rank in range(engine_config.tp_size)
     ]

@@ -64,8 +64,10 @@ class ModelRunner:
         block_size: int,
         worker_hooks: Sequence[WorkerHooks],
         pp_size: int = 1,
+        kv_layout: str = "NHD",
     ) -> None:
-        """`worker_hooks[stage * tp_size + rank]` serves TP rank `rank` of pipeline stage `stage`."""
+        """`worker_hooks[stage * tp_size + rank]` serves TP rank `rank` of pipeline stage `stage`;
+        `kv_layout`: EngineConfig.kv_layout."""
         assert len(worker_hooks) == tp_size * pp_size
         self.cfg = cfg
         self.block_size = block_size
@@ -80,7 +82,7 @@ class ModelRunner:
             for r in range(tp_size):
                 shapes = cache_shapes(cfg, r, tp_size, num_blocks, block_size)
                 mine = {n: shape for n, shape in shapes.items() if n in stage_names or n.removesuffix(".indexer.k_cache") + ".attn" in stage_names}
-                self.caches.append(RankKVCache(mine, block_size, cfg.torch_dtype))
+                self.caches.append(RankKVCache(mine, block_size, cfg.torch_dtype, heads_outer=kv_layout == "HND"))
         self.worker_hooks = list(worker_hooks)
         self._finished_counts: dict[str, Counter[ReqId]] = {"sending": Counter(), "recving": Counter()}
         for hooks, cache in zip(self.worker_hooks, self.caches):

@@ -71,9 +71,9 @@ def _default_scheduler_side(config: LayerKVConfig, deployment: Deployment, store
 
 
 def _default_worker_side(config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> WorkerHooks:
-    from layerkv.connector import WorkerConnector
+    from layerkv.connector.shards import worker_connector
 
-    return WorkerConnector(config, deployment, store)
+    return worker_connector(config, deployment, store)
 
 
 # How the facade opens its store and builds the engine-neutral sides. Tests wrap OPEN_STORE to

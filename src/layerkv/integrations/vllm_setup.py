@@ -65,9 +65,9 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
                 "attention or cross-attention (a model that needs them runs without layerkv, or with "
                 "--disable-hybrid-kv-cache-manager where vLLM allows it)"
             )
-        elif len({_spec_text(s) for s in specs}) > 1:
+        elif len({_spec_text(s, 1) for s in specs}) > 1:
             problems.append(
-                f"per-layer KV specs differ within one group ({len({_spec_text(s) for s in specs})} shapes): "
+                f"per-layer KV specs differ within one group ({len({_spec_text(s, 1) for s in specs})} shapes): "
                 "vLLM's scheduler sees only one of them, so layerkv cannot name the objects"
             )
     parallel = vllm_config.parallel_config
@@ -203,26 +203,31 @@ def _layer_specs(group: Any) -> list[Any]:
     return list(specs.values()) if specs else [group.kv_cache_spec]
 
 
-def _spec_text(spec: Any) -> str:
+def _spec_text(spec: Any, total_kv_heads: int) -> str:
+    """One layer's spec for the whole model: `total_kv_heads` for the rank's heads (and the
+    page scaled alike), so servers of different TP sizes can name the same objects."""
     kind = "mla" if isinstance(spec, MLAAttentionSpec) else "attn"
     if isinstance(spec, SlidingWindowSpec):
         kind = f"swa{spec.sliding_window}"
     head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    heads = 1 if kind == "mla" else total_kv_heads
+    page = spec.page_size_bytes * heads // max(1, spec.num_kv_heads)
     return (
-        f"vllm-{kind}[block_size={spec.block_size},num_kv_heads={spec.num_kv_heads},head_size={spec.head_size},"
-        f"head_size_v={head_size_v}]{str(spec.dtype).removeprefix('torch.')}:page={spec.page_size_bytes}"
+        f"vllm-{kind}[block_size={spec.block_size},num_kv_heads={heads},head_size={spec.head_size},"
+        f"head_size_v={head_size_v}]{str(spec.dtype).removeprefix('torch.')}:page={page}"
     )
 
 
-def kv_signature_of(kv_cache_config: KVCacheConfig, group: int = 0) -> str:
-    """`Deployment.kv_signature`: the per-layer cache spec of one group, computed the same
+def kv_signature_of(kv_cache_config: KVCacheConfig, total_kv_heads: int, group: int = 0) -> str:
+    """`Deployment.kv_signature`: the per-layer cache spec of one group for the whole model (every
+    one of `total_kv_heads`; the namespace adds the TP size or the chosen split), computed the same
     on the scheduler and on every worker. vLLM hands the scheduler rank 0's config with a
     UniformTypeKVCacheSpecs reduced to one of its specs and (under PP) other layer names, so
     this names the spec, not the layers (`check_supported` rejects groups whose specs differ).
     A block stored in another byte order than [H, N, C] (LBNHC, BLNHC) adds `:order=NHC`, so
     caches that disagree on it name different objects (no hit, never foreign bytes)."""
     specs = _layer_specs(kv_cache_config.kv_cache_groups[group])
-    (text,) = sorted({_spec_text(s) for s in specs})
+    (text,) = sorted({_spec_text(s, total_kv_heads) for s in specs})
     name = getattr(kv_cache_config, "kv_cache_layout", None)
     order = block_byte_order(KVCacheLayout[name] if name else None)
     if order != "HNC" and any(s.num_kv_heads > 1 for s in specs):
@@ -314,7 +319,7 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
         model_settings=model_settings_of(vllm_config),
         is_mla=bool(model.use_mla),
         role=KVRole(kv_role),
-        kv_signature=kv_signature_of(kv_cache_config),
+        kv_signature=kv_signature_of(kv_cache_config, 1 if model.use_mla else model.get_total_num_kv_heads()),
     )
 
 
@@ -331,7 +336,7 @@ def group_deployments(deployment: Deployment, kv_cache_config: KVCacheConfig) ->
     out = []
     for g, group in enumerate(groups):
         names = hashlib.sha256(",".join(group.layer_names).encode()).hexdigest()[:16]
-        signature = f"{kv_signature_of(kv_cache_config, g)}|group={g}/{len(groups)}:layers={len(group.layer_names)}:{names}"
+        signature = f"{kv_signature_of(kv_cache_config, deployment.num_kv_heads, g)}|group={g}/{len(groups)}:layers={len(group.layer_names)}:{names}"
         spec = group.kv_cache_spec
         # vLLM's SlidingWindowManager: a hit of N blocks reads the last cdiv(window - 1, block) of them
         window = -(-(spec.sliding_window - 1) // spec.block_size) if isinstance(spec, SlidingWindowSpec) else 0

