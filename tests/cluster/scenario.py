@@ -50,20 +50,19 @@ def _identical(a: RequestOutput, b: RequestOutput) -> bool:
         torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
-def assert_local(tag: str, got: Sequence[RequestOutput], prompts: Prompts) -> list[str]:
+def assert_local(tag: str, got: Sequence[RequestOutput], prompts: Prompts, prefer: str = "loaded") -> list[str]:
     """Each output equals a local run: with the producer's prefix KV, or fresh (recomputed from
-    the first block). Returns which it equals first, per request (the two may be the same bits:
-    computing a row does not depend on how many rows share its chunk; the stats tell which
-    path ran)."""
+    the first block). Returns which it equals, per request, `prefer` ("loaded" or "recomputed")
+    first: the two may be the same bits (how many rows share a chunk may or may not change a
+    row's rounding), so the hit tokens and stats tell which path ran."""
     config = dataclasses.replace(small_engine(), model_id=f"cluster/{tag}")
     loaded = local_oracle(Engine(MODEL, config), prompts.producer, prompts.consumer, MAX_TOKENS)
     fresh = serve(Engine(MODEL, config), prompts.consumer, MAX_TOKENS)
     kinds = []
     for g, want, alone in zip(got, loaded, fresh, strict=True):
-        if _identical(g, want):
-            kinds.append("loaded")
-        elif _identical(g, alone):
-            kinds.append("recomputed")
+        matches = [kind for kind, run in (("loaded", want), ("recomputed", alone)) if _identical(g, run)]
+        if matches:
+            kinds.append(prefer if prefer in matches else matches[0])
         else:
             raise AssertionError(f"{g.req_id}: equals neither the local run with the pool's prefix nor a fresh local run")
     return kinds

@@ -83,8 +83,9 @@ def test_a_prefill_that_dies_before_its_commit_costs_one_bounded_wait_and_a_reco
     prompt = random_tokens(PROMPT_TOKENS, seed=702)
     prefill = oracle.pooled(KVRole.PRODUCER)
     decode = oracle.pooled(KVRole.CONSUMER)
+    prefill.rank_faults(0).delay(PUT_START, 1.0, times=1)  # its writes still under way when it goes
     made = _prefill(prefill.engine, prompt)
-    prefill.engine.shutdown()  # gone before the step that carries its commit: its puts are revoked
+    prefill.engine.shutdown()  # gone before its commit: its puts are revoked
     oracle.runs.remove(prefill)  # nothing of it to check at teardown but the PROCESSING objects (below)
     start = time.monotonic()
     req = decode.engine.add_request(prompt, MAX_TOKENS, kv_transfer_params=made.kv_transfer_params)
@@ -97,6 +98,26 @@ def test_a_prefill_that_dies_before_its_commit_costs_one_bounded_wait_and_a_reco
     local = oracle.local()
     assert_identical([got], local.generate([prompt], MAX_TOKENS))
     assert oracle.backend.processing_keys(prefill.put_start_keys(0)) == []
+
+
+@BOTH_BACKENDS
+def test_a_prefill_servers_objects_are_readable_once_written_without_another_step(make_oracle) -> None:
+    """A kv_producer never loads, so nothing can taint its saves: it commits them right after
+    their writes, not in a later step's verdict (the decode request then has nothing to wait for)."""
+    oracle = make_oracle()
+    prompt = random_tokens(PROMPT_TOKENS, seed=705)
+    prefill = oracle.pooled(KVRole.PRODUCER)
+    made = _prefill(prefill.engine, prompt)
+    assert all(w.is_idle(10.0) for w in prefill.workers)  # its write thread is done; no step ran since
+    keys = prefill.keys(prompt)
+    assert len(keys) == PREFIX // BLOCK_SIZE
+    assert oracle.backend.exists(keys) == [1] * len(keys)
+    assert sum(w.stats().committed_keys for w in prefill.workers) == len(keys)
+    decode = oracle.pooled(KVRole.CONSUMER)
+    view = prefill.engine.scheduler.requests[made.req_id].view()
+    plain = dataclasses.replace(view, req_id="probe", kv_transfer_params=None)
+    assert decode.engine.scheduler.hooks.get_num_new_matched_tokens(plain, 0) == (PREFIX, False)
+    _decode(decode.engine, prefill.engine, [])  # the prefill's last step reaches its workers (teardown: idle)
 
 
 @BOTH_BACKENDS

@@ -10,8 +10,12 @@ Driver thread: this process makes the model, runs the master and drives the thre
 Per prompt (a prefix of 512 or 2,048 tokens and 32 more):
     prefill_ms          the prefill engine's answer (its generate's wall time)
     decode_ttft_ms      the decode engine's first token (vLLM's first_token_latency: arrival to
-                        first token), including any wait for the prefill's commit
+                        first token), sent the moment the prefill answered, including any wait for
+                        the prefill's commit. On one host the prefill engine's commit step and its
+                        workers' spinning OpenMP threads share the cores with it.
     pd_ms               what the client waits for the first decoded token: prefill_ms + the decode's wall time
+    decode_settled_ttft_ms  the same request again (local prefix cache reset) once the prefill
+                        engine is idle: a decode server on a host of its own
     recompute_ttft_ms   the engine without a connector, the same prompt computed whole
     decode_wait_ms      the decode scheduler's prefill_wait_ms during the request
     hit_tokens          the decode engine's cached tokens (all from the pool)
@@ -25,6 +29,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +43,7 @@ from layerkv.bench.vllm_model import native_dtype
 NAME = "pd"
 SUFFIX_TOKENS = 32
 STORE_SHARDS = 2  # the prefill engine's TP size: the decode engine (TP=1) holds both shards
-WAIT_COUNTER = "vllm:layerkv_total{counter=scheduler_prefill_wait_ms}"
-WAITS_COUNTER = "vllm:layerkv_total{counter=scheduler_prefill_waits}"
+SETTLE_S = 2.0  # after a prefill, until its engine is idle (its commit step ran, its OpenMP threads stopped spinning)
 
 
 def grid(options: BenchOptions) -> Grid:
@@ -68,38 +72,52 @@ def _spec(g: Grid, model: Path, pythonpath: Path, name: str, layerkv_config: Pat
     return kwargs, env
 
 
-def _counter(engine: EngineProcess, name: str) -> float:
-    return float(engine.call("counters", timeout_s=60)["counters"].get(name, 0.0))
+def _layerkv_counters(engine: EngineProcess) -> dict[str, float]:
+    """layerkv's counters of one engine by stat name (`vllm:layerkv_total{counter=NAME}`)."""
+    out: dict[str, float] = {}
+    for key, value in engine.call("counters", timeout_s=60)["counters"].items():
+        name, _, labels = key.partition("{")
+        if name.startswith("vllm:layerkv") and labels.startswith("counter="):
+            out[labels.removeprefix("counter=").rstrip("}")] = float(value)
+    return out
 
 
 def _one(engines: dict[str, EngineProcess], prefix_tokens: int, repeat: int) -> dict[str, Any]:
     prompt = prefix_ids(prefix_tokens, repeat) + suffix_ids(SUFFIX_TOKENS, 100 + repeat)
     decode = engines["decode"]
-    wait_before, waits_before = _counter(decode, WAIT_COUNTER), _counter(decode, WAITS_COUNTER)
+    before = _layerkv_counters(decode)
     pre = engines["prefill"].generate([prompt], max_tokens=1)  # no commit: the response leaves as a server's does
     (made,) = pre["outputs"]
-    dec = decode.generate([prompt], max_tokens=1, kv_transfer_params=made["kv_transfer_params"])
-    (got,) = dec["outputs"]
+    params = made["kv_transfer_params"]
+    at_once = decode.generate([prompt], max_tokens=1, kv_transfer_params=params)
+    (got,) = at_once["outputs"]
+    after = _layerkv_counters(decode)
+    time.sleep(SETTLE_S)  # the prefill engine committed and its workers went idle: cores for the decode alone
+    settled = decode.generate([prompt], max_tokens=1, kv_transfer_params=params, reset_prefix_cache=True)["outputs"][0]
+    time.sleep(SETTLE_S)  # quiet cores for the recompute too
     rec = engines["plain"].generate([prompt], max_tokens=1, reset_prefix_cache=True)
     (alone,) = rec["outputs"]
     return {
         "prefix_tokens": prefix_tokens, "repeat": repeat, "prefill_ms": pre["wall_ms"],
-        "decode_ttft_ms": got["first_token_ms"], "pd_ms": pre["wall_ms"] + dec["wall_ms"],
-        "recompute_ttft_ms": alone["first_token_ms"], "decode_wait_ms": _counter(decode, WAIT_COUNTER) - wait_before,
-        "decode_waits": _counter(decode, WAITS_COUNTER) - waits_before, "hit_tokens": got["num_cached_tokens"],
+        "decode_ttft_ms": got["first_token_ms"], "pd_ms": pre["wall_ms"] + at_once["wall_ms"],
+        "decode_settled_ttft_ms": settled["first_token_ms"], "recompute_ttft_ms": alone["first_token_ms"],
+        "decode_wait_ms": after.get("scheduler_prefill_wait_ms", 0.0) - before.get("scheduler_prefill_wait_ms", 0.0),
+        "decode_waits": after.get("scheduler_prefill_waits", 0.0) - before.get("scheduler_prefill_waits", 0.0),
+        "hit_tokens": got["num_cached_tokens"], "settled_hit_tokens": settled["num_cached_tokens"],
         "same_first_token": got["token_ids"][:1] == made["token_ids"][:1] == alone["token_ids"][:1],
     }
 
 
-def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+def measure(engine_python: str, g: Grid, progress: Progress) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(one row per prompt, the engines' start-up seconds and vLLM's version): start the pool and
+    the three engines, one untimed round per prefix size, then every repeat."""
     from layerkv.store.local_master import LocalMaster
 
-    vllm_version = check_engine_python(options.engine_python)
-    g = grid(options)
-    result = SuiteResult(NAME)
+    vllm_version = check_engine_python(engine_python)
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="layerkv-bench-pd-") as tmp:
         work = Path(tmp)
-        python, pythonpath = os.path.abspath(options.engine_python), link_layerkv(work)
+        python, pythonpath = os.path.abspath(engine_python), link_layerkv(work)
         progress.case(f"{NAME}: model")
         model = make_model(python, pythonpath, work, g)
         master = LocalMaster(segment_size=str(g.pool_bytes()))
@@ -118,26 +136,32 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             for repeat in range(g.repeats):
                 for prefix in g.prefixes:
                     progress.case(f"{NAME}: prefix {prefix}, repeat {repeat + 1}/{g.repeats}")
-                    result.rows.append(_one(engines, prefix, repeat))
-            startup = {name: e.startup_s for name, e in engines.items()}
+                    rows.append(_one(engines, prefix, repeat))
         finally:
             for engine in engines.values():
                 engine.request_stop()
             for engine in engines.values():
                 engine.stop()
             master.stop()
+    return rows, {"vllm": vllm_version, "startup_s": {name: e.startup_s for name, e in engines.items()}}
+
+
+def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    g = grid(options)
+    rows, about = measure(options.engine_python, g, progress)
+    result = SuiteResult(NAME, rows=rows)
     _summarise(result, g)
     result.notes += [
-        f"vLLM {vllm_version}; model {g.num_layers} layers x {g.hidden_size} ({g.dtype}), 8 KV heads; prefill engine "
-        f"kv_producer TP={STORE_SHARDS}, decode engine kv_consumer TP=1, both store_shards={STORE_SHARDS}; the "
-        "recompute engine has no connector (TP=1). One request at a time; the decode request is sent the moment the "
-        "prefill engine answered, with its kv_transfer_params.",
-        f"engine start-up (s): {', '.join(f'{k} {v:.0f}' for k, v in startup.items() if v is not None)}",
+        f"vLLM {about['vllm']}; model {g.num_layers} layers x {g.hidden_size} ({g.dtype}), {g.hidden_size // 128} KV "
+        f"heads; prefill engine kv_producer TP={STORE_SHARDS}, decode engine kv_consumer TP=1, both store_shards="
+        f"{STORE_SHARDS}; the recompute engine has no connector (TP=1). One request at a time; the decode request is "
+        "sent the moment the prefill engine answered, with its kv_transfer_params.",
+        "engine start-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in about["startup_s"].items() if v is not None),
     ]
     labels = [f"prefix {p}" for p in g.prefixes]
     result.plots.append(bar_plot(options.out_dir / "pd_ttft.png", labels, {
         key: [result.summary.get(f"p{p} {key}", float("nan")) for p in g.prefixes]
-        for key in ("decode_ttft_ms", "recompute_ttft_ms", "pd_ms", "prefill_ms")},
+        for key in ("decode_ttft_ms", "decode_settled_ttft_ms", "recompute_ttft_ms", "pd_ms", "prefill_ms")},
         title="P/D: decode TTFT against a decode server that recomputes (median)", ylabel="ms"))
     return result
 
@@ -145,10 +169,13 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
 def _summarise(result: SuiteResult, g: Grid) -> None:
     for prefix in g.prefixes:
         rows = [r for r in result.rows if r["prefix_tokens"] == prefix]
-        for key in ("prefill_ms", "decode_ttft_ms", "pd_ms", "recompute_ttft_ms", "decode_wait_ms"):
+        for key in ("prefill_ms", "decode_ttft_ms", "pd_ms", "decode_settled_ttft_ms", "recompute_ttft_ms",
+                    "decode_wait_ms"):
             values = [r[key] for r in rows if r[key] is not None]
             if values:
                 result.summary[f"p{prefix} {key}"] = statistics.median(values)
-        decode, alone = result.summary.get(f"p{prefix} decode_ttft_ms"), result.summary.get(f"p{prefix} recompute_ttft_ms")
-        if decode and alone:
-            result.summary[f"p{prefix} decode / recompute"] = decode / alone
+        alone = result.summary.get(f"p{prefix} recompute_ttft_ms")
+        for key in ("decode_ttft_ms", "decode_settled_ttft_ms"):
+            decode = result.summary.get(f"p{prefix} {key}")
+            if decode and alone:
+                result.summary[f"p{prefix} {key.removesuffix('_ms')} / recompute"] = decode / alone

@@ -8,7 +8,8 @@ into the engine because of the store: a late layer is recomputed, a late save re
 
 Commit protocol (transfer/commit.py): a step's saves are written during the step and left open;
 the scheduler side commits them in a later step's plan (`StepVerdict`) once every worker reported
-the step, revoking what requests that attended to a failed block wrote.
+the step, revoking what requests that attended to a failed block wrote. A role that never loads
+(kv_producer) has nothing to revoke: it commits each step's objects right after their writes.
 """
 
 from __future__ import annotations
@@ -236,6 +237,8 @@ class WorkerConnector:
                 save.cancel()  # it revokes its sessions when the stuck call returns
                 self._stats.save_timeouts += 1
                 log.warning("layerkv: saves not copied / written within %.1f s; revoking them", self.config.save_timeout_s)
+            elif plan is not None and not self.deployment.role.loads:
+                self.commits.commit_now(plan.step_seq)  # a prefill server's objects: readable once written
         if load is not None:
             self._invalid_block_ids |= load.failed_block_ids() - self._handed_invalid
         if plan is not None and not (plan.loads or plan.saves):

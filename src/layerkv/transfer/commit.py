@@ -179,6 +179,17 @@ class Commits:
         self.writer.submit(self.job)
         return self.job
 
+    def commit_now(self, step_seq: int) -> bool:
+        """A role that never loads (kv_producer): no load on any rank or stage can taint its
+        saves, so the step's objects are committed as soon as they are written, without waiting
+        for the scheduler's verdict (which then finds nothing left to do). Queued on the write
+        thread after the step's writes. False (the verdict decides, as for every other role)
+        when this step already has a commit job, or no saves."""
+        if self.job is not None or step_seq not in self._saved_steps:
+            return False
+        self.apply((StepVerdict(step_seq),))
+        return True
+
     def finish_idle_step(self, wait_s: float) -> None:
         """A step with nothing but verdicts is what an engine runs when it would otherwise go
         idle: its commits finish here, so they are in the pool (and in this step's stats) before
