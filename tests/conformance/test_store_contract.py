@@ -145,6 +145,26 @@ def test_duplicate_put_start_on_the_same_client(harness: StoreHarness) -> None:
     assert store.batch_put_session_revoke(["dup"]) == [OK]
 
 
+def test_the_same_key_twice_in_one_put_start_is_exists(harness: StoreHarness) -> None:
+    store = harness.store
+    assert store.batch_put_session_start(["twice", "twice"], [4096, 4096]) == [OK, EXISTS]
+    assert store.batch_put_session_revoke(["twice"]) == [OK]
+
+
+def test_the_same_key_twice_in_one_put_end_commits_once(harness: StoreHarness) -> None:
+    store = harness.store
+    buf, ptr = harness.alloc(4096, store)
+    buf[:] = 7
+    assert store.batch_put_session_start(["twice-end"], [4096]) == [OK]
+    assert store.batch_put_from_multi_buffer_ranges(["twice-end"], [[ptr]], [[4096]], [[0]]) == [4096]
+    assert store.batch_put_session_end(["twice-end", "twice-end"]) == [OK, OK]
+    assert store.batch_is_exist(["twice-end"]) == [1]
+    assert store.batch_get_session_start(["twice-end"]) == [OK]
+    result, got = _read(harness, store, "twice-end", 4096)
+    assert result == 4096 and (got == 7).all()
+    assert store.batch_get_session_end(["twice-end"]) == OK
+
+
 def test_second_client_cannot_take_a_processing_key(harness: StoreHarness) -> None:
     first, second = harness.store, harness.new_client()
     _, ptr = harness.alloc(4096, second)

@@ -112,10 +112,17 @@ def test_get_session_end_is_one_int_over_all_chunks(backend: Faulty, caplog: pyt
     assert "batch_get_session_end on faulty raised for 2 keys: OSError('boom')" in caplog.text
 
 
-def test_mismatched_argument_lengths_are_a_caller_bug(backend: Faulty) -> None:
+def test_a_malformed_batch_answers_invalid_params_per_key_and_sends_nothing(backend: Faulty,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """As Mooncake and both bare stores answer it (issue 29): one int per key, never an exception."""
     checked = CheckedStore(backend, max_batch_keys=4)
-    with pytest.raises(ValueError, match="batch_put_session_start: 2 keys but an argument has 1 entries"):
-        checked.batch_put_session_start(["a", "b"], [1])
+    with caplog.at_level(logging.ERROR, logger="layerkv"):
+        assert checked.batch_put_session_start(["a", "b"], [1]) == [-600, -600]
+        assert checked.batch_put_from_multi_buffer_ranges(["a", "b"], [[1]], [[1]], [[0]]) == [-600, -600]
+        assert checked.batch_get_into(["a", "b", "c"], [1, 2, 3], [4]) == [-600, -600, -600]
+    assert "batch_put_session_start: 2 keys but an argument has 1 entries" in caplog.text
+    assert not any(name.startswith(("batch_put", "batch_get")) for name in backend.calls)
+    assert checked.stats()["batch_put_session_start"].failed_keys == 2
     with pytest.raises(ValueError, match="max_batch_keys=0 must be >= 1"):
         CheckedStore(backend, max_batch_keys=0)
 

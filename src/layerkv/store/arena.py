@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 
 from layerkv.errors import ConfigError
+from layerkv.store.base import Code
+
+INVALID_PARAMS = int(Code.INVALID_PARAMS)
 
 ALIGN_BYTES = 64  # every allocation starts on a cache line
 
@@ -139,3 +143,25 @@ class HostRegions:
         """[ptr, ptr + nbytes) lies inside one region."""
         i = bisect.bisect_right(self._starts, ptr) - 1
         return i >= 0 and ptr + nbytes <= self._ends[i]
+
+
+def is_index(value: object) -> bool:
+    """An int-like value (numpy integers too), not a float."""
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def check_ranges(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int], object_nbytes: int) -> int:
+    """Total bytes of a key's ranges, or -600 (INVALID_PARAMS) if any range is malformed or
+    outside the object."""
+    if not len(ptrs) == len(sizes) == len(offsets):
+        return INVALID_PARAMS
+    total = 0
+    for ptr, nbytes, offset in zip(ptrs, sizes, offsets):
+        if nbytes < 0 or offset < 0 or offset + nbytes > object_nbytes or (nbytes and not ptr):
+            return INVALID_PARAMS
+        total += nbytes
+    return total

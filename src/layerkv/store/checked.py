@@ -114,10 +114,15 @@ class CheckedStore:
         offsets: Sequence[Any] | None = None,
         moved: Callable[[list[int], slice], int] | None = None,
     ) -> list[int]:
-        """Call `call` chunk by chunk with keys and each per-key argument sliced alike."""
-        for arg in per_key:
-            if len(arg) != len(keys):
-                raise ValueError(f"{call}: {len(keys)} keys but an argument has {len(arg)} entries")
+        """Call `call` chunk by chunk with keys and each per-key argument sliced alike. A batch
+        whose per-key arguments do not match its keys is answered INVALID_PARAMS per key (as
+        Mooncake and both bare stores answer it), nothing sent: always one int per key."""
+        short = next((len(arg) for arg in per_key if len(arg) != len(keys)), None)
+        if short is not None:
+            log.error("layerkv: %s: %d keys but an argument has %d entries: answered %d per key, nothing sent",
+                      call, len(keys), short, int(Code.INVALID_PARAMS))
+            self._count(call, len(keys), 0, len(keys))
+            return [int(Code.INVALID_PARAMS)] * len(keys)
         method = getattr(self.backend, call)
         kwargs = {"layer_idx": layer_idx} if self._pass_layer_idx and layer_idx is not None else {}
         results: list[int] = []

@@ -12,13 +12,12 @@ its own put/get sessions, as a second Mooncake client would have.
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from layerkv.errors import ConfigError, StoreError
-from layerkv.store.arena import HostRegions, copy_ranges
+from layerkv.store.arena import HostRegions, check_ranges, copy_ranges, is_index
 from layerkv.store.base import Code, ObjectKey, Placement
 from layerkv.store.object_table import ClientId, GetSession, ObjectState, ObjectTable, StoredObject
 
@@ -96,7 +95,7 @@ class EmbeddedStore:
     # ---- bookkeeping -------------------------------------------------------------------------
     def register_buffer(self, ptr: int, nbytes: int) -> None:
         """Host memory this handle may move bytes from and into (checked with strict_buffers)."""
-        if not _is_index(ptr) or not _is_index(nbytes) or ptr <= 0 or nbytes <= 0:
+        if not is_index(ptr) or not is_index(nbytes) or ptr <= 0 or nbytes <= 0:
             raise StoreError(f"embedded store: register_buffer(ptr={ptr!r}, nbytes={nbytes!r}): both must be > 0")
         with self._table.lock:
             self._buffers.add(ptr, nbytes)
@@ -156,11 +155,16 @@ class EmbeddedStore:
         if len(sizes) != len(keys):
             return [_INVALID] * len(keys)
         with self._open_table() as table:
-            return [self._start_put(key, nbytes) for key, nbytes in zip(keys, sizes)]
+            started: set[ObjectKey] = set()  # a key again in the same batch: -705, as Mooncake answers
+            results = []
+            for key, nbytes in zip(keys, sizes):
+                results.append(_EXISTS if key in started else self._start_put(key, nbytes))
+                started.add(key)
+            return results
 
     def _start_put(self, key: ObjectKey, nbytes: int) -> int:  # under lock
         table = self._table
-        if isinstance(nbytes, bool) or not _is_index(nbytes) or nbytes <= 0:
+        if isinstance(nbytes, bool) or not is_index(nbytes) or nbytes <= 0:
             return _INVALID
         nbytes = int(nbytes)
         existing = table.objects.get(key)
@@ -188,14 +192,17 @@ class EmbeddedStore:
         return self._copy_ranges(keys, ptrs, sizes, dst_offsets, to_store=True)
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
-        """Commit: 0, or -600 when this client holds no put session on the key."""
+        """Commit: 0, or -600 when this client holds no put session on the key; a key again in
+        the same batch after its commit: 0, as Mooncake answers."""
         with self._open_table() as table:
-            results = []
+            results: list[int] = []
+            ended: set[ObjectKey] = set()
             for key in keys:
                 obj = self._own_put(key)
                 if obj is None:
-                    results.append(_INVALID)
+                    results.append(_OK if key in ended else _INVALID)
                     continue
+                ended.add(key)
                 obj.state = ObjectState.COMPLETE
                 del table.processing[key]
                 table.lru[key] = None
@@ -291,7 +298,7 @@ class EmbeddedStore:
                 if obj is None:
                     results.append(_INVALID)
                     continue
-                total = _check_ranges(key_ptrs, key_sizes, key_offsets, obj.nbytes)
+                total = check_ranges(key_ptrs, key_sizes, key_offsets, obj.nbytes)
                 if total > 0 and not all(self._registered(p, n) for p, n in zip(key_ptrs, key_sizes)):
                     total = _INVALID
                 results.append(total)
@@ -379,22 +386,3 @@ class EmbeddedStore:
                     results.append(_OK)
             return results
 
-
-def _is_index(value: object) -> bool:
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-def _check_ranges(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int], object_nbytes: int) -> int:
-    """Total bytes of a key's ranges, or -600 if any range is malformed or outside the object."""
-    if not len(ptrs) == len(sizes) == len(offsets):
-        return _INVALID
-    total = 0
-    for ptr, nbytes, offset in zip(ptrs, sizes, offsets):
-        if nbytes < 0 or offset < 0 or offset + nbytes > object_nbytes or (nbytes and not ptr):
-            return _INVALID
-        total += nbytes
-    return total
