@@ -13,7 +13,7 @@ from layerkv.connector.prefill_wait import PREFIX_TOKENS
 from layerkv.engine import Engine
 from layerkv.engine.request import RequestOutput
 from layerkv.messages import KVRole
-from layerkv.store.faults import PUT_START
+from layerkv.store.faults import PUT_END, PUT_RANGES, PUT_START
 from tests.backends import BOTH_BACKENDS
 from tests.e2e.harness import BLOCK_SIZE, MAX_TOKENS, assert_identical, random_tokens
 
@@ -83,9 +83,10 @@ def test_a_prefill_that_dies_before_its_commit_costs_one_bounded_wait_and_a_reco
     prompt = random_tokens(PROMPT_TOKENS, seed=702)
     prefill = oracle.pooled(KVRole.PRODUCER)
     decode = oracle.pooled(KVRole.CONSUMER)
-    prefill.rank_faults(0).delay(PUT_START, 1.0, times=1)  # its writes still under way when it goes
+    # its commit never lands (put end fails: the sessions are revoked), and then it is gone
+    prefill.rank_faults(0).fail(PUT_END)
     made = _prefill(prefill.engine, prompt)
-    prefill.engine.shutdown()  # gone before its commit: its puts are revoked
+    prefill.engine.shutdown()
     oracle.runs.remove(prefill)  # nothing of it to check at teardown but the PROCESSING objects (below)
     start = time.monotonic()
     req = decode.engine.add_request(prompt, MAX_TOKENS, kv_transfer_params=made.kv_transfer_params)
@@ -139,3 +140,29 @@ def test_a_request_waiting_for_a_prefill_does_not_hold_up_the_others(make_oracle
     local = oracle.local()  # in the order they ran: B, then A computed whole
     want_b, want_a = (local.generate([p], MAX_TOKENS)[0] for p in (other, waiting))
     assert_identical([outs[a], outs[b]], [want_a, want_b])
+
+
+@BOTH_BACKENDS
+def test_a_write_failing_on_one_prefill_rank_leaves_its_block_out_of_every_hit(make_oracle) -> None:
+    """A kv_producer commits each rank's objects at once, without a verdict across ranks: rank 1's
+    write of block 3 fails, rank 0 commits its shard of it. A block is a hit only with every shard
+    COMPLETE, so the decode engine loads blocks 0-2, computes from block 3 on, and equals a local
+    engine with that schedule bit for bit; block 3's missing shard is never served."""
+    oracle = make_oracle()
+    prompt = random_tokens(PROMPT_TOKENS, seed=706)
+    # chunks of 12 tokens: blocks 0-2 are computed as the matched local engine computes them
+    prefill = oracle.pooled(KVRole.PRODUCER, tp_size=2, max_num_batched_tokens=3 * BLOCK_SIZE)
+    (bad,) = prefill.keys(prompt, storage_rank=1, blocks=[3])
+    prefill.rank_faults(1).fail(PUT_RANGES, [bad])
+    made = _prefill(prefill.engine, prompt)
+    assert all(w.is_idle(10.0) for w in prefill.workers)
+    assert prefill.workers[1].stats().save_failed_keys == 1 and prefill.workers[0].stats().save_failed_keys == 0
+    assert oracle.backend.exists(prefill.keys(prompt, storage_rank=0)) == [1] * (PREFIX // BLOCK_SIZE)  # rank 0 committed all
+    assert oracle.backend.exists([bad]) == [0]
+    decode = oracle.pooled(KVRole.CONSUMER, tp_size=2)
+    req = decode.engine.add_request(prompt, MAX_TOKENS, kv_transfer_params=made.kv_transfer_params)
+    got = _decode(decode.engine, prefill.engine, [req], timeout_s=60.0)[req]
+    assert got.num_external_tokens == 3 * BLOCK_SIZE
+    matched = oracle.local(tp_size=2)
+    matched.generate([prompt[: 3 * BLOCK_SIZE]], 1)  # blocks 0-2 in its prefix cache, the rest computed
+    assert_identical([got], matched.generate([prompt], MAX_TOKENS))
