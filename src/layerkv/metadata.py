@@ -62,6 +62,8 @@ class StepPlan:
     # rewriting them (vLLM keeps such a block in its prefix cache): every worker reports them
     # invalid again, so the engine recomputes them and this step's saves over them are revoked.
     reinvalidate: frozenset[int] = field(default_factory=frozenset)
+    # The namespaces' epoch ("" until the first reset_cache): workers name this step's objects by it.
+    epoch: str = ""
 
     @property
     def is_empty(self) -> bool:

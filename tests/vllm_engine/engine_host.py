@@ -1,6 +1,6 @@
 """The real-engine tier's engine host: layerkv.bench.vllm_host (one offline vLLM `LLM` in its own
-process, JSON commands on stdin, replies on a file descriptor) plus two test commands:
-`abort_while_loading` and `metrics`. Run by the tests as `python -m tests.vllm_engine.engine_host`
+process, JSON commands on stdin, replies on a file descriptor) plus test commands:
+`abort_while_loading`, `metrics` and `update_weights`. Run by the tests as `python -m tests.vllm_engine.engine_host`
 (the repo root is on the engine's PYTHONPATH). Main thread only.
 """
 
@@ -51,5 +51,38 @@ def metrics(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     return {"layerkv": layerkv, "num_preemptions": preemptions}
 
 
+_ORIGINAL: dict[str, Any] = {}  # parameter name -> its weights before update_weights (restore)
+
+
+def _shift_weights(worker: Any, delta: float) -> list[str]:
+    """On the worker (collective_rpc): every parameter += delta * a fixed +-1 pattern, or back
+    to the loaded weights when delta is 0. What an RL trainer's weight push looks like to vLLM:
+    the same files, other weights."""
+    import torch
+
+    names = []
+    for name, param in worker.model_runner.get_model().named_parameters():
+        with torch.no_grad():
+            if delta == 0.0:
+                if name in _ORIGINAL:
+                    param.copy_(_ORIGINAL.pop(name))
+            else:
+                _ORIGINAL.setdefault(name, param.detach().clone())
+                pattern = torch.arange(param.numel(), dtype=param.dtype).reshape(param.shape).remainder(3).sub(1)
+                param.add_(pattern, alpha=delta)
+        names.append(name)
+    return names
+
+
+def update_weights(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """New weights in place (`delta`; 0 restores the loaded ones), then, with `reset`, vLLM's
+    reset_prefix_cache(reset_connector=True) as RL flows call it after a weight update. Needs a
+    worker in this process (the uni executor without multiprocessing)."""
+    names = llm.collective_rpc(_shift_weights, args=(float(cmd["delta"]),))[0]
+    reset = bool(llm.reset_prefix_cache(reset_connector=True)) if cmd.get("reset") else None
+    return {"num_params": len(names), "reset": reset}
+
+
 if __name__ == "__main__":  # vLLM spawns processes: the guard keeps them from re-running main
-    sys.exit(main({**HANDLERS, "abort_while_loading": abort_while_loading, "metrics": metrics}))
+    sys.exit(main({**HANDLERS, "abort_while_loading": abort_while_loading, "metrics": metrics,
+                   "update_weights": update_weights}))

@@ -47,6 +47,11 @@ class SchedulerHooks(Protocol):
         earlier saves waits for reports or for a step to carry it to the workers."""
         ...
 
+    def reset_cache(self) -> bool:
+        """After new weights: no object written before is ever served (a new namespace epoch
+        from the next plan on). Between steps; True when done."""
+        ...
+
 
 class WorkerHooks(Protocol):
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
@@ -102,6 +107,9 @@ class NullScheduler:
 
     def has_pending_work(self) -> bool:
         return False
+
+    def reset_cache(self) -> bool:
+        return True
 
 
 class NullWorker:

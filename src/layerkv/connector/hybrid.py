@@ -178,6 +178,10 @@ class GroupedScheduler:
     def has_pending_work(self) -> bool:
         return any(sub.has_pending_work() for sub in self.subs)
 
+    def reset_cache(self) -> bool:
+        """Every group's (SchedulerConnector.reset_cache); False when a group cannot reset."""
+        return all([bool(getattr(sub, "reset_cache", lambda: False)()) for sub in self.subs])
+
     def stats(self) -> SchedulerStats | None:
         """Counters summed over the groups (a lookup asks each group: counted once per group)."""
         return _summed(self.subs, SchedulerStats)

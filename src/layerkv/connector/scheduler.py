@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,16 +113,13 @@ class SchedulerConnector:
         self.config = config
         self.deployment = deployment
         self.store = store
-        keys = tenant_keys(config.tenant_key_file)  # read once; never shown
-        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys, config.encrypt_objects)
-        # with pipeline parallelism each stage writes its own layers under its own namespace
-        # after a key rotation, each older key's namespaces too (read, never written)
-        stages = [tenant_namespaces(dataclasses.replace(deployment, pp_rank=s), config.tenant, config.model_fingerprint,
-                                    keys, config.encrypt_objects) for s in range(deployment.pp_size)]
+        self._tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
         self._stats = SchedulerStats()
-        role = storage_role(deployment)
-        self._lookup = PoolLookup(self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats)
+        self._epoch = ""  # a new one at each reset_cache: the namespaces' and the plans'
+        self._name_objects()
         self._block_size = deployment.block_size
+        self._live: set[ReqId] = set()  # requests scheduled and not ended
+        self._before_reset: set[ReqId] = set()  # live at a reset_cache: KV of the old weights, never saved
         self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
         self._pending: dict[ReqId, BlockSpec] = {}  # from update_state_after_alloc
         self._ended: set[ReqId] = set()
@@ -130,6 +128,36 @@ class SchedulerConnector:
         self._verdicts = Verdicts(deployment.tp_size * deployment.pp_size, config.commit_timeout_s, self._stats)
         self._suspect: set[int] = set()  # block ids whose load failed and that nobody rewrote since
         self._waits = PrefillWaits(config.prefill_wait_s, self._stats)
+
+    def _name_objects(self) -> None:
+        """The namespaces of this epoch and the lookup over them."""
+        config, deployment, keys = self.config, self.deployment, self._tenant_keys
+        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys,
+                                          config.encrypt_objects, self._epoch)
+        # with pipeline parallelism each stage writes its own layers under its own namespace
+        # after a key rotation, each older key's namespaces too (read, never written)
+        stages = [tenant_namespaces(dataclasses.replace(deployment, pp_rank=s), config.tenant, config.model_fingerprint,
+                                    keys, config.encrypt_objects, self._epoch) for s in range(deployment.pp_size)]
+        role = storage_role(deployment)
+        self._lookup = PoolLookup(self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats)
+
+    def reset_cache(self) -> bool:
+        """After new weights (vLLM's reset_prefix_cache(reset_connector=True)): no object written
+        before is ever served. A fresh random epoch enters every namespace from the next plan on
+        (the workers take it from StepPlan.epoch), so every earlier object is unreachable, this
+        engine's and every other's; what was looked up is forgotten; requests running across the
+        reset save nothing more (their KV attends to the old weights' KV). Called between steps
+        on the scheduler thread. Objects written after the reset are this engine's alone until
+        a restart: no other engine can know they share its new weights (docs/vllm.md)."""
+        self._epoch = secrets.token_hex(8)
+        self._name_objects()
+        self._matched.clear()
+        self._pending.clear()
+        self._before_reset |= self._live
+        self._stats.cache_resets += 1
+        log.info("layerkv: cache reset: a new namespace %s; %d running requests save nothing more",
+                 self.namespace.name, len(self._live))
+        return True
 
     # -- hooks ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -206,6 +234,8 @@ class SchedulerConnector:
         saves = self._plan_saves(step, {spec.req_id for spec in loads}) if self.deployment.role.saves else ()
         ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
         self._ended.clear()
+        self._live = (self._live | scheduled) - ended
+        self._before_reset -= ended - scheduled
         seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
         if saves:
             self._verdicts.await_step(seq, {r.req_id: frozenset(r.block_ids + r.other_block_ids) for r in step.requests})
@@ -216,7 +246,7 @@ class SchedulerConnector:
         num_tokens = sum(r.num_scheduled_tokens for r in step.requests)
         reinvalidate = self._stale_blocks(step, loads)
         return StepPlan(step_seq=seq, num_tokens=num_tokens, loads=loads, saves=saves, ended_req_ids=ended,
-                        verdicts=verdicts, reinvalidate=reinvalidate)
+                        verdicts=verdicts, reinvalidate=reinvalidate, epoch=self._epoch)
 
     def _stale_blocks(self, step: SchedulerStep, loads: tuple[BlockSpec, ...]) -> frozenset[int]:
         """Suspect blocks a request of `step` attends to as already computed (an engine prefix-
@@ -275,6 +305,9 @@ class SchedulerConnector:
         candidates: list[tuple[ReqId, BlockHash, int]] = []
         seen: set[BlockHash] = set()
         for request in step.requests:
+            if request.req_id in self._before_reset:
+                self._stats.save_skipped_reset += 1
+                continue
             first = request.num_computed_tokens // self._block_size
             last = min(
                 (request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,

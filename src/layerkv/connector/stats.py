@@ -28,6 +28,8 @@ class SchedulerStats:
     prefill_waits: int = 0  # requests that waited for a prefill server's prefix (connector/prefill_wait.py)
     prefill_wait_timeouts: int = 0  # ... and stopped waiting at prefill_wait_s without all of it
     prefill_wait_ms: int = 0  # their waits, summed
+    cache_resets: int = 0  # reset_cache calls: each one a new namespace epoch (SchedulerConnector.reset_cache)
+    save_skipped_reset: int = 0  # steps of requests that ran across a reset: nothing of them saved
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

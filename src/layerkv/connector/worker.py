@@ -22,7 +22,7 @@ from typing import Any
 import layerkv.connector.worker_jobs as worker_jobs
 from layerkv.config import LayerKVConfig
 from layerkv.errors import ConfigError, TransferError
-from layerkv.objects.keys import with_store_shards, storage_role, tenant_namespaces
+from layerkv.objects.keys import with_store_shards, storage_role
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec, StepPlan
@@ -52,14 +52,13 @@ class WorkerConnector:
     """The worker hooks (see hooks.WorkerHooks) over a CheckedStore.
 
     * Loads: one LoadJob per step; it starts, renews and ends its get sessions on the receive
-      thread. wait_for_layer_load returns when the layer is readable or, after
-      `load_timeout_s`, with every block of the job reported invalid.
-    * Saves: one SaveJob per step (put start, layer writes, headers with checksums); its
-      sessions then wait in `commits.pending` for the step's verdict. wait_for_save returns when every
+      thread. wait_for_layer_load returns when the layer is readable or, after `load_timeout_s`,
+      with every block of the job reported invalid.
+    * Saves: one SaveJob per step (put start, layer writes, headers with checksums); its sessions
+      then wait in `commits.pending` for the step's verdict. wait_for_save returns when every
       layer is written or, after `save_timeout_s`, with the job cancelled (it revokes).
-    * Verdicts in a plan run first on the write thread (`commits`: transfer/commit.py); a step
-      whose verdict never arrives is revoked after `commit_timeout_s`; shutdown revokes what is
-      pending.
+    * Verdicts in a plan run first on the write thread (`commits`: transfer/commit.py); a step whose
+      verdict never arrives is revoked after `commit_timeout_s`; shutdown revokes what is pending.
     * Only the staging areas are registered (register_kv_cache: false, the default): reads land
       in staging and are verified as they reach the cache, saves gather the cache into staging.
     """
@@ -83,8 +82,7 @@ class WorkerConnector:
             raise ConfigError(f"shard={shard} is not one of this rank's shards {list(ranks)}")
         self.storage_rank = ranks[0] if shard is None else shard
         self.tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
-        self.namespaces = tenant_namespaces(deployment, config.tenant, config.model_fingerprint, self.tenant_keys,
-                                            config.encrypt_objects)
+        self._epoch, self.namespaces = "", worker_jobs.namespaces_for(config, deployment, self.tenant_keys, "")  # StepPlan.epoch
         self.namespace = self.namespaces[0]  # the current key's: it writes; every key's namespace reads
         self.layout: CacheLayout | None = None
         self._jobs: JobFactory | None = None  # once the KV caches are registered
@@ -146,12 +144,21 @@ class WorkerConnector:
         if meta is not None and not isinstance(meta, StepPlan):
             raise TypeError(f"layerkv worker got metadata of type {type(meta).__name__}, expected StepPlan")
         self._end_step()
+        self._take_epoch(meta.epoch if meta is not None else self._epoch)
         self._plan = meta
         self._saved_names, self._handed = {}, set()
         self._handed_invalid = set()
         self._errors_settled = None
         if meta is not None:
             self._reported_steps.append(meta.step_seq)
+
+    def _take_epoch(self, epoch: str) -> None:
+        """A cache reset's epoch (SchedulerConnector.reset_cache) names this step's jobs' objects on."""
+        if epoch == self._epoch:
+            return
+        self._epoch, self.namespaces = epoch, worker_jobs.namespaces_for(self.config, self.deployment, self.tenant_keys, epoch)
+        self.namespace = self.namespaces[0]
+        self._jobs = self._jobs.renamed(self.namespaces, self.tenant_keys) if self._jobs is not None else None
 
     def start_load_kv(self) -> None:
         plan = self._plan
@@ -339,10 +346,10 @@ class WorkerConnector:
     def _start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
         assert self._jobs is not None
         job = self._jobs.start_loads(specs, num_tokens)
-        if job is None:  # no staging: the step's loads are recomputed
-            self._invalid_block_ids |= {b for spec in specs for b in spec.block_ids}
-        else:
+        if job is not None:
             self._recv.submit(job)
+        else:  # no staging: the step's loads are recomputed
+            self._invalid_block_ids |= {b for spec in specs for b in spec.block_ids}
         return job
 
     def _start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
@@ -363,8 +370,7 @@ class WorkerConnector:
         self._save.hand_layer(layer_idx, completion_event(self.layout.device_type))
 
     def _hand_layers_before(self, layer_idx: int) -> None:
-        """The compute thread moved past every layer < layer_idx: those whose save was asked
-        for (by at least one of their cache names) are complete now."""
+        """Layers < layer_idx are complete (the compute thread moved past them): hand those whose save was asked for."""
         for earlier in sorted(l for l in self._saved_names if l < layer_idx):
             self._hand_layer(earlier)
 

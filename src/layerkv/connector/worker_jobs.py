@@ -6,14 +6,16 @@ only; the worker submits the jobs to its threads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from layerkv.config import LayerKVConfig, PlanMode
 from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
-from layerkv.objects.keys import Namespace, block_keys
+from layerkv.objects.keys import Namespace, block_keys, tenant_namespaces
 from layerkv.objects.layout import CacheLayout
+from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec
 from layerkv.objects.seal import sealers_for
 from layerkv.connector.stats import WorkerStats
@@ -29,6 +31,11 @@ from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.views import layer_groups
 
 log = logging.getLogger(__name__)
+
+
+def namespaces_for(config: LayerKVConfig, deployment: Deployment, keys: TenantKeys | None, epoch: str) -> tuple[Namespace, ...]:
+    """A worker's namespaces in `epoch` (the scheduler's, StepPlan.epoch), the current key's first."""
+    return tenant_namespaces(deployment, config.tenant, config.model_fingerprint, keys, config.encrypt_objects, epoch)
 
 
 def headers_for(namespaces: tuple[Namespace, ...], layout: CacheLayout, keys: TenantKeys | None,
@@ -57,6 +64,11 @@ class JobFactory:
     @property
     def namespace(self) -> Namespace:
         return self.namespaces[0]
+
+    def renamed(self, namespaces: tuple[Namespace, ...], keys: TenantKeys | None) -> JobFactory:
+        """This factory with other namespaces (a cache reset's epoch); jobs it started keep theirs."""
+        headers = headers_for(namespaces, self.caches.layout, keys, self.config.encrypt_objects)
+        return dataclasses.replace(self, namespaces=namespaces, headers=headers)
 
     def start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
         """One LoadKey per distinct object: read into the first local block, copied to the rest.

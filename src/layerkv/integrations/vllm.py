@@ -188,6 +188,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         saves are committed only by a verdict a later step carries to the workers."""
         return self._scheduler is not None and self.scheduler_side.has_pending_work()
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), after new weights: nothing written
+        before is served again (SchedulerConnector.reset_cache)."""
+        return self.scheduler_side.reset_cache()
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 

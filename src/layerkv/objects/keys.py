@@ -132,7 +132,8 @@ def with_store_shards(deployment: Deployment, store_shards: int) -> Deployment:
 
 
 def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
-                  model_fingerprint: str = "", names_key: bytes | None = None, encrypted: bool = False) -> Namespace:
+                  model_fingerprint: str = "", names_key: bytes | None = None, encrypted: bool = False,
+                  epoch: str = "") -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
     JSON; never Python's hash()) of everything that makes objects incompatible. Objects hold a
     head range (a shard of `storage_role`), named by the number of shards; `kv_signature`
@@ -145,7 +146,8 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     The object header carries the exact layout digest, checked on every read. `names_key`: the
     digest is keyed with it (and so are the block ids). `encrypted` (config encrypt_objects):
     encrypted objects get a namespace of their own (a reader accepts only its own kind of
-    object, so sharing names would make each side refuse, and remove, the other's)."""
+    object, so sharing names would make each side refuse, and remove, the other's). `epoch`: set
+    by a cache reset (SchedulerConnector.reset_cache): objects written before it are never named again."""
     role = storage_role(deployment)
     if model_fingerprint:
         deployment = dataclasses.replace(deployment, model_fingerprint=model_fingerprint)
@@ -173,6 +175,8 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     }
     if encrypted:  # only then: the names of unencrypted objects stay what they were
         fields["encrypted"] = True
+    if epoch:  # only after a reset: names before any reset stay what they were
+        fields["epoch"] = epoch
     canonical = json.dumps(fields, sort_keys=True).encode()
     if names_key is None:
         digest = hashlib.sha256(canonical).digest()[:DIGEST_NBYTES]
@@ -182,20 +186,20 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
 
 
 def tenant_namespace(deployment: Deployment, tenant: str, model_fingerprint: str, keys: TenantKeys | None,
-                     encrypted: bool = False) -> Namespace:
+                     encrypted: bool = False, epoch: str = "") -> Namespace:
     """`namespace_for` under the current tenant key's names subkey (None: unkeyed)."""
-    return tenant_namespaces(deployment, tenant, model_fingerprint, keys, encrypted)[0]
+    return tenant_namespaces(deployment, tenant, model_fingerprint, keys, encrypted, epoch)[0]
 
 
 def tenant_namespaces(deployment: Deployment, tenant: str, model_fingerprint: str,
-                      keys: TenantKeys | None, encrypted: bool = False) -> tuple[Namespace, ...]:
+                      keys: TenantKeys | None, encrypted: bool = False, epoch: str = "") -> tuple[Namespace, ...]:
     """One namespace per key of the key file, in its order (generation 0: the current key,
     which writes; the older ones only read, after a rotation). Unkeyed: the one plain namespace.
-    `encrypted`: config encrypt_objects (which needs a key)."""
+    `encrypted`: config encrypt_objects (which needs a key); `epoch`: namespace_for's."""
     if keys is None:
-        return (namespace_for(deployment, tenant, model_fingerprint=model_fingerprint),)
+        return (namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, epoch=epoch),)
     return tuple(namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, names_key=k.names_key,
-                               encrypted=encrypted) for k in keys.all)
+                               encrypted=encrypted, epoch=epoch) for k in keys.all)
 
 
 def _kv_signature(deployment: Deployment, layout: CacheLayout | None) -> str:
