@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # Sub-command modules, in the order `layerkv --help` lists them.
-COMMANDS = ("demo", "master", "segment", "keygen", "doctor", "bench", "pd_proxy")
+COMMANDS = ("demo", "master", "segment", "pool", "keygen", "doctor", "bench", "pd_proxy")
 
 
 def build_parser() -> argparse.ArgumentParser:
