@@ -4,6 +4,7 @@ plan), and a request that ran across it saves nothing more."""
 
 from __future__ import annotations
 
+from layerkv.objects.manifest import manifest_key
 from tests.connector.rig import BLOCK_SIZE, Req
 
 NUM_BLOCKS = 6
@@ -18,6 +19,7 @@ def test_after_a_reset_nothing_written_before_is_served(make_rig, backend) -> No
     tokens = _tokens()
     rig.run(Req("a", tokens))
     old_keys = rig.keys(Req("x", tokens))
+    old_namespace = rig.scheduler.namespace
     assert rig.scheduler.reset_cache() is True
     ext, invalid = rig.run(Req("b", tokens))  # recomputed (new weights), saved in the new epoch
     assert (ext, invalid) == (0, set())
@@ -33,6 +35,8 @@ def test_after_a_reset_nothing_written_before_is_served(make_rig, backend) -> No
     assert rig.wrong_blocks(c, range(NUM_BLOCKS)) == []
     stats = rig.scheduler.stats()
     assert (stats.cache_resets, stats.save_skipped_reset) == (1, 0)
+    assert rig.scheduler._manifest_task.wait(5.0)  # each epoch's namespace has its manifest (layerkv pool)
+    assert backend.exists([manifest_key(old_namespace), manifest_key(rig.scheduler.namespace)]) == [1, 1]
 
 
 def test_a_request_running_across_a_reset_saves_nothing_more(make_rig) -> None:

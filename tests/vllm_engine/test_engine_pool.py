@@ -201,9 +201,10 @@ def _vllm_block_hashes(tokens):
 
 
 def _new_objects(pool_attacker, engine, tokens):
+    """The block objects `tokens` added (not a namespace's manifest: layerkv pool)."""
     before = set(pool_attacker.ask(op="list")["keys"])
     engine.generate([tokens], reset_prefix_cache=True)
-    return sorted(set(pool_attacker.ask(op="list")["keys"]) - before)
+    return sorted(k for k in set(pool_attacker.ask(op="list")["keys"]) - before if not k.endswith("@manifest"))
 
 
 def test_probing_which_prompts_the_pool_holds_finds_nothing(pair, pool_attacker, fleet):

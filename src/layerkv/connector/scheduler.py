@@ -9,6 +9,7 @@ thread only; no locks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -25,7 +26,9 @@ from layerkv.connector.prefill_wait import PREFIX_TOKENS, PrefillWaits, promised
 from layerkv.connector.stats import SchedulerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.commit import Verdicts
+from layerkv.objects.manifest import ManifestInfo, ManifestWriter
 from layerkv.objects.tenant_key import tenant_keys
+from layerkv.threads import NamedThreads, Task
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,11 @@ class SchedulerConnector:
         self.store = store
         self._tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
         self._stats = SchedulerStats()
+        # each written namespace's manifest (layerkv pool), off the scheduler thread: a put has no time bound
+        self._manifests = ManifestWriter(store, ManifestInfo.from_deployment(
+            deployment, config.tenant, keyed=self._tenant_keys is not None, encrypted=config.encrypt_objects))
+        self._manifest_thread = NamedThreads("layerkv-manifest", 1)
+        self._manifest_task: Task[None] | None = None
         self._epoch = ""  # a new one at each reset_cache: the namespaces' and the plans'
         self._name_objects()
         self._block_size = deployment.block_size
@@ -138,6 +146,7 @@ class SchedulerConnector:
         # after a key rotation, each older key's namespaces too (read, never written)
         stages = [tenant_namespaces(dataclasses.replace(deployment, pp_rank=s), config.tenant, config.model_fingerprint,
                                     keys, config.encrypt_objects, self._epoch) for s in range(deployment.pp_size)]
+        self._writing = tuple(generations[0] for generations in stages)  # each stage's current-key namespace
         role = storage_role(deployment)
         self._lookup = PoolLookup(self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats)
 
@@ -232,6 +241,8 @@ class SchedulerConnector:
         loads = tuple(self._pending.pop(req_id) for req_id in list(self._pending) if req_id in scheduled)
         self._pending.clear()  # a hit whose request was not scheduled is planned again later
         saves = self._plan_saves(step, {spec.req_id for spec in loads}) if self.deployment.role.saves else ()
+        if saves and (self._manifest_task is None or self._manifest_task.wait(0)):
+            self._manifest_task = self._manifest_thread.submit(functools.partial(self._manifests.ensure, self._writing))
         ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
         self._ended.clear()
         self._live = (self._live | scheduled) - ended
@@ -272,6 +283,10 @@ class SchedulerConnector:
         self._stats.load_failures += len(report.invalid_block_ids)
         self._suspect |= report.invalid_block_ids
         self._verdicts.report(report.invalid_block_ids, report.reported_steps)
+
+    def shutdown(self) -> None:
+        """Stop the manifest thread (a write still inside the store is left to finish alone)."""
+        self._manifest_thread.close(join_timeout_s=1.0)
 
     def stats(self) -> SchedulerStats:
         """Cumulative counters (the live object: read, do not keep for a snapshot)."""
