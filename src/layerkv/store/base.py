@@ -24,6 +24,8 @@ class Code(IntEnum):
     OK = 0
     NO_SPACE = -200  # allocation failed (Mooncake NO_AVAILABLE_HANDLE)
     INVALID_PARAMS = -600  # no session, range overflow, duplicate put session on this client
+    ILLEGAL_CLIENT = -601  # put end / revoke of a released put session: another client's object now
+    INVALID_WRITE = -700  # put revoke of a released put session: this client's own whole put committed it
     NO_COMPLETE_REPLICA = -702
     REPLICA_NOT_READY = -703  # object exists but is still PROCESSING (get start before end)
     OBJECT_NOT_FOUND = -704

@@ -4,9 +4,12 @@ an object can never be freed mid-copy). `client()` gives another handle on the s
 its own put/get sessions, as a second Mooncake client would have.
 
     object lifecycle:  put start -> PROCESSING --put end--> COMPLETE --evict/remove--> gone
-                                        |  revoke / put_timeout_s
-                                        v
+                                        |  revoke / put_timeout_s (the owner keeps a released
+                                        v  put session: put end -704 until it revokes)
                                       gone
+
+Where Mooncake 0.3.13 would move freed memory (a read under a force-removed object, a write into
+a released put), this store answers -704 instead (docs/data-safety.md, tests/conformance).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING
 from layerkv.errors import ConfigError, StoreError
 from layerkv.store.arena import HostRegions, check_ranges, copy_ranges, is_index
 from layerkv.store.base import Code, ObjectKey, Placement
-from layerkv.store.object_table import ClientId, GetSession, ObjectState, ObjectTable, StoredObject
+from layerkv.store.object_table import ClientId, ObjectState, ObjectTable, StoredObject
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
@@ -31,7 +34,6 @@ _NOT_FOUND = int(Code.OBJECT_NOT_FOUND)
 _EXISTS = int(Code.OBJECT_EXISTS)
 _NOT_READY = int(Code.REPLICA_NOT_READY)
 _NO_SPACE = int(Code.NO_SPACE)
-_EXPIRED = int(Code.LEASE_EXPIRED)
 
 
 class EmbeddedStore:
@@ -124,8 +126,8 @@ class EmbeddedStore:
             for key, obj in list(table.processing.items()):
                 if obj.owner == self._client_id:
                     self._table.drop(key, obj)
-            for session in table.get_sessions.pop(self._client_id, {}).values():
-                session.obj.num_leases -= 1
+            table.end_gets(self._client_id)
+            table.released_puts.pop(self._client_id, None)
             table.num_handles -= 1
             if table.num_handles == 0:
                 table.close()
@@ -162,14 +164,18 @@ class EmbeddedStore:
                 started.add(key)
             return results
 
-    def _start_put(self, key: ObjectKey, nbytes: int) -> int:  # under lock
+    def _start_put(self, key: ObjectKey, nbytes: int, *, whole: bool = False) -> int:  # under lock
+        """A put start of `key`; `whole` (batch_put_from): this client's put sessions on it,
+        open or released, do not matter (-705 if the key exists, as for any other writer)."""
         table = self._table
         if isinstance(nbytes, bool) or not is_index(nbytes) or nbytes <= 0:
             return _INVALID
         nbytes = int(nbytes)
+        if not whole and key in table.released_puts.get(self._client_id, ()):
+            return _INVALID  # this client still holds the released put session
         existing = table.objects.get(key)
         if existing is not None:
-            if existing.state is ObjectState.PROCESSING and existing.owner == self._client_id:
+            if not whole and existing.state is ObjectState.PROCESSING and existing.owner == self._client_id:
                 return _INVALID
             return _EXISTS
         offset = self._table.alloc_evicting(nbytes)
@@ -188,19 +194,22 @@ class EmbeddedStore:
         dst_offsets: Sequence[Sequence[int]],
     ) -> list[int]:
         """Bytes written per key; -600 without this client's put session or for a range outside
-        the object (then nothing of that key is written)."""
+        the object (then nothing of that key is written); -704 for a released put session
+        (deliberate: Mooncake writes into the released space)."""
         return self._copy_ranges(keys, ptrs, sizes, dst_offsets, to_store=True)
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Commit: 0, or -600 when this client holds no put session on the key; a key again in
-        the same batch after its commit: 0, as Mooncake answers."""
+        the same batch after its commit: 0, as Mooncake answers. A put session whose object
+        put_timeout_s released: -704, and the session stays until revoked (ObjectTable)."""
         with self._open_table() as table:
             results: list[int] = []
             ended: set[ObjectKey] = set()
             for key in keys:
                 obj = self._own_put(key)
                 if obj is None:
-                    results.append(_OK if key in ended else _INVALID)
+                    released = table.end_released_put(self._client_id, key, revoke=False)
+                    results.append(_OK if key in ended else _INVALID if released is None else released)
                     continue
                 ended.add(key)
                 obj.state = ObjectState.COMPLETE
@@ -210,13 +219,15 @@ class EmbeddedStore:
             return results
 
     def batch_put_session_revoke(self, keys: Sequence[ObjectKey]) -> list[int]:
-        """Abandon: 0, or -600 when this client holds no put session on the key."""
+        """Abandon: 0, or -600 when this client holds no put session on the key (a released
+        put session: see ObjectTable.end_released_put)."""
         with self._open_table() as table:
             results = []
             for key in keys:
                 obj = self._own_put(key)
                 if obj is None:
-                    results.append(_INVALID)
+                    released = table.end_released_put(self._client_id, key, revoke=True)
+                    results.append(_INVALID if released is None else released)
                     continue
                 self._table.drop(key, obj)
                 results.append(_OK)
@@ -228,28 +239,10 @@ class EmbeddedStore:
 
     # ---- get sessions ------------------------------------------------------------------------
     def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
-        """0 and a lease of lease_ttl_s; -704 missing; -703 still PROCESSING."""
+        """0 and a lease of lease_ttl_s; -704 missing; -703 still PROCESSING. A failed start
+        drops this client's old session on the key (its reads then answer -600), as Mooncake's."""
         with self._open_table() as table:
-            now = table.clock()
-            sessions = table.get_sessions[self._client_id]
-            results = []
-            for key in keys:
-                obj = table.objects.get(key)
-                if obj is None:
-                    results.append(_NOT_FOUND)
-                    continue
-                if obj.state is ObjectState.PROCESSING:
-                    results.append(_NOT_READY)
-                    continue
-                old = sessions.get(key)
-                if old is not None:
-                    old.obj.num_leases -= 1
-                sessions[key] = GetSession(obj, now + self.lease_ttl_s)
-                obj.num_leases += 1
-                obj.lease_until_s = max(obj.lease_until_s, now + self.lease_ttl_s)
-                table.lru.move_to_end(key)
-                results.append(_OK)
-            return results
+            return [table.start_get(self._client_id, key, self.lease_ttl_s) for key in keys]
 
     def batch_get_into_multi_buffer_ranges(
         self,
@@ -291,7 +284,9 @@ class EmbeddedStore:
             arena: list[int] = []
             nbytes: list[int] = []
             for key, key_ptrs, key_sizes, key_offsets in zip(keys, ptrs, sizes, offsets):
-                obj = self._own_put(key) if to_store else self._live_get(key)
+                obj = self._own_put(key) if to_store else table.live_get(self._client_id, key)
+                if obj is None and to_store and key in table.released_puts.get(self._client_id, ()):
+                    obj = _NOT_FOUND  # deliberate: Mooncake writes into the released space
                 if isinstance(obj, int):
                     results.append(obj)
                     continue
@@ -312,21 +307,6 @@ class EmbeddedStore:
                 copy_ranges(host, arena, nbytes)
             return results
 
-    def _live_get(self, key: ObjectKey) -> StoredObject | int | None:  # under lock
-        table = self._table
-        sessions = table.get_sessions[self._client_id]
-        session = sessions.get(key)
-        if session is None:
-            return None
-        if table.clock() >= session.expires_s:
-            del sessions[key]
-            session.obj.num_leases -= 1
-            return _EXPIRED
-        if table.objects.get(key) is not session.obj:  # removed (force) under the session
-            del sessions[key]
-            return _NOT_FOUND
-        return session.obj
-
     # ---- whole objects -----------------------------------------------------------------------
     def batch_put_from(
         self,
@@ -335,19 +315,23 @@ class EmbeddedStore:
         sizes: Sequence[int],
         placement: Placement | None = None,
     ) -> list[int]:
-        """Start, write and commit each object in one step: 0 or the put start error."""
+        """Start, write and commit each object in one step: 0 or the put start error. A key
+        that exists (committed, or any client's put session) answers 0 and nothing is written,
+        as Mooncake's "already exists"; a key again in the batch: its last bytes are kept."""
         if not len(keys) == len(ptrs) == len(sizes):
             return [_INVALID] * len(keys)
         with self._open_table() as table:
             results = []
+            written: dict[ObjectKey, StoredObject] = {}  # by this batch (no other call sees it yet)
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
-                code = _INVALID if not ptr or not self._registered(ptr, nbytes) else self._start_put(key, nbytes)
-                if code == _OK:
-                    obj = table.processing.pop(key)
+                code = _INVALID if not ptr or not self._registered(ptr, nbytes) else self._start_put(key, nbytes, whole=True)
+                obj = table.processing.pop(key) if code == _OK else written.get(key)
+                if code in (_OK, _EXISTS) and obj is not None and obj.nbytes == nbytes:
                     copy_ranges([table.arena.base_ptr + obj.offset], [ptr], [nbytes])
                     obj.state = ObjectState.COMPLETE
                     table.lru[key] = None
-                results.append(code)
+                    written[key] = obj
+                results.append(_OK if code == _EXISTS else code)
             return results
 
     def batch_get_into(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
