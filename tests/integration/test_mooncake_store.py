@@ -303,3 +303,64 @@ def test_make_store_capacity_and_lease(mooncake_harness: MooncakeHarness) -> Non
     assert store.batch_get_into_multi_buffer_ranges(key, [[ptr]], [[16]], [[0]]) == [Code.INVALID_PARAMS]  # dropped
     assert store.batch_get_session_end(key) == 0
     buf.close()
+
+
+class _StalledClient:
+    """A real Mooncake client whose batch_is_exist stalls until released (a read to a host that
+    vanished: a cut link sends no reset); every other attribute is the client's own."""
+
+    def __init__(self, client: Any) -> None:
+        import threading
+
+        self._client = client
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.closed = 0
+
+    def batch_is_exist(self, keys: Any) -> Any:
+        self.inside.set()
+        assert self.release.wait(30), "the test never released the stalled call"
+        return self._client.batch_is_exist(keys)
+
+    def close(self) -> Any:
+        self.closed += 1
+        return self._client.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_close_never_tears_the_client_down_under_a_call(mooncake_harness: MooncakeHarness) -> None:
+    import threading
+
+    store = mooncake_harness.new_client()
+    stalled = _StalledClient(store._client)
+    store._client = stalled
+    caller = threading.Thread(target=store.batch_is_exist, args=(["close-under-a-call"],), name="stalled-call")
+    caller.start()
+    assert stalled.inside.wait(10)
+    store.close(wait_s=0.3)  # the call is still inside: the client is left open
+    assert stalled.closed == 0
+    with pytest.raises(StoreError, match="after close"):
+        store.batch_is_exist(["k"])  # closed to new calls all the same
+    stalled.release.set()
+    caller.join(10)
+    closer = threading.Thread(target=store.close)  # idempotent: the first close decided
+    closer.start()
+    closer.join(10)
+    assert stalled.closed == 0
+    stalled._client.close()  # what the process would drop at exit; the harness's close is a no-op now
+
+
+def test_close_waits_for_a_call_that_returns(mooncake_harness: MooncakeHarness) -> None:
+    import threading
+
+    store = mooncake_harness.new_client()
+    stalled = _StalledClient(store._client)
+    store._client = stalled
+    caller = threading.Thread(target=store.batch_is_exist, args=(["close-after-a-call"],), name="returning-call")
+    caller.start()
+    assert stalled.inside.wait(10)
+    threading.Timer(0.3, stalled.release.set).start()
+    store.close(wait_s=10)  # returns once the call came back, then closes
+    caller.join(10)
+    assert stalled.closed == 1

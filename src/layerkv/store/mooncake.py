@@ -1,7 +1,8 @@
 """The Mooncake Store backend: `MooncakeStore` wraps `mooncake.store.MooncakeDistributedStore`.
 The only module that imports `mooncake`, and the one place where its exceptions become
 StoreError. Either side may use it; every method is safe from any thread (the Mooncake client
-is thread-safe; this wrapper holds no mutable state besides the closed flag).
+is thread-safe; this wrapper holds only the closed flag and the count of calls inside the client:
+`close` never tears the client down under a call still inside it, which can crash the process).
 
 Results are passed back as plain lists, unvalidated: `store/checked.py` validates them.
 Master down (observed 0.3.13.post1): every call returns -900, but most after ~4.4 s spent
@@ -170,6 +171,9 @@ def preflight(args: Mapping[str, Any]) -> None:
             raise StoreError(f"mooncake metadata server {args['metadata_server']} is not reachable ({error})")
 
 
+CLOSE_WAIT_S = 10.0  # close() waits this long for calls inside the client
+
+
 class MooncakeStore:
     """KVStore over a set-up Mooncake client. Build with `from_config` / `from_mooncake_config`."""
 
@@ -182,7 +186,8 @@ class MooncakeStore:
         self.master_address = master_address
         self.default_placement = default_placement or Placement()
         self._closed = False
-        self._close_lock = threading.Lock()  # guards _closed
+        self._in_flight = 0  # calls inside the client now
+        self._state = threading.Condition()  # guards _closed, _in_flight
 
     @classmethod
     def from_config(cls, config: LayerKVConfig) -> MooncakeStore:
@@ -237,12 +242,18 @@ class MooncakeStore:
     # -- helpers -----------------------------------------------------------------------------
 
     def _call(self, method: str, *args: Any) -> Any:
-        if self._closed:
-            raise StoreError(f"MooncakeStore.{method} called after close()")
+        with self._state:
+            if self._closed:
+                raise StoreError(f"MooncakeStore.{method} called after close()")
+            self._in_flight += 1
         try:
             return getattr(self._client, method)(*args)
         except Exception as exc:  # pybind11 raises arbitrary types; translate here only
             raise StoreError(f"mooncake {method} raised {exc!r} (master {self.master_address})") from exc
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                self._state.notify_all()
 
     def _replicate_config(self, placement: Placement | None) -> Any:
         placement = placement or self.default_placement
@@ -313,12 +324,19 @@ class MooncakeStore:
         """Force-remove (also objects with live leases): used for probe / test cleanup."""
         return list(self._call("batch_remove", list(keys), True))
 
-    def close(self) -> None:
-        """Unmount this client's segment and disconnect. Idempotent; later calls raise StoreError."""
-        with self._close_lock:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Unmount this client's segment and disconnect, once no call is inside the client (up
+        to `wait_s`; a call still inside then, e.g. a read to a host that vanished, leaves the
+        client open for the process to drop at exit: closing under it can crash the process).
+        Idempotent; later calls raise StoreError."""
+        with self._state:
             if self._closed:
                 return
             self._closed = True
+            if not self._state.wait_for(lambda: self._in_flight == 0, timeout=wait_s):
+                log.warning("layerkv: %d Mooncake calls still inside the client after %.0f s (master %s); "
+                            "left open rather than closed under them", self._in_flight, wait_s, self.master_address)
+                return
         try:
             rc = self._client.close()
         except Exception as exc:  # pybind11 raises arbitrary types; translate here only
