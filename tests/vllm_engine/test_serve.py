@@ -1,7 +1,8 @@
 """`vllm serve` with layerkv, started with the README's "Use with vLLM" command (model name aside;
 CPU and test flags appended), two servers on one `layerkv master`, and a real HTTP client (the
 `openai` package): completions that share a prefix; the second server answers from the pool
-exactly what the first answers from its own prefix cache; `/metrics` carries layerkv's counters.
+exactly what the first answers from its own prefix cache; `/metrics` carries layerkv's counters,
+its histograms and gauges under the `tenant` label, and the pool's hits as vLLM's `p2p` source.
 """
 
 from __future__ import annotations
@@ -66,3 +67,42 @@ def test_two_servers_share_a_prefix_through_the_pool(servers):
     assert loaded.get("load_blocks", 0) >= 5 and loaded.get("loaded_bytes", 0) > 0
     assert loaded.get("scheduler_hit_blocks", 0) >= 5
     assert saved.get("committed_keys", 0) >= 5 and saved.get("saved_bytes", 0) > 0
+
+
+def scrape(server: ServeProcess) -> str:
+    import httpx
+
+    return httpx.get(f"{server.base_url}/metrics", timeout=10).text
+
+
+def samples_of(text: str, family: str) -> dict[str, float]:
+    """`family`'s sample lines in a /metrics text: {'name{labels}': value}."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^({re.escape(family)}(?:_\w+)?\{{[^}}]*\}}) (\S+)$", text, re.M)}
+
+
+def test_metrics_show_histograms_gauges_with_the_tenant_label_and_pool_hits_as_p2p(servers):
+    producer, consumer = servers
+    prefix = prompt(92, 4 * BLOCK_SIZE)
+    complete(producer, words(prefix))  # computes and saves the 4 prefix blocks
+    pooled = complete(consumer, words(prefix + prompt(93, 10)))
+    assert pooled.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK_SIZE
+
+    text = scrape(consumer)
+    for family, kind in (("vllm:layerkv_load_wait_seconds", "histogram"), ("vllm:layerkv_transfer_seconds", "histogram"),
+                         ("vllm:layerkv_step_bytes", "histogram"), ("vllm:layerkv_lookup_seconds", "histogram"),
+                         ("vllm:layerkv_pending_puts", "gauge"), ("vllm:layerkv_staging_bytes_in_use", "gauge"),
+                         ("vllm:layerkv_running_jobs", "gauge")):
+        assert f"# TYPE {family} {kind}" in text, family
+        lines = samples_of(text, family)
+        assert lines and all('tenant="default"' in name for name in lines), (family, lines)  # the README's config: the default label
+    counts = samples_of(text, "vllm:layerkv_load_wait_seconds")
+    assert sum(v for k, v in counts.items() if k.startswith("vllm:layerkv_load_wait_seconds_count")) >= 1
+    loaded = samples_of(text, "vllm:layerkv_step_bytes")
+    assert sum(v for k, v in loaded.items() if "_sum{" in k and 'direction="load"' in k) > 0
+    assert sum(v for k, v in samples_of(text, "vllm:layerkv_lookup_seconds").items() if "_count{" in k) >= 1
+    # the pool's hits under the source vLLM knows for memory other processes lend (Mooncake): p2p
+    by_source = samples_of(text, "vllm:prompt_tokens_cached_by_source")
+    assert sum(v for k, v in by_source.items() if "_total{" in k and 'source="p2p"' in k) >= 4 * BLOCK_SIZE
+    assert sum(v for k, v in by_source.items() if "_total{" in k and 'source="external_unspecified"' in k) == 0
+    print("\n".join(line for line in text.splitlines() if line.startswith(("vllm:layerkv_load_wait_seconds_count",
+          "vllm:layerkv_step_bytes_sum", "vllm:layerkv_pending_puts", "vllm:prompt_tokens_cached_by_source_total"))))

@@ -1,11 +1,13 @@
 """Counters of the connector, one object per side, exposed as plain dataclasses (engines and
-`layerkv bench` read them; vLLM's stats hooks forward them). Scheduler stats are touched only
-by the scheduler thread; worker stats are updated under the worker's stats lock.
+`layerkv bench` read them; vLLM's stats hooks forward them), and `Samples`, the per-step
+observations behind vLLM's histograms. Scheduler stats are touched only by the scheduler thread;
+worker stats and samples only by the worker's compute thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -91,3 +93,34 @@ class WorkerStats:
     def add(self, other: WorkerStats) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+# Per-step observations (Samples names): histograms in vLLM's Prometheus (integrations/vllm_metrics.py).
+LOAD_WAIT_S = "load_wait_s"  # worker, per step with a load: compute thread time waiting for layers
+LOAD_TRANSFER_S = "load_transfer_s"  # worker, per load job that read every layer: its start to its last layer read
+SAVE_TRANSFER_S = "save_transfer_s"  # worker, per save job that wrote: time inside the store's write calls
+LOAD_BYTES = "load_bytes"  # worker, per load job: bytes read from the pool
+SAVE_BYTES = "save_bytes"  # worker, per save job: bytes written to the pool
+LOOKUP_S = "lookup_s"  # scheduler, per pool lookup of a request (and KV cache group): its exists calls
+
+
+class Samples:
+    """Observations by name since the last `take`, each name's kept to the last MAX_PER_NAME (an
+    engine that never takes them, like the reference engine, holds a bounded amount). Not
+    locked: one thread observes and takes (the scheduler thread, or a worker's compute thread)."""
+
+    MAX_PER_NAME = 4096
+
+    def __init__(self) -> None:
+        self._values: dict[str, deque[float]] = {}
+
+    def observe(self, name: str, value: float) -> None:
+        values = self._values.get(name)
+        if values is None:
+            values = self._values[name] = deque(maxlen=self.MAX_PER_NAME)
+        values.append(float(value))
+
+    def take(self) -> dict[str, list[float]]:
+        """Every name's observations since the last call (names without any left out)."""
+        taken, self._values = self._values, {}
+        return {name: list(values) for name, values in taken.items() if values}

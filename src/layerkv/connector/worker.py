@@ -26,14 +26,14 @@ from layerkv.objects.keys import with_store_shards, storage_role
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec, StepPlan
-from layerkv.connector.stats import WorkerStats
+from layerkv.connector.stats import LOAD_WAIT_S, Samples, WorkerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import tenant_keys
 from layerkv.transfer.calls import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
 from layerkv.transfer.caches import RegisteredCaches
-from layerkv.transfer.planner import Planner, StepTimes
+from layerkv.transfer.planner import Planner
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.commit import Commits
 from layerkv.transfer.views import CacheViews, completion_event
@@ -91,7 +91,8 @@ class WorkerConnector:
         self._plan: StepPlan | None = None  # compute thread only, from here on
         self._load: LoadJob | None = None
         self._save: SaveJob | None = None
-        self._ledger = JobLedger(self._stats)  # jobs whose outcomes are not counted yet
+        self.samples = Samples()  # per-step observations (connector/stats.py), compute thread; vLLM's histograms
+        self._ledger = JobLedger(self._stats, self.samples)  # jobs whose outcomes are not counted yet
         self._invalid_block_ids, self._reported_steps = set[int](), list[int]()
         self._saved_names: dict[int, int] = {}  # layer -> names saved this step
         self._handed: set[int] = set()  # layers handed to the save job this step
@@ -235,7 +236,9 @@ class WorkerConnector:
             load.give_up(f"still running after {self.config.load_timeout_s:.1f} s")
             self._stats.load_timeouts += 1
         if plan is not None and self.planner is not None and step_s:
-            self.planner.observe(self._step_times(plan, step_s, compute_alone))
+            self.planner.observe(worker_jobs.step_times(plan, self._load, step_s, self._step_wait_s, compute_alone))
+        if load is not None:
+            self.samples.observe(LOAD_WAIT_S, self._step_wait_s)
         if save is not None:
             if self.layout is not None:
                 self._hand_layers_before(self.layout.num_layers)
@@ -342,6 +345,11 @@ class WorkerConnector:
         jobs = [j for j in (*self._current(), *self._ledger.later) if j is not None]
         return {"pending_puts": self.commits.pending.num_keys(), "running_jobs": sum(1 for j in jobs if not j.finished)}
 
+    def gauges(self) -> dict[str, int]:
+        """open_sessions now, and the staging bytes lent to jobs that have not finished (compute thread)."""
+        areas = self._areas.all() if self._areas is not None else ()
+        return {**self.open_sessions(), "staging_bytes_in_use": sum(a.rows_in_use() * a.width for a in areas)}
+
     # -- internals ------------------------------------------------------------------------
     def _start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
         assert self._jobs is not None
@@ -373,16 +381,6 @@ class WorkerConnector:
         """Layers < layer_idx are complete (the compute thread moved past them): hand those whose save was asked for."""
         for earlier in sorted(l for l in self._saved_names if l < layer_idx):
             self._hand_layer(earlier)
-
-    def _step_times(self, plan: StepPlan, step_s: float, compute_alone: bool) -> StepTimes:
-        """What this step measured, for the planner: its load's only once that load finished
-        (its calls; its plan and transfer time when it read every layer, not cancelled)."""
-        load = self._load
-        if load is None or not load.finished:
-            return StepTimes(plan.num_tokens, step_s, self._step_wait_s, compute_alone)
-        read_all = not load.cancelled
-        return StepTimes(plan.num_tokens, step_s, self._step_wait_s, compute_alone, load.plan if read_all else None,
-                         len(load.keys), load.outcome.transfer_s if read_all else 0.0, load.outcome.measured)
 
     def _current(self) -> list[worker_jobs.Job]:
         return [j for j in (self._load, self._save, self.commits.job) if j is not None]

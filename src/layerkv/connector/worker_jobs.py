@@ -18,7 +18,8 @@ from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec
 from layerkv.objects.seal import sealers_for
-from layerkv.connector.stats import WorkerStats
+from layerkv.connector.stats import LOAD_BYTES, LOAD_TRANSFER_S, SAVE_BYTES, SAVE_TRANSFER_S, Samples, WorkerStats
+from layerkv.metadata import StepPlan
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import TenantKeys
@@ -26,7 +27,7 @@ from layerkv.transfer.calls import Lanes
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.commit import CommitJob, Commits
-from layerkv.transfer.planner import Planner, StepShape, choose_lanes
+from layerkv.transfer.planner import Planner, StepShape, StepTimes, choose_lanes
 from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.views import layer_groups
 
@@ -169,10 +170,14 @@ def planner_for(config: LayerKVConfig, caches: RegisteredCaches) -> Planner:
                    prefetch_layers=config.prefetch_layers, group_ends=ends)
 
 
-def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob) -> None:
-    """Add a finished job's outcome to the worker's counters (compute thread)."""
+def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob, samples: Samples) -> None:
+    """Add a finished job's outcome to the worker's counters and its transfer's size and time
+    to `samples` (compute thread)."""
     if isinstance(job, LoadJob):
         o = job.outcome
+        samples.observe(LOAD_BYTES, o.loaded_bytes)
+        if o.transfer_s:  # 0: not every layer read
+            samples.observe(LOAD_TRANSFER_S, o.transfer_s)
         stats.loaded_bytes += o.loaded_bytes
         stats.load_range_calls += o.range_calls
         stats.load_failed_blocks += len(job.failed_block_ids())
@@ -186,6 +191,9 @@ def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob) -> None:
         stats.transfer_errors += o.error is not None
     elif isinstance(job, SaveJob):
         s = job.outcome
+        samples.observe(SAVE_BYTES, s.saved_bytes)
+        if s.range_calls:
+            samples.observe(SAVE_TRANSFER_S, s.write_s)
         stats.save_keys += s.started
         stats.saved_bytes += s.saved_bytes
         stats.save_range_calls += s.range_calls
@@ -210,8 +218,9 @@ class JobLedger:
     and those of ended steps that are still running; each is folded in once, when it finished.
     Compute thread only."""
 
-    def __init__(self, stats: WorkerStats) -> None:
+    def __init__(self, stats: WorkerStats, samples: Samples) -> None:
         self.stats = stats
+        self.samples = samples  # each folded job's transfer size and time
         self.later: list[Job] = []  # jobs of ended steps still running: folded in when they finish
         self._folded: set[int] = set()  # ids of current-step jobs already folded
 
@@ -220,13 +229,13 @@ class JobLedger:
         still = []
         for job in self.later:  # jobs of ended steps: never folded yet
             if job.finished:
-                fold(self.stats, job)
+                fold(self.stats, job, self.samples)
             else:
                 still.append(job)
         self.later = still
         for job in current:
             if job.finished and id(job) not in self._folded:
-                fold(self.stats, job)
+                fold(self.stats, job, self.samples)
                 self._folded.add(id(job))
         self._folded &= {id(j) for j in current}  # ids of jobs that are gone can be reused
 
@@ -243,6 +252,16 @@ class JobLedger:
     def saves_in_flight(self) -> int:
         """Save jobs of earlier steps that have not finished (their writes and images)."""
         return sum(1 for j in self.later if isinstance(j, SaveJob) and not j.finished)
+
+
+def step_times(plan: StepPlan, load: LoadJob | None, step_s: float, wait_s: float, compute_alone: bool) -> StepTimes:
+    """What a step measured, for the planner: its load's only once that load finished (its
+    calls; its plan and transfer time when it read every layer, not cancelled)."""
+    if load is None or not load.finished:
+        return StepTimes(plan.num_tokens, step_s, wait_s, compute_alone)
+    read_all = not load.cancelled
+    return StepTimes(plan.num_tokens, step_s, wait_s, compute_alone, load.plan if read_all else None,
+                     len(load.keys), load.outcome.transfer_s if read_all else 0.0, load.outcome.measured)
 
 
 def check_block_size(layout: CacheLayout, block_size: int) -> None:
