@@ -167,12 +167,14 @@ class Engine:
 
 def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None,
                      failure_policy: str = "recompute", max_model_len: int = 1024, executor: str = "uni",
-                     multi_connector: bool = False, model_kwargs: dict | None = None):
+                     multi_connector: bool = False, model_kwargs: dict | None = None, kv_events: bool = False):
     """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: as the only
     child of vLLM's MultiConnector). `executor` "uni": the scheduler and the worker share this
     process, as in these tests (the embedded store needs it). `model_kwargs`: more ModelConfig
-    arguments (revision, hf_overrides, quantization, ...)."""
+    arguments (revision, hf_overrides, quantization, ...). `kv_events`: KV cache events on, vLLM's
+    null publisher (a test swaps in its own recorder)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.config.kv_events import KVEventsConfig
 
     model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len,
                                **(model_kwargs or {}))
@@ -193,6 +195,7 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
         kv_transfer_config=transfer,
         parallel_config=ParallelConfig(distributed_executor_backend=executor),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
 
 

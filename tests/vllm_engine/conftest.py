@@ -93,6 +93,8 @@ class Fleet:
     def __init__(self, tier_dir: Path, model_dir: Path, mooncake_config: Path) -> None:
         self.tier_dir, self.model_dir, self.mooncake_config = tier_dir, model_dir, mooncake_config
         self.engines: dict[str, Any] = {}
+        # the "embedded" engine's KV events: its ZMQ publisher binds this socket file (no port), a test subscribes
+        self.events_endpoint = f"ipc://{tier_dir / 'kv-events.sock'}"
 
     def fault_dir(self, name: str) -> Path:
         path = self.tier_dir / f"faults-{name}"
@@ -125,7 +127,9 @@ class Fleet:
             # one step of this engine can then take > 20 s, and a verdict that slow would revoke
             # the step's saves (commit_timeout_s; no 30 s put-start discard in the embedded store)
             transfer["kv_connector_extra_config"]["commit_timeout_s"] = 300
-            return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni"),
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
+                      "topic": "kv-events"}  # tests/vllm_engine/test_engine_events.py subscribes
+            return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni", kv_events_config=events),
                     engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
         if name == "hybrid":  # a sliding-window + full-attention model, vLLM's hybrid manager on
             return llm_kwargs(self.hybrid_model_dir(), layerkv_transfer("kv_both")), engine_env(mooncake, faults)

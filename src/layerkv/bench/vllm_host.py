@@ -94,7 +94,12 @@ def main(handlers: dict[str, Any] = HANDLERS) -> int:
 
     try:
         start = time.monotonic()
-        llm = LLM(**spec["llm"])
+        kwargs = dict(spec["llm"])
+        if isinstance(kwargs.get("kv_events_config"), dict):  # JSON: vLLM's LLM wants the config object
+            from vllm.config.kv_events import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+        llm = LLM(**kwargs)
     except BaseException as exc:  # reported to the driver with the traceback, then exit
         send({"ready": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
         return 1

@@ -178,6 +178,10 @@ class GroupedScheduler:
     def has_pending_work(self) -> bool:
         return any(sub.has_pending_work() for sub in self.subs)
 
+    def take_events(self) -> list[tuple[int, Any]]:
+        """(group index, PoolEvent) of every group since the last call."""
+        return [(g, event) for g, sub in enumerate(self.subs) for event in getattr(sub, "take_events", list)()]
+
     def reset_cache(self) -> bool:
         """Every group's (SchedulerConnector.reset_cache); False when a group cannot reset."""
         return all([bool(getattr(sub, "reset_cache", lambda: False)()) for sub in self.subs])

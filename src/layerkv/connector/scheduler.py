@@ -22,8 +22,9 @@ from layerkv.config import LayerKVConfig
 from layerkv.objects.keys import with_store_shards, Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.events import PoolEvent, PoolEvents
 from layerkv.connector.prefill_wait import PREFIX_TOKENS, PrefillWaits, promised_tokens
-from layerkv.connector.stats import SchedulerStats
+from layerkv.connector.stats import LOOKUP_S, Samples, SchedulerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.commit import Verdicts
 from layerkv.objects.manifest import ManifestInfo, ManifestWriter
@@ -118,6 +119,7 @@ class SchedulerConnector:
         self.store = store
         self._tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
         self._stats = SchedulerStats()
+        self.samples = Samples()  # each lookup's seconds (vLLM's histograms); scheduler thread
         # each written namespace's manifest (layerkv pool), off the scheduler thread: a put has no time bound
         self._manifests = ManifestWriter(store, ManifestInfo.from_deployment(
             deployment, config.tenant, keyed=self._tenant_keys is not None, encrypted=config.encrypt_objects))
@@ -136,6 +138,7 @@ class SchedulerConnector:
         self._verdicts = Verdicts(deployment.tp_size * deployment.pp_size, config.commit_timeout_s, self._stats)
         self._suspect: set[int] = set()  # block ids whose load failed and that nobody rewrote since
         self._waits = PrefillWaits(config.prefill_wait_s, self._stats)
+        self._events = PoolEvents()  # what the pool holds, for routers (take_events)
 
     def _name_objects(self) -> None:
         """The namespaces of this epoch and the lookup over them."""
@@ -163,6 +166,7 @@ class SchedulerConnector:
         self._matched.clear()
         self._pending.clear()
         self._before_reset |= self._live
+        self._events.cleared()
         self._stats.cache_resets += 1
         log.info("layerkv: cache reset: a new namespace %s; %d running requests save nothing more",
                  self.namespace.name, len(self._live))
@@ -186,7 +190,9 @@ class SchedulerConnector:
         if waits and self._waits.too_soon(request.req_id):
             return None, False
         self._stats.lookups += 1
+        lookup_start_s = time.perf_counter()
         generations = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
+        self.samples.observe(LOOKUP_S, time.perf_counter() - lookup_start_s)
         if waits:
             if start_block + len(generations) < promised and self._waits.keep_waiting(request.req_id):
                 return None, False
@@ -216,14 +222,18 @@ class SchedulerConnector:
             end_block = min(end_block, start_block + max_tokens // self._block_size)
         window = max(1, self.deployment.window_blocks)
         self._stats.lookups += 1
-        while end_block > start_block:
-            first = max(start_block, end_block - window)
-            found = self._lookup.locate(request.block_hashes[first:end_block])
-            if min(found) >= 0:  # blocks before the window are the null block: not loaded
-                self._matched[request.req_id] = self._hit(start_block, [0] * (first - start_block) + found)
-                return (end_block - start_block) * self._block_size
-            end_block = first + max(i for i, g in enumerate(found) if g < 0)  # the hit ends before that miss
-        return 0
+        lookup_start_s = time.perf_counter()
+        try:
+            while end_block > start_block:
+                first = max(start_block, end_block - window)
+                found = self._lookup.locate(request.block_hashes[first:end_block])
+                if min(found) >= 0:  # blocks before the window are the null block: not loaded
+                    self._matched[request.req_id] = self._hit(start_block, [0] * (first - start_block) + found)
+                    return (end_block - start_block) * self._block_size
+                end_block = first + max(i for i, g in enumerate(found) if g < 0)  # the hit ends before that miss
+            return 0
+        finally:
+            self.samples.observe(LOOKUP_S, time.perf_counter() - lookup_start_s)
 
     def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
         matched = self._matched.pop(request.req_id, None)
@@ -251,6 +261,8 @@ class SchedulerConnector:
         if saves:
             self._verdicts.await_step(seq, {r.req_id: frozenset(r.block_ids + r.other_block_ids) for r in step.requests})
         verdicts = self._verdicts.take()
+        self._events.decided(verdicts)
+        self._events.planned(seq, loads, saves)
         self._stats.steps += 1
         self._stats.load_blocks += sum(len(spec) for spec in loads)
         self._stats.save_blocks += sum(len(spec) for spec in saves)
@@ -282,7 +294,12 @@ class SchedulerConnector:
         now reported are decided (Verdicts.report)."""
         self._stats.load_failures += len(report.invalid_block_ids)
         self._suspect |= report.invalid_block_ids
+        self._events.failed(report.invalid_block_ids)
         self._verdicts.report(report.invalid_block_ids, report.reported_steps)
+
+    def take_events(self) -> list[PoolEvent]:
+        """Blocks stored, removed, or all cleared since the last call (connector/events.py)."""
+        return self._events.take()
 
     def shutdown(self) -> None:
         """Stop the manifest thread (a write still inside the store is left to finish alone)."""

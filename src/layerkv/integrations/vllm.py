@@ -11,7 +11,8 @@ Load with: --kv-transfer-config '{"kv_connector": "LayerKVConnector",
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
@@ -23,11 +24,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from layerkv.config import LayerKVConfig
-from layerkv.connector.hybrid import GroupedScheduler, GroupedWorker
+from layerkv.connector.hybrid import GroupedPlan, GroupedScheduler, GroupedWorker
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
-from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of
+from layerkv.integrations.vllm_events import VllmPoolEvents
+from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of, hit_source
 from layerkv.integrations.vllm_plugin import register as _register_connector_name
 from layerkv.integrations.vllm_setup import (
     check_pool_shared,
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
     from layerkv.store.checked import CheckedStore
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -110,6 +114,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: GroupedWorker | None = None
         self._load_started = False  # worker: start_load_kv already delegated for this step
         self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
+        events_on = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+        # what the pool holds, for KV-aware routers (integrations/vllm_events.py), when vLLM publishes events
+        self._events = VllmPoolEvents(self.deployment.block_size) if events_on and role is KVConnectorRole.SCHEDULER else None
         self._store: CheckedStore | None = OPEN_STORE(config)
         try:
             if role is KVConnectorRole.SCHEDULER:
@@ -169,7 +176,16 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         steps = self._steps.translate(scheduler_output)
-        return LayerKVMetadata(self.scheduler_side.build_connector_meta(steps))
+        payload = self.scheduler_side.build_connector_meta(steps)
+        if self._events is not None:
+            self._events.note(payload.plans if isinstance(payload, GroupedPlan) else (payload,), self._steps.request)
+        return LayerKVMetadata(payload)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Blocks the pool now holds, lost, or all cleared (a reset), since the last call: vLLM
+        publishes them with its own (--kv-events-config). Drained even when it does not."""
+        pool_events = self.scheduler_side.take_events() if self._scheduler is not None else []
+        return self._events.events(pool_events) if self._events is not None else ()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -252,11 +268,22 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return LayerKVWorkerMeta(tuple(steps)) if steps else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Counter changes since the previous call (vLLM calls this once per step on each worker
-        and, when logging stats, on the scheduler); None when nothing changed."""
+        """Counter changes, per-step samples and (while non-zero or changed) gauges since the
+        previous call (vLLM calls this once per step on each worker and on the scheduler;
+        integrations/vllm_metrics.py); None when there is nothing."""
         side = self._worker if self._worker is not None else self._scheduler
-        data = self._deltas.take(side.stats() if side is not None else None)  # None: test doubles have no stats
+        data: dict[str, Any] = dict(self._deltas.take(side.stats() if side is not None else None))  # None: test doubles have no stats
+        data.update(self._deltas.take_observed(side))
         return LayerKVStats(data=data) if data else None
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's `prompt_tokens_cached_by_source`: every pool token from the backend's tier
+        (vllm_metrics.hit_source: embedded HOST, mooncake P2P); {} for none. Scheduler thread."""
+        return {self._pool_hit_source: num_external_tokens} if num_external_tokens > 0 else {}
+
+    @functools.cached_property
+    def _pool_hit_source(self) -> CacheHitSource:
+        return hit_source(LayerKVConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config).backend)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -43,6 +43,10 @@ class StepTranslator:
     def track(self, request: Request) -> None:
         self._requests[request.request_id] = request
 
+    def request(self, req_id: ReqId) -> Request | None:
+        """The live request `req_id` (None once forgotten)."""
+        return self._requests.get(req_id)
+
     def forget(self, req_id: ReqId) -> None:
         self._requests.pop(req_id, None)
         self._block_ids.pop(req_id, None)
