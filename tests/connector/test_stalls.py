@@ -143,3 +143,17 @@ def test_a_hung_master_costs_one_bound_not_one_per_step(make_rig) -> None:
     assert rig.scheduler.stats().save_blocks == 0  # no saves planned while the store is down
     for faulty in (rig.sched_faults, *rig.faults):
         faulty.release()
+
+
+def test_a_stalled_save_shows_its_staging_bytes_in_the_gauges_until_it_ends(make_rig) -> None:
+    rig = make_rig(num_layers=3, transfer_plan="whole")  # saves gather the cache into staging
+    worker = rig.workers[0]
+    assert worker.gauges()["staging_bytes_in_use"] == 0
+    rig.faults[0].delay((PUT_RANGES, PUT_FROM), 1.0, times=1)  # the save's write holds its staging rows
+    a = Req("a", _tokens(2))
+    _, s = rig.admit(a)
+    rig.step([s])  # wait_for_save does not wait for the write
+    held = worker.gauges()
+    assert held["running_jobs"] >= 1 and held["staging_bytes_in_use"] >= 2 * worker.layout.object_nbytes
+    rig.settle()
+    assert worker.gauges() == {"pending_puts": 0, "running_jobs": 0, "staging_bytes_in_use": 0}
