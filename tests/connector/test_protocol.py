@@ -171,8 +171,14 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
         with pytest.raises(ConfigError, match=r"num_blocks=0 must be a positive int"):
             worker.register_kv_caches(caches, 0)
         on_device = {"model.layers.0.attn": torch.zeros(2, 8, 16, 2, 8, device="meta")}  # not host memory
-        with pytest.raises(ConfigError, match=r"backend='embedded' needs host memory; the KV caches live on meta"):
-            worker.register_kv_caches(on_device, 8)
+        direct = WorkerConnector(LayerKVConfig.from_dict({"register_kv_cache": True}, env={}), deployment,
+                                 CheckedStore(root.client(), max_batch_keys=64))
+        try:  # the live cache of a device is never handed to the store: device KV goes through staging
+            with pytest.raises(ConfigError, match=r"register_kv_cache: true, but the KV caches live on meta: .*"
+                               r"Set register_kv_cache: false"):
+                direct.register_kv_caches(on_device, 8)
+        finally:
+            direct.shutdown()
     finally:
         worker.shutdown()
     small = config.replace(staging_nbytes=1 << 20)

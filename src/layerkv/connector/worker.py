@@ -32,11 +32,12 @@ from layerkv.objects.tenant_key import tenant_keys
 from layerkv.transfer.calls import Lanes
 from layerkv.transfer.load import LoadJob
 from layerkv.transfer.memory import RegisteredMemory, memory_regions
+from layerkv.store.wheels import check_device_path
 from layerkv.transfer.caches import RegisteredCaches
 from layerkv.transfer.planner import Planner
 from layerkv.transfer.save import SaveJob
 from layerkv.transfer.commit import Commits
-from layerkv.transfer.views import CacheViews, completion_event
+from layerkv.transfer.views import CacheViews
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
 from layerkv.connector.worker_jobs import JobFactory, JobLedger, check_block_size
@@ -121,9 +122,7 @@ class WorkerConnector:
             raise ConfigError(f"num_blocks={num_blocks!r} must be a positive int")
         self.layout = CacheLayout.from_caches(kv_caches, num_blocks, max_transfer_bytes=self.config.max_transfer_bytes)
         check_block_size(self.layout, self.deployment.block_size)
-        if self.layout.device_type != "cpu" and self.config.backend == "embedded":
-            raise ConfigError(f"backend='embedded' needs host memory; the KV caches live on {self.layout.device_type}. "
-                              "Use backend='mooncake' for device memory")
+        check_device_path(self.layout.device_type, self.config.register_kv_cache)  # device KV: staging only
         headers = worker_jobs.headers_for(self.namespaces, self.layout, self.tenant_keys, self.config.encrypt_objects)
         self._names_per_layer = [len({e.layer_name for e in layer}) for layer in self.layout.layers]
         direct = self.config.register_kv_cache
@@ -370,12 +369,12 @@ class WorkerConnector:
         return job
 
     def _hand_layer(self, layer_idx: int) -> None:
-        """Give layer `layer_idx` to the save job once, with a device completion event."""
+        """Give layer `layer_idx` to the save job once, with the compute stream's marker (device.py)."""
         if self._save is None or layer_idx in self._handed or layer_idx not in self._saved_names:
             return
         assert self.layout is not None
         self._handed.add(layer_idx)
-        self._save.hand_layer(layer_idx, completion_event(self.layout.device_type))
+        self._save.hand_layer(layer_idx, self._jobs.caches.views.copies.compute_marker() if self._jobs else None)
 
     def _hand_layers_before(self, layer_idx: int) -> None:
         """Layers < layer_idx are complete (the compute thread moved past them): hand those whose save was asked for."""
@@ -391,6 +390,8 @@ class WorkerConnector:
         revoked."""
         if self._load is not None and not self._load.finished:
             self._load.give_up("the step ended before its loads finished")
+        elif self._load is not None:
+            self._load.order_compute()  # a layer nobody waited for: its device copies still come first
         if self._save is not None and not self._save.released:
             self._save.cancel()
         self._ledger.end_step(self._current())

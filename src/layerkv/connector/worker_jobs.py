@@ -98,7 +98,8 @@ class JobFactory:
                                   kinds_ms=self.planner.last_predictions if plan.predicted_s else {})
         job = LoadJob(load_keys, store=self.store, caches=self.caches, headers=self.headers,
                       rows=LentRows(area.array, slots), plan=plan, lanes=self.load_lanes,
-                      renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch)
+                      renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch,
+                      start_marker=self.caches.views.copies.compute_marker())  # the cache's earlier users first
         area.lend(slots, job)
         return job
 

@@ -148,7 +148,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # wait_for_layer_load / save_kv_layer run between attention layers
+        # wait_for_layer_load / save_kv_layer must run between attention layers: a step that loads
+        # a prefix and computes one token per request looks like a uniform decode batch, which a
+        # full graph would replay without the hooks (attention before the loads landed). Only an
+        # engine that never loads could do without, and this hook does not see the role (docs/gpu.md).
+        return True
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

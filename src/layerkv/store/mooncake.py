@@ -20,7 +20,6 @@ network namespace with only loopback (scripts/isolated.sh).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from layerkv.errors import ConfigError, StoreError, StoreVersionError
 from layerkv.store import native_log
 from layerkv.store.base import SESSION_METHODS, ObjectKey, Placement, code_name
 from layerkv.store.mooncake_master import MIN_SEGMENT_BYTES, tcp_reachable
+from layerkv.store.wheels import DISTRIBUTIONS, clash, install_hint, installed
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 
 MIN_VERSION = (0, 3, 13)
 MIN_VERSION_TEXT = "0.3.13"
-DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
 REQUIRED_KEYS = ("local_hostname", "metadata_server", "master_server_address")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 PREFLIGHT_TIMEOUT_S = 2.0
@@ -81,18 +80,14 @@ def check_session_methods(client_cls: type) -> None:
         raise StoreVersionError(
             f"{client_cls.__name__} lacks the Mooncake session/range method(s) {', '.join(missing)}; "
             f"layerkv needs Mooncake Store >= {MIN_VERSION_TEXT} "
-            f"(pip install 'mooncake-transfer-engine-non-cuda>={MIN_VERSION_TEXT}')"
+            f"({install_hint()})"
         )
 
 
 def installed_version() -> str | None:
     """The installed mooncake wheel's version, or None if no known distribution is installed."""
-    for dist in DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    found = installed()
+    return found[0][1] if found else None
 
 
 def check_version(version: str | None) -> None:
@@ -108,7 +103,7 @@ def check_version(version: str | None) -> None:
     if tuple(int(part) for part in match.groups()) < MIN_VERSION:
         raise StoreVersionError(
             f"mooncake {version} is installed; layerkv needs Mooncake Store >= {MIN_VERSION_TEXT} "
-            f"(session/range API); pip install 'mooncake-transfer-engine-non-cuda>={MIN_VERSION_TEXT}'"
+            f"(session/range API); {install_hint()}"
         )
 
 
@@ -216,6 +211,8 @@ class MooncakeStore:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # the only mooncake import
 
         check_version(installed_version())
+        if (clashing := clash()) is not None:
+            log.warning("layerkv: %s", clashing)
         client_cls = client_cls or MooncakeDistributedStore
         check_session_methods(client_cls)
         preflight(args)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from layerkv.store.wheels import install_hint
 from layerkv.errors import ConfigError, PortInUseError, StoreError
 from layerkv.store import port_owner
 
@@ -59,8 +60,7 @@ def find_master_binary() -> Path:
     if found:
         return Path(found)
     raise StoreError(
-        f"{MASTER_BINARY} not found next to {sys.executable} nor on PATH; "
-        "install it with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`"
+        f"{MASTER_BINARY} not found next to {sys.executable} nor on PATH; install it with {install_hint()}"
     )
 
 

@@ -15,6 +15,9 @@ any more: no copy into the cache, no verification, no removal of objects.
     compute:  start ── wait(0) ─ attn 0 ─ wait(1) ─ attn 1 ─ wait(2) ─ attn 2 ...
     receive:  start sessions ─ read 0 ─ read 1 ─ read 2 ── read 3 ────── read 4 ... end sessions
 
+Device caches: the copies into the cache run on a side stream after the step's start marker,
+and wait(l) makes the compute stream wait for layer l's copies (transfer/device.py).
+
 Touched by the compute thread (wait_layer, failed_block_ids) and the receive thread (run);
 shared state guarded by JobState.cond. Failures never raise into the compute thread: they are
 rows marked failed, whose blocks the engine recomputes.
@@ -40,6 +43,7 @@ from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.calls import JobReads, KeyRows, Lanes
 from layerkv.transfer.planner import GROUPS, LAYERS, LoadPlan, Measured, WHOLE
+from layerkv.transfer.device import Marker
 from layerkv.transfer.sessions import GetSessions
 from layerkv.transfer.views import LayerGroup, groups_of
 from layerkv.transfer.thread import JobState
@@ -91,6 +95,7 @@ class LoadJob(JobState):
         lanes: Lanes,
         renew_after_s: float,
         prefetch_layers: int | None = None,  # read at most this far ahead of compute (None: no cap)
+        start_marker: Marker = None,  # device caches: the compute stream at the step's start (device.py)
     ) -> None:
         super().__init__("layerkv load")
         self.keys = keys
@@ -115,6 +120,9 @@ class LoadJob(JobState):
         # fan-out targets (row, block) beyond each key's first block
         self._extra_rows = np.array([i for i, k in enumerate(keys) for _ in k.extra_block_ids], dtype=np.int64)
         self._extra_blocks = np.array([b for k in keys for b in k.extra_block_ids], dtype=np.int64)
+        self._start_marker = start_marker
+        # device copies queued into the cache: (end layer of their group, marker), in order; guarded by cond
+        self._markers: list[tuple[int, Marker]] = []
         self.failed = np.zeros(len(keys), dtype=bool)  # guarded by cond
         self.layers_done = 0  # guarded by cond
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
@@ -136,9 +144,23 @@ class LoadJob(JobState):
                 self.compute_layer = layer_idx
                 self.cond.notify_all()
         if self.wait_for(lambda: self.layers_done > layer_idx or self.finished, timeout_s):
+            self._views.copies.compute_wait(self._ready_marker(layer_idx))  # the layer's device copies land first
             return True
         self.give_up(f"layer {layer_idx} not read within {timeout_s:.1f} s")
         return False
+
+    def _ready_marker(self, layer_idx: int) -> Marker:
+        """The marker of the last device copy of the group that holds `layer_idx` (None: none queued)."""
+        with self.cond:
+            ends = [end for end, _ in self._markers if end > layer_idx]
+            return [m for end, m in self._markers if end == ends[0]][-1] if ends else None
+
+    def order_compute(self) -> None:
+        """Compute thread: later compute waits for every device copy this job queued (a give-up,
+        the step's end): no copy it queued lands in a block after the engine reuses it."""
+        with self.cond:
+            last = self._markers[-1][1] if self._markers else None
+        self._views.copies.compute_wait(last)
 
     def give_up(self, reason: str) -> None:
         """Fail every row still good and cancel (compute thread, on a timeout). Returns once no
@@ -151,6 +173,7 @@ class LoadJob(JobState):
         self.cancel()
         with self._cache_writes:  # a scatter / fan-out that began before the cancel ends first
             pass
+        self.order_compute()  # device copies already queued land before any later compute
 
     def settled(self) -> bool:
         """No more failures can come: every layer was read (or the job gave up / ended)."""
@@ -336,8 +359,12 @@ class LoadJob(JobState):
         with self._cache_writes:
             if self.cancelled:
                 return -1
-            copied, bad = self._staged.publish(group, self._staging, rows, slots, self._rows.block_ids,
-                                               (self._extra_rows, self._extra_blocks), self._checks)
+            copied, bad, marker = self._staged.publish(group, self._staging, rows, slots, self._rows.block_ids,
+                                                       (self._extra_rows, self._extra_blocks), self._checks,
+                                                       after=self._start_marker)
+            if marker is not None:
+                with self.cond:
+                    self._markers.append((group.end_layer, marker))
         if bad.size:
             self._fail(bad, "layer tag mismatch")
         return copied

@@ -12,6 +12,8 @@ lanes: the store's latency never reaches the forward pass, nor the next step's c
 
     compute:  attn 0 ─ hand(0) ─ attn 1 ─ hand(1) ─ ... ─ hand(L-1) ─ finalize ─ wait (released)
     send:     copy 0 ───────── copy 1 ... ─ copy L-1 ─ headers ─┤
+    (device caches: each copy runs on a side stream after the layer's compute marker, and the
+    send thread waits for that copy alone: transfer/device.py)
     write:                                                      put start ─ write images ─> pending
 
 Direct (register_kv_cache: true, per-layer writes): put start, then each layer's ranges straight
@@ -225,13 +227,12 @@ class SaveJob(JobState):
             if item is None:
                 break
             layer_idx, event = item
-            if event is not None:
-                event.synchronize()  # the layer's KV is written on the device before we read it
             if layer_idx not in self._sent_layers:
                 start = time.perf_counter()
                 self._sent_layers.add(layer_idx)
+                # device caches: copied on the side stream once the layer's compute marker is reached
                 self._tags[:, layer_idx] = self._staged.gather_sealed(layer_idx, self._staging, rows, self._rows.block_ids,
-                                                                      self._contexts, self._header.sealer)
+                                                                      self._contexts, self._header.sealer, after=event)
                 self.outcome.copy_s += time.perf_counter() - start
         with self.cond:
             complete = len(self._sent_layers) == self._layout.num_layers and not self.cancelled

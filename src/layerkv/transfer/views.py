@@ -32,6 +32,7 @@ import numpy as np
 from layerkv.errors import LayoutError
 from layerkv.objects.layout import CacheLayout
 from layerkv.objects.seal import TAG_NBYTES, RowSealers, Sealer
+from layerkv.transfer.device import DeviceCopies, Marker, as_numpy, copies_for
 
 if TYPE_CHECKING:
     from layerkv.transfer.checks import ObjectChecks
@@ -50,11 +51,14 @@ class SegmentView:
 class CacheViews:
     """Per layer, the segment views of a registered layout (object order)."""
 
-    def __init__(self, layout: CacheLayout, caches: Mapping[str, Any] | None = None, *, on_host: bool | None = None) -> None:
+    def __init__(self, layout: CacheLayout, caches: Mapping[str, Any] | None = None, *, on_host: bool | None = None,
+                 copies: DeviceCopies | None = None) -> None:
         """`on_host` defaults to the caches' device; False on CPU torch caches exercises the
-        device path (torch views and copies, no host checksums)."""
+        device path (torch views and copies, no host checksums). `copies`: how device copies
+        are ordered (default: the caches' device's, transfer/device.py)."""
         self.layout = layout
         self.on_host = layout.device_type == "cpu" if on_host is None else on_host
+        self.device: Any = "cpu"
         if self.on_host:
             self.layers = tuple(_host_views(layout, l) for l in range(layout.num_layers))
         else:
@@ -62,6 +66,8 @@ class CacheViews:
                 raise LayoutError(f"views of {layout.device_type} caches need the registered tensors")
             storages = _storages(caches)
             self.layers = tuple(_device_views(layout, l, storages) for l in range(layout.num_layers))
+            self.device = storages[0][2].device
+        self.copies: DeviceCopies = copies if copies is not None else copies_for(self.device)
 
     def tags(self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer | RowSealers) -> np.ndarray:
         """Each block's tag of its layer bytes in object order (layerkv.objects.seal): uint8
@@ -180,33 +186,52 @@ class StagedLayers:
         self._views = views.layers  # [layer][segment]
 
     def scatter(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
-        """cache[block_ids[j]] <- staging[slots[j]] for every segment of every layer of `group`
-        (one fancy-indexed copy per segment; a slot may feed several blocks)."""
+        """Host caches: cache[block_ids[j]] <- staging[slots[j]] for every segment of every
+        layer of `group` (one fancy-indexed copy per segment; a slot may feed several blocks)."""
         if block_ids.size == 0:
             return
         n = int(slots.size)
         first = int(slots[0]) if n else 0
         in_order = n > 0 and int(slots[-1]) == first + n - 1 and bool(np.all(np.diff(slots) == 1))
-        ids = block_ids if self.on_host else _device_ids(block_ids, self._views[group.first_layer][0].blocks)
         for layer_idx in range(group.first_layer, group.end_layer):
             for seg in self._views[layer_idx]:
                 col = seg.object_offset - group.span_start
                 src = staging[first : first + n, col : col + seg.nbytes] if in_order else staging[slots, col : col + seg.nbytes]
-                if self.on_host:
-                    seg.blocks[ids] = src
-                else:
-                    seg.blocks[ids] = _to_device(src, seg.blocks)
-        if not self.on_host:
-            _synchronize(self._views[group.first_layer][0].blocks)
+                seg.blocks[block_ids] = src
+
+    def scatter_device(self, group: LayerGroup, private: Any, local: np.ndarray, block_ids: np.ndarray, after: Marker) -> Marker:
+        """Device caches: cache[block_ids[j]] <- private[local[j]] for every segment of `group`,
+        queued on the side stream once `after` is reached (transfer/device.py): one copy of the
+        pinned rows to the device, then one indexed copy per segment there. Returns the
+        marker of the copies' completion (None when they ran at once)."""
+        if block_ids.size == 0:
+            return None
+        device, views = self._cache.device, self._views
+
+        def enqueue() -> None:
+            import torch
+
+            rows = private.to(device, non_blocking=True)  # [rows, span] from pinned memory
+            picked = rows[torch.as_tensor(local, dtype=torch.int64, device=device)]
+            ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+            for layer_idx in range(group.first_layer, group.end_layer):
+                for seg in views[layer_idx]:
+                    col = seg.object_offset - group.span_start
+                    seg.blocks[ids] = picked[:, col : col + seg.nbytes]
+
+        return self._cache.copies.run_after(after, enqueue)
 
     def publish(self, group: LayerGroup, staging: np.ndarray, rows: np.ndarray, slots: np.ndarray,
-                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray], checks: ObjectChecks) -> tuple[int, np.ndarray]:
+                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray], checks: ObjectChecks,
+                after: Marker = None) -> tuple[int, np.ndarray, Marker]:
         """Copy `group` of the keys `rows` (block `block_ids[row]`, read into staging `slots`)
         into the cache, verified where no peer can change the bytes any more: host caches are
         copied first and their tags computed in the cache (staging stays writable by anyone who
         reaches the store's ports), device caches are tagged in a private host copy and copied
         from it. `fan_out` = (row, block) pairs that also want a key, copied only from a verified
-        key. Returns (bytes copied, the rows that failed). The caller holds its cache-writes lock."""
+        key. Device copies wait for `after` (the step's start) on the side stream. Returns
+        (bytes copied, the rows that failed, the marker of the device copies: None for host
+        caches and copies that ran at once). The caller holds its cache-writes lock."""
         extra_rows, extra_blocks = fan_out
         layers = range(group.first_layer, group.end_layer)
         layer_nbytes = sum(self.layout.layer_nbytes(l) for l in layers)
@@ -225,9 +250,14 @@ class StagedLayers:
             fan = np.isin(extra_rows, rows)
             for l in layers:
                 self._cache.copy_blocks(l, block_ids[extra_rows[fan]], extra_blocks[fan])
-            return layer_nbytes * (int(rows.size) + int(fan.sum())), bad
+            return layer_nbytes * (int(rows.size) + int(fan.sum())), bad, None
         # device caches and encrypted objects: verified (decrypted) in a private copy, then copied
-        private = staging[slots, : group.span_nbytes]  # fancy indexing: an unregistered copy
+        host = self._cache.copies.pinned((len(slots), group.span_nbytes)) if not self.on_host else None
+        if host is None:  # host caches, encrypted: fancy indexing makes an unregistered copy
+            private = staging[slots, : group.span_nbytes]
+        else:  # pinned, so that the side stream copies it to the device asynchronously
+            private = as_numpy(host)
+            np.take(staging[:, : group.span_nbytes], slots, axis=0, out=private)
         local = np.arange(rows.size, dtype=np.int64)
         if rows.size:
             contexts = checks.contexts(rows)
@@ -240,8 +270,12 @@ class StagedLayers:
         local_of_row[rows] = local
         fan = local_of_row[extra_rows] >= 0 if extra_rows.size else np.zeros(0, dtype=bool)
         targets = np.concatenate([block_ids[rows], extra_blocks[fan]])
-        self.scatter(group, private, np.concatenate([local, local_of_row[extra_rows[fan]]]), targets)
-        return layer_nbytes * int(targets.size), bad
+        sources = np.concatenate([local, local_of_row[extra_rows[fan]]])
+        if host is None:
+            self.scatter(group, private, sources, targets)
+            return layer_nbytes * int(targets.size), bad, None
+        marker = self.scatter_device(group, host, sources, targets, after)
+        return layer_nbytes * int(targets.size), bad, marker
 
     def open(self, group: LayerGroup, private: np.ndarray, rows: np.ndarray, contexts: Sequence[bytes],
              checks: ObjectChecks) -> np.ndarray:
@@ -256,29 +290,46 @@ class StagedLayers:
         return out
 
     def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
-                      contexts: Sequence[bytes], sealer: Sealer) -> np.ndarray:
+                      contexts: Sequence[bytes], sealer: Sealer, after: Marker = None) -> np.ndarray:
         """`gather` then the layer's tags (uint8 [len(slots), 16]); an encrypting sealer gathers
-        into private memory, encrypts there and puts only ciphertext into staging."""
+        into private memory, encrypts there and puts only ciphertext into staging. `after`:
+        the compute marker of the layer (device caches)."""
         if not sealer.encrypts:
-            self.gather(layer_idx, staging, slots, block_ids)
+            self.gather(layer_idx, staging, slots, block_ids, after)
             col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
             return sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
-        self.gather(layer_idx, private, np.arange(len(slots), dtype=np.int64), block_ids)
+        self.gather(layer_idx, private, np.arange(len(slots), dtype=np.int64), block_ids, after)
         spans = [private[i, col:] for i in range(len(slots))]
         tags = sealer.seal_layers(contexts, layer_idx, spans)
         staging[slots, col : col + width] = private[:, col:]
         return tags
 
-    def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
+    def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
+               after: Marker = None) -> None:
         """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
-        layer's place in the object image (rows are whole objects: header first)."""
+        layer's place in the object image (rows are whole objects: header first). Device
+        caches: copied into pinned buffers on the side stream once `after` (the layer's
+        compute marker) is reached; this thread waits for that copy alone."""
         views = self._views[layer_idx]
-        ids = block_ids if self.on_host else _device_ids(block_ids, views[0].blocks)
-        for seg in views:
-            src = seg.blocks[ids]
-            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if self.on_host else src.cpu().numpy()
+        if self.on_host:
+            for seg in views:
+                staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = seg.blocks[block_ids]
+            return
+        copies, device = self._cache.copies, self._cache.device
+        hosts = [copies.pinned((len(block_ids), seg.nbytes)) for seg in views]
+
+        def enqueue() -> None:
+            import torch
+
+            ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+            for seg, host in zip(views, hosts):
+                host.copy_(seg.blocks[ids], non_blocking=True)
+
+        copies.host_wait(copies.run_after(after, enqueue))
+        for seg, host in zip(views, hosts):
+            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = as_numpy(host)
 
     def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
              sealer: Sealer | RowSealers) -> np.ndarray:
@@ -290,41 +341,3 @@ class StagedLayers:
             width = self.layout.layer_nbytes(layer_idx)
             out[:, j] = sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
         return out
-
-
-def _device_ids(block_ids: np.ndarray, like: Any) -> Any:
-    """Block ids as an index tensor on the cache's device."""
-    import torch
-
-    return torch.as_tensor(block_ids, dtype=torch.int64, device=like.device)
-
-
-def _to_device(rows: np.ndarray, like: Any) -> Any:
-    """Staged rows (host) as a tensor on the cache's device (pageable memory: the copy itself
-    is synchronous; pinned staging and side streams are the GPU work's)."""
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(rows)).to(like.device)
-
-
-def _synchronize(like: Any) -> None:
-    """Wait on the receive thread until the device copies it queued have landed, so a layer is
-    published (and a give-up returns) only after its bytes are in the cache, whatever stream
-    the compute runs on. A device-wide wait, on the transfer thread only (never in the layer
-    loop of the compute thread); events are the GPU work's."""
-    import torch
-
-    if like.device.type != "cpu":
-        torch.accelerator.synchronize(like.device)
-
-
-def completion_event(device_type: str) -> Any:
-    """A marker the send thread waits on before it reads a layer the device just wrote: a
-    device event on any accelerator (CUDA, NPU, XPU, ...), None for host memory."""
-    if device_type == "cpu":
-        return None
-    import torch  # pragma: no cover - no accelerator here
-
-    event = torch.Event(device=device_type)
-    event.record()
-    return event
