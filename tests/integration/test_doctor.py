@@ -113,3 +113,23 @@ def test_doctor_fails_a_config_that_mixes_two_masters(mooncake_master: MasterPro
     assert re.search(rf"FAIL  master\s+{mooncake_master.address} served by pid {mooncake_master.pid} \(mooncake_master\), "
                      rf"but metadata {other.metadata_url} by pid {other.pid} \(mooncake_master\): two processes",
                      result.stdout), result.stdout
+
+
+def test_doctor_device_round_trip_on_a_real_master_and_embedded(mooncake_master: MasterProcess, tmp_path: Path) -> None:
+    """`--device cpu`: the same round trip the GPU runs (save, fresh load, equal to local compute)."""
+    for argv in (("--config", str(write_config(mooncake_master, tmp_path / "mc.json"))), ()):
+        result = cli("doctor", "--device", "cpu", *argv, timeout_s=120)
+        assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+        assert re.search(r"PASS  device round trip \(cpu\) 4 blocks x 4 layers \(\d+ bytes, float32\) saved, loaded and "
+                         r"equal to local compute", result.stdout), result.stdout
+
+
+def test_doctor_device_without_such_a_device_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device (tests/gpu runs the round trip there)")
+    result = cli("doctor", "--device", "cuda")
+    assert result.returncode == 1 and re.search(r"FAIL  device round trip \(cuda\) torch \S+ sees no CUDA device", result.stdout)
+    result = cli("doctor", "--device", "npu")
+    assert result.returncode == 1 and "only cpu and cuda (cuda:N) are checked" in result.stdout

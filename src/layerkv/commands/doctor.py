@@ -49,11 +49,19 @@ def add_parser(subparsers: Any) -> None:
         description="Probe the Mooncake deployment in a Mooncake JSON config and report PASS/FAIL per check.",
     )
     parser.add_argument("--config", default=None, help="Mooncake JSON config (default: $MOONCAKE_CONFIG_PATH)")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="only a KV round trip with the caches on DEVICE (cpu, cuda, cuda:N) through layerkv's "
+                             "data path, on the --config deployment or an embedded store")
     add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device is not None:
+        from layerkv.commands.doctor_device import check_device
+
+        result = _report(check_device(args.device, args.config))
+        return 0 if result.ok else 1
     path = args.config or os.environ.get("MOONCAKE_CONFIG_PATH")
     if not path:
         print("FAIL  config                 no --config given and MOONCAKE_CONFIG_PATH is unset", flush=True)

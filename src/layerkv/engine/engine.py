@@ -37,6 +37,7 @@ class EngineConfig:
     # "HND" [heads, block_size, head_dim] (vLLM's CPU default; a rank holding several shards of a
     # block, config store_shards, needs it). The tensors are [2, num_blocks, block_size, heads, head_dim] either way.
     kv_layout: str = "NHD"
+    device: str = "cpu"  # where weights, KV caches and the forward live ("cuda", "cuda:1"; logits return to the host)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "tp_size", "pp_size"):
@@ -45,6 +46,8 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be a positive int")
         if self.kv_layout not in ("NHD", "HND"):
             raise ConfigError(f"EngineConfig.kv_layout={self.kv_layout!r} must be 'NHD' or 'HND'")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"EngineConfig.device={self.device!r} must be 'cpu' or 'cuda' ('cuda:N')")
 
 
 def make_deployment(
@@ -112,6 +115,7 @@ class Engine:
             worker_hooks or [NullWorker() for _ in range(num_workers)],
             engine_config.pp_size,
             kv_layout=engine_config.kv_layout,
+            device=engine_config.device,
         )
         self.steps: list[StepRecord] = []  # every step since construction
         self._req_counter = itertools.count()

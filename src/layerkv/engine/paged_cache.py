@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import torch
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, heads_outer: bool) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, heads_outer: bool, device: str) -> torch.Tensor:
     if heads_outer and len(shape) == 5:  # [2, num_blocks, block_size, heads, head_dim] over HND memory
         two, num_blocks, block_size, heads, head_dim = shape
-        return torch.zeros((two, num_blocks, heads, block_size, head_dim), dtype=dtype).transpose(2, 3)
-    return torch.zeros(shape, dtype=dtype)
+        return torch.zeros((two, num_blocks, heads, block_size, head_dim), dtype=dtype, device=device).transpose(2, 3)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def slot_mapping(block_ids: Sequence[int], start_token: int, end_token: int, block_size: int) -> torch.Tensor:
@@ -31,12 +31,12 @@ class RankKVCache:
     """Caches of every layer on one rank; `tensors` is what `register_kv_caches` receives."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], block_size: int, dtype: torch.dtype,
-                 heads_outer: bool = False) -> None:
+                 heads_outer: bool = False, device: str = "cpu") -> None:
         """`shapes`: cache name -> full tensor shape (see the module docstring), in layer order.
         `heads_outer`: K/V blocks stored as [heads, block_size, head_dim] (vLLM's HND) behind the
         same [2, num_blocks, block_size, heads, head_dim] tensor shape."""
         self.block_size = block_size
-        self.tensors: dict[str, torch.Tensor] = {name: _zeros(shape, dtype, heads_outer) for name, shape in shapes.items()}
+        self.tensors: dict[str, torch.Tensor] = {name: _zeros(shape, dtype, heads_outer, device) for name, shape in shapes.items()}
 
     def _block_index(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         return torch.as_tensor(list(block_ids[: -(-num_tokens // self.block_size)]), dtype=torch.long)

@@ -13,6 +13,7 @@ Per step and rank (vLLM's order):  bind_connector_metadata -> start_load_kv
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,11 +66,15 @@ class ModelRunner:
         worker_hooks: Sequence[WorkerHooks],
         pp_size: int = 1,
         kv_layout: str = "NHD",
+        device: str = "cpu",
     ) -> None:
         """`worker_hooks[stage * tp_size + rank]` serves TP rank `rank` of pipeline stage `stage`;
-        `kv_layout`: EngineConfig.kv_layout."""
+        `kv_layout`, `device`: EngineConfig's (weights, caches and the forward on `device`;
+        logits come back on the host)."""
         assert len(worker_hooks) == tp_size * pp_size
         self.cfg = cfg
+        self.device = device
+        weights = {name: w.to(device) for name, w in weights.items()} if device != "cpu" else weights
         self.block_size = block_size
         self.tp_size = tp_size
         self.layer_names = cfg.layer_names
@@ -82,7 +87,7 @@ class ModelRunner:
             for r in range(tp_size):
                 shapes = cache_shapes(cfg, r, tp_size, num_blocks, block_size)
                 mine = {n: shape for n, shape in shapes.items() if n in stage_names or n.removesuffix(".indexer.k_cache") + ".attn" in stage_names}
-                self.caches.append(RankKVCache(mine, block_size, cfg.torch_dtype, heads_outer=kv_layout == "HND"))
+                self.caches.append(RankKVCache(mine, block_size, cfg.torch_dtype, heads_outer=kv_layout == "HND", device=device))
         self.worker_hooks = list(worker_hooks)
         self._finished_counts: dict[str, Counter[ReqId]] = {"sending": Counter(), "recving": Counter()}
         for hooks, cache in zip(self.worker_hooks, self.caches):
@@ -93,7 +98,9 @@ class ModelRunner:
             hooks.bind_connector_metadata(meta)
             hooks.start_load_kv()
         try:
-            last_logits, draft_logits = self._forward(chunks) if chunks else ({}, {})
+            # the forward's own tensors (positions, slots) on the device; on the host no mode (its cost per op)
+            with torch.device(self.device) if self.device != "cpu" else contextlib.nullcontext():
+                last_logits, draft_logits = self._forward(chunks) if chunks else ({}, {})
             invalid: set[int] = set()
             reported: list[int] = []
             per_rank_finished = []
@@ -137,11 +144,11 @@ class ModelRunner:
         }
         for layer_idx in range(self.cfg.num_layers):
             h = self._layer(layer_idx, h, positions, contexts)
-        logits = {rid: shared.logits(x[-1]) for rid, x in h.items()}
+        logits = {rid: shared.logits(x[-1]).cpu() for rid, x in h.items()}
         # MTP/draft layers run on the final hidden states; their prediction is the draft token
         for layer_idx in range(self.cfg.num_layers, self.cfg.num_total_layers):
             h = self._layer(layer_idx, h, positions, contexts)
-        draft = {rid: shared.logits(x[-1]) for rid, x in h.items()} if self.cfg.num_mtp_layers else {}
+        draft = {rid: shared.logits(x[-1]).cpu() for rid, x in h.items()} if self.cfg.num_mtp_layers else {}
         return logits, draft
 
     def _layer(
