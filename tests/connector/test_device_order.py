@@ -59,6 +59,9 @@ class LaggingStream:
     def pinned(self, shape: tuple[int, int]) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.uint8)
 
+    def index(self, values: Any, device: Any) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=torch.int64, device=device)
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5.0)

@@ -50,6 +50,9 @@ class DeviceCopies(Protocol):
     def pinned(self, shape: tuple[int, int]) -> Any:
         """A uint8 host tensor the side stream copies from / into asynchronously."""
 
+    def index(self, values: np.ndarray, device: Any) -> Any:
+        """Inside `enqueue`: int64 `values` as an index tensor on `device` (queued, not waited for)."""
+
 
 class HostCopies:
     """Copies run at once on the calling thread; every marker is None. `synchronize`: wait
@@ -78,6 +81,11 @@ class HostCopies:
 
         return torch.empty(shape, dtype=torch.uint8)
 
+    def index(self, values: np.ndarray, device: Any) -> Any:
+        import torch
+
+        return torch.as_tensor(values, dtype=torch.int64, device=device)
+
 
 class StreamCopies:
     """CUDA: one side stream per worker (made on its device), events as markers."""
@@ -95,7 +103,7 @@ class StreamCopies:
         return event
 
     def run_after(self, marker: Marker, enqueue: Callable[[], None]) -> Marker:  # pragma: no cover - needs a GPU
-        with self._torch.cuda.stream(self._side):
+        with self._torch.cuda.device(self._device), self._torch.cuda.stream(self._side):  # a transfer thread's device is 0
             if marker is not None:
                 self._side.wait_event(marker)
             enqueue()
@@ -113,6 +121,11 @@ class StreamCopies:
 
     def pinned(self, shape: tuple[int, int]) -> Any:  # pragma: no cover - needs a GPU
         return self._torch.empty(shape, dtype=self._torch.uint8, pin_memory=True)
+
+    def index(self, values: np.ndarray, device: Any) -> Any:  # pragma: no cover - needs a GPU
+        # from pinned memory: a pageable source would make the thread wait for the side stream
+        host = self._torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).pin_memory()
+        return host.to(device, non_blocking=True)
 
 
 def copies_for(device: Any) -> DeviceCopies:

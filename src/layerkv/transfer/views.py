@@ -206,14 +206,12 @@ class StagedLayers:
         marker of the copies' completion (None when they ran at once)."""
         if block_ids.size == 0:
             return None
-        device, views = self._cache.device, self._views
+        device, views, copies = self._cache.device, self._views, self._cache.copies
 
         def enqueue() -> None:
-            import torch
-
             rows = private.to(device, non_blocking=True)  # [rows, span] from pinned memory
-            picked = rows[torch.as_tensor(local, dtype=torch.int64, device=device)]
-            ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+            picked = rows[copies.index(local, device)]
+            ids = copies.index(block_ids, device)
             for layer_idx in range(group.first_layer, group.end_layer):
                 for seg in views[layer_idx]:
                     col = seg.object_offset - group.span_start
@@ -321,9 +319,7 @@ class StagedLayers:
         hosts = [copies.pinned((len(block_ids), seg.nbytes)) for seg in views]
 
         def enqueue() -> None:
-            import torch
-
-            ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+            ids = copies.index(block_ids, device)
             for seg, host in zip(views, hosts):
                 host.copy_(seg.blocks[ids], non_blocking=True)
 
