@@ -26,14 +26,20 @@ collect_ignore_glob = [] if RUNS else ["test_*.py"]
 
 
 @pytest.fixture
-def make_oracle(backend: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
-    """Oracles over the embedded store (tests/e2e/harness.py) whose engines run on DEVICE."""
+def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dry run: the connector takes its device path on host tensors (on CUDA it does anyway)."""
     from layerkv.transfer.views import CacheViews
     import layerkv.connector.worker
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
+
+
+@pytest.fixture
+def make_oracle(backend: Any, device_path: None) -> Iterator[Callable[..., Any]]:
+    """Oracles over the embedded store (tests/e2e/harness.py) whose engines run on DEVICE."""
     from tests.e2e.harness import Oracle
 
-    if DEVICE == "cpu":  # the dry run: the connector takes its device path on host tensors
-        monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
     made: list[Oracle] = []
 
     def make(**kwargs: Any) -> Oracle:

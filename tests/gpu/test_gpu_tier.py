@@ -115,6 +115,19 @@ def test_a_failed_read_and_corrupted_staging_are_recomputed(make_oracle) -> None
     assert second.workers[0].stats().checksum_failures > 0
 
 
+def test_the_demo_on_the_device_serves_identical_outputs(device_path) -> None:
+    """`layerkv demo --device cuda` in small: producer, consumer from the pool, local oracle."""
+    from layerkv.config import LayerKVConfig
+    from layerkv.demos.demo import run_demo
+
+    model = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128,
+                        dtype="bfloat16")
+    result = run_demo(LayerKVConfig.from_dict({}, env={}), progress=False, model=model, num_docs=2, prefix_tokens=48,
+                      question_tokens=8, max_tokens=3, device=DEVICE)
+    assert result.identical, result.mismatch
+    assert all(row.loaded_tokens > 0 for row in result.rows)
+
+
 def _ttft_ms(calls: list[Any]) -> float:
     """Median wall time of each call (one first token each), the device drained after it."""
     times = []

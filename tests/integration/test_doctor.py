@@ -133,3 +133,5 @@ def test_doctor_device_without_such_a_device_says_so() -> None:
     assert result.returncode == 1 and re.search(r"FAIL  device round trip \(cuda\) torch \S+ sees no CUDA device", result.stdout)
     result = cli("doctor", "--device", "npu")
     assert result.returncode == 1 and "only cpu and cuda (cuda:N) are checked" in result.stdout
+    result = cli("demo", "--device", "cuda")  # the demo refuses before it builds anything
+    assert result.returncode == 2 and re.search(r"layerkv demo: torch \S+ sees no CUDA device", result.stdout), result.stdout

@@ -22,6 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="how loads read (config transfer_plan; default auto: chosen per step from measured costs)")
     p.add_argument("--read-layers-per-range", type=int, default=None, metavar="K",
                    help="with --transfer-plan groups: K layers per range into staging (config read_layers_per_range)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE",
+                   help="where the engines run: cpu (default, float32) or cuda / cuda:N (bfloat16; docs/gpu.md)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     add_mooncake_log_flag(p)
     p.add_argument("--synthetic", action="store_true", help="datapath only: synthetic KV caches, no engine")
@@ -30,6 +32,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device != "cpu":
+        from layerkv.commands.doctor_device import unavailable
+
+        why = unavailable(args.device)
+        if why is not None:
+            print(f"layerkv demo: {why}")
+            return 2
     if args.synthetic:
         from layerkv.demos.datapath import format_report, run_datapath_demo
 
@@ -68,10 +77,15 @@ def _run_demo(config: LayerKVConfig, args: argparse.Namespace) -> DemoResult:
     """run_demo at its default sizes, or (--tiny, for tests) a 3-layer model and 2 short prompts."""
     from layerkv.demos.demo import run_demo
 
-    if not args.tiny:
-        return run_demo(config, tp_size=args.tp, progress=not args.json)
+    import dataclasses
+
+    from layerkv.demos.demo import DEMO_MODEL
     from layerkv.engine import ModelConfig
 
-    model = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if not args.tiny:
+        return run_demo(config, tp_size=args.tp, progress=not args.json, model=dataclasses.replace(DEMO_MODEL, dtype=dtype),
+                        device=args.device)
+    model = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, dtype=dtype)
     return run_demo(config, tp_size=args.tp, progress=not args.json, model=model, num_docs=2, prefix_tokens=48,
-                    question_tokens=8, max_tokens=3)
+                    question_tokens=8, max_tokens=3, device=args.device)

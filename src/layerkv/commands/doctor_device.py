@@ -20,7 +20,7 @@ BLOCK = 16
 PROMPT_BLOCKS = 4
 
 
-def _available(device: str) -> str | None:
+def unavailable(device: str) -> str | None:
     """Why `device` cannot be used here (None: it can)."""
     kind = device.split(":")[0]
     if kind == "cpu":
@@ -35,7 +35,7 @@ def _available(device: str) -> str | None:
 def check_device(device: str, mooncake_config: str | None) -> CheckResult:
     """Producer saves, a fresh consumer loads, its logits equal local compute; bytes and time."""
     name = f"device round trip ({device})"
-    why = _available(device)
+    why = unavailable(device)
     if why is not None:
         return CheckResult(name, False, why)
     from layerkv.engine import EngineConfig, ModelConfig

@@ -74,10 +74,11 @@ def run_demo(
     max_tokens: int = 8,
     model: ModelConfig = DEMO_MODEL,
     progress: bool = True,
+    device: str = "cpu",
 ) -> DemoResult:
     make_store = store_factory or (lambda: open_checked_store(config))
     engine_config = EngineConfig(block_size=16, num_blocks=256, max_num_batched_tokens=512, tp_size=tp_size,
-                                 model_id="layerkv/demo-llama")
+                                 model_id="layerkv/demo-llama", device=device)
     producer_prompts, consumer_prompts = make_prompts(num_docs, prefix_tokens, question_tokens, model.vocab_size, seed=1)
 
     # one store client per connector: Mooncake get sessions belong to a client, so TP ranks
