@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,3 +269,24 @@ MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=
                         mla_latent_dim=24, index_dim=8, num_mtp_layers=1)
 
 
+
+
+def oracles(backend: Backend) -> Iterator[Callable[..., Oracle]]:
+    """The body of a `make_oracle` fixture: yields `make(**kwargs) -> Oracle` over `backend`;
+    at teardown shuts every oracle down, asserts nothing was left in flight, closes the backend."""
+    made: list[Oracle] = []
+
+    def make(**kwargs: Any) -> Oracle:
+        oracle = Oracle(backend, **kwargs)
+        made.append(oracle)
+        return oracle
+
+    yield make
+    errors = []
+    for oracle in made:  # one store may serve several oracles: it closes after the last
+        try:
+            oracle.check_and_close(close_backend=False)
+        except AssertionError as exc:
+            errors.append(str(exc))
+    backend.close(sorted({k for oracle in made for k in oracle.written_keys()}))
+    assert not errors, "; ".join(errors)

@@ -38,21 +38,6 @@ def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def make_oracle(backend: Any, device_path: None) -> Iterator[Callable[..., Any]]:
     """Oracles over the embedded store (tests/e2e/harness.py) whose engines run on DEVICE."""
-    from tests.e2e.harness import Oracle
+    from tests.e2e.harness import oracles
 
-    made: list[Oracle] = []
-
-    def make(**kwargs: Any) -> Oracle:
-        oracle = Oracle(backend, **kwargs)
-        made.append(oracle)
-        return oracle
-
-    yield make
-    errors = []
-    for oracle in made:
-        try:
-            oracle.check_and_close(close_backend=False)
-        except AssertionError as exc:
-            errors.append(str(exc))
-    backend.close(sorted({k for oracle in made for k in oracle.written_keys()}))
-    assert not errors, "; ".join(errors)
+    yield from oracles(backend)

@@ -329,15 +329,23 @@ class _StalledClient:
         return getattr(self._client, name)
 
 
+def _a_call_inside(harness: MooncakeHarness, key: str) -> tuple[Any, _StalledClient, Any]:
+    """A fresh store whose client holds a batch_is_exist of `key` (on a thread) until released."""
+    import threading
+
+    store = harness.new_client()
+    stalled = _StalledClient(store._client)
+    store._client = stalled
+    caller = threading.Thread(target=store.batch_is_exist, args=([key],), name=f"call-{key}")
+    caller.start()
+    assert stalled.inside.wait(10)
+    return store, stalled, caller
+
+
 def test_close_never_tears_the_client_down_under_a_call(mooncake_harness: MooncakeHarness) -> None:
     import threading
 
-    store = mooncake_harness.new_client()
-    stalled = _StalledClient(store._client)
-    store._client = stalled
-    caller = threading.Thread(target=store.batch_is_exist, args=(["close-under-a-call"],), name="stalled-call")
-    caller.start()
-    assert stalled.inside.wait(10)
+    store, stalled, caller = _a_call_inside(mooncake_harness, "close-under-a-call")
     store.close(wait_s=0.3)  # the call is still inside: the client is left open
     assert stalled.closed == 0
     with pytest.raises(StoreError, match="after close"):
@@ -354,12 +362,7 @@ def test_close_never_tears_the_client_down_under_a_call(mooncake_harness: Moonca
 def test_close_waits_for_a_call_that_returns(mooncake_harness: MooncakeHarness) -> None:
     import threading
 
-    store = mooncake_harness.new_client()
-    stalled = _StalledClient(store._client)
-    store._client = stalled
-    caller = threading.Thread(target=store.batch_is_exist, args=(["close-after-a-call"],), name="returning-call")
-    caller.start()
-    assert stalled.inside.wait(10)
+    store, stalled, caller = _a_call_inside(mooncake_harness, "close-after-a-call")
     threading.Timer(0.3, stalled.release.set).start()
     store.close(wait_s=10)  # returns once the call came back, then closes
     caller.join(10)
