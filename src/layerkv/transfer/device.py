@@ -16,7 +16,7 @@ touches streams and events. Every device copy runs on a side stream, ordered by 
 
 `HostCopies` (host caches, and device caches on an accelerator without streams here) runs each
 copy as it is asked for and its markers are None; `StreamCopies` is the CUDA one; the tests
-drive the ordering on CPU with an emulated lagging stream (tests/unit/test_device_copies.py).
+drive the ordering on CPU with an emulated lagging stream (tests/connector/test_device_order.py).
 Pinned host buffers come from torch's caching host allocator, which keeps a buffer an
 asynchronous copy still reads from being lent again.
 """
