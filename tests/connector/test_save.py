@@ -4,6 +4,7 @@ answers fail the whole call, and only committed keys become readable."""
 
 from __future__ import annotations
 
+from layerkv.messages import KVRole
 from layerkv.store.base import Code
 from layerkv.store.faults import PUT_END, PUT_RANGES, PUT_REVOKE, PUT_START, GET_RANGES
 from tests.connector.rig import BLOCK_SIZE, Req
@@ -97,3 +98,21 @@ def test_malformed_put_answers_fail_the_whole_call(make_rig, backend) -> None:
     rig.run(b)
     assert _exists(rig, rig.keys(b)) == [0, 0, 0, 0, 1, 1]
     assert backend.processing_keys(rig.keys(b)) == []
+
+
+def test_a_step_run_without_the_layer_hooks_saves_nothing_and_is_counted(make_rig) -> None:
+    """A producer whose step ran as a full CUDA graph (full_cudagraphs: vLLM replays it without
+    save_kv_layer): start_load_kv and wait_for_save run, no layer is handed over. Nothing is
+    written or left PROCESSING, the step is counted, and the next step with hooks saves."""
+    rig = make_rig(role=KVRole.PRODUCER, call_save=False, transfer_plan="groups")
+    a = Req("a", _tokens(4))
+    rig.run(a)
+    assert _exists(rig, rig.keys(a)) == [0, 0, 0, 0]
+    assert rig.faults[0].keys_sent(PUT_START) == []
+    stats = rig.workers[0].stats()
+    assert (stats.save_incomplete_steps, stats.save_keys, stats.save_failed_keys) == (1, 0, 0)
+    rig.call_save = True
+    b = Req("b", _tokens(4, base=1000))
+    rig.run(b)
+    assert _exists(rig, rig.keys(b)) == [1, 1, 1, 1]
+    assert rig.workers[0].stats().save_incomplete_steps == 1

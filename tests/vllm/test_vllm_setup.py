@@ -52,8 +52,38 @@ def test_explicit_cache_dtype_names_the_kv_dtype(doubles):
     assert connector.deployment.kv_dtype == "fp8_e4m3"
 
 
-def test_piecewise_cudagraph_required():
-    assert LayerKVConnector.requires_piecewise_for_cudagraph({}) is True
+@pytest.mark.parametrize("multi_connector", [False, True])
+def test_piecewise_cudagraphs_unless_full_cudagraphs_is_set(multi_connector):
+    """What vLLM's config asks (config/vllm.py: the factory's class for kv_transfer_config, then
+    requires_piecewise_for_cudagraph(kv_connector_extra_config)): PIECEWISE by default, full CUDA
+    graphs kept with full_cudagraphs (also as MultiConnector's child); a bad key fails there."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    def asks_piecewise(extra: dict) -> bool:
+        transfer = make_vllm_config(kv_role="kv_producer", extra=extra, multi_connector=multi_connector).kv_transfer_config
+        cls = KVConnectorFactory.get_connector_class(transfer)
+        return cls.requires_piecewise_for_cudagraph(transfer.kv_connector_extra_config)
+
+    assert asks_piecewise({}) is True
+    assert asks_piecewise({"full_cudagraphs": False}) is True
+    assert asks_piecewise({"full_cudagraphs": True}) is False
+    with pytest.raises(ConfigError, match="full_cudagraphs='yes' must be of type bool"):
+        asks_piecewise({"full_cudagraphs": "yes"})
+
+
+@pytest.mark.parametrize("kv_role", ["kv_both", "kv_consumer"])
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_full_cudagraphs_is_refused_on_a_role_that_loads(doubles, kv_role, role):
+    with pytest.raises(ConfigError, match=f"full_cudagraphs=true with kv_role='{kv_role}'.*only on a kv_producer"):
+        LayerKVConnector(make_vllm_config(kv_role=kv_role, extra={"full_cudagraphs": True}), role, make_kv_cache_config(16))
+    assert not doubles.schedulers and not doubles.workers
+
+
+def test_full_cudagraphs_is_accepted_on_a_producer(doubles):
+    connector = LayerKVConnector(make_vllm_config(kv_role="kv_producer", extra={"full_cudagraphs": True}),
+                                 KVConnectorRole.WORKER, make_kv_cache_config(16))
+    (core,) = doubles.workers
+    assert core.config.full_cudagraphs is True and connector.deployment.role is KVRole.PRODUCER
 
 
 def test_unknown_extra_config_key_is_rejected_by_name(doubles):

@@ -75,6 +75,7 @@ class WorkerStats:
     save_copy_s: float = 0.0  # send thread: copying the cache into staging images (and their checksums)
     save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
     save_skipped_staging: int = 0  # keys not saved: no free staging row (the staging area is full)
+    save_incomplete_steps: int = 0  # saving steps handed fewer than all layers (e.g. a full CUDA graph ran without the hooks): nothing saved
     # commit protocol
     committed_keys: int = 0
     revoked_tainted: int = 0  # owned by a request that attended to a failed block (any rank / stage)

@@ -200,6 +200,7 @@ def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob, samples: Sample
         stats.save_range_calls += s.range_calls
         stats.save_skipped_existing += s.skipped_existing
         stats.save_copy_s += s.copy_s
+        stats.save_incomplete_steps += s.incomplete
         stats.save_failed_keys += s.start_failed + s.revoked
         stats.fenced_keys += s.fenced_keys
         stats.transfer_errors += s.error is not None

@@ -33,6 +33,7 @@ from layerkv.integrations.vllm_events import VllmPoolEvents
 from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of, hit_source
 from layerkv.integrations.vllm_plugin import register as _register_connector_name
 from layerkv.integrations.vllm_setup import (
+    check_cudagraphs,
     check_pool_shared,
     check_supported,
     deployment_from,
@@ -105,6 +106,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         config = LayerKVConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
         check_pool_shared(config, vllm_config)
         self.deployment = deployment_from(vllm_config, kv_cache_config, role)
+        check_cudagraphs(config, self.deployment.role)
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         self._steps = StepTranslator(len(deployments))
@@ -151,8 +153,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         # wait_for_layer_load / save_kv_layer must run between attention layers: a step that loads
         # a prefix and computes one token per request looks like a uniform decode batch, which a
         # full graph would replay without the hooks (attention before the loads landed). Only an
-        # engine that never loads could do without, and this hook does not see the role (docs/gpu.md).
-        return True
+        # engine that never loads can do without: `full_cudagraphs`, which this hook reads (it does
+        # not see the role; the connector refuses the key on a role that loads, check_cudagraphs).
+        return not LayerKVConfig.from_dict(extra_config).full_cudagraphs
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:

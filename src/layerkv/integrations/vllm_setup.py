@@ -183,6 +183,20 @@ def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
     )
 
 
+def check_cudagraphs(config: LayerKVConfig, kv_role: KVRole) -> None:
+    """ConfigError for `full_cudagraphs: true` on a role that loads: vLLM replays a uniform
+    decode batch as one full graph without the per-layer hooks, and a step that loads a prefix
+    and computes one token per request has that shape, so attention would read blocks before
+    their loads landed. A kv_producer never loads: a replayed step only drops its saves."""
+    if config.full_cudagraphs and kv_role.loads:
+        raise ConfigError(
+            f"full_cudagraphs=true with kv_role={kv_role.value!r}: a server that loads from the pool needs its per-layer "
+            "waits between attention layers, which a full CUDA graph replays without (attention would read KV "
+            "before it is loaded). Remove full_cudagraphs (layerkv then asks vLLM for PIECEWISE graphs), or use "
+            "it only on a kv_producer (a prefill server that never loads)"
+        )
+
+
 def check_block_hashes(config: LayerKVConfig, hash_algo: str) -> None:
     """ConfigError for a shared pool keyed by xxhash block hashes: engines sharing a pool must
     share the hash seed (PYTHONHASHSEED), and with a known seed anyone who can send prompts can

@@ -71,6 +71,7 @@ class SaveOutcome:
     range_calls: int = 0
     write_s: float = 0.0
     copy_s: float = 0.0  # staged: copying the cache into the images and tagging them (send thread)
+    incomplete: bool = False  # fewer than all layers were handed over (not cancelled): nothing saved
     revoked_keys: list[ObjectKey] = field(default_factory=list)
     error: BaseException | None = None
 
@@ -237,6 +238,7 @@ class SaveJob(JobState):
         with self.cond:
             complete = len(self._sent_layers) == self._layout.num_layers and not self.cancelled
         if not complete:
+            self.outcome.incomplete = not self.cancelled
             log.info("layerkv: %d of %d layers handed over this step; nothing saved", len(self._sent_layers),
                      self._layout.num_layers)
             return False
@@ -300,6 +302,7 @@ class SaveJob(JobState):
         if rows.size == 0:
             return
         if cancelled or len(self._sent_layers) != self._layout.num_layers:
+            self.outcome.incomplete = not cancelled
             self._revoke(rows, f"{len(self._sent_layers)} of {self._layout.num_layers} layers written")
             return
         self._fence()
