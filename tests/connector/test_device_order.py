@@ -42,7 +42,7 @@ class LaggingStream:
         marker.set()  # the host computed everything before this call
         return marker
 
-    def run_after(self, marker: Any, enqueue: Callable[[], None]) -> threading.Event:
+    def run_after(self, marker: Any, enqueue: Callable[[], None], *, save: bool = False) -> threading.Event:
         done = threading.Event()
         self._queue.put((time.monotonic() + self.lag_s, marker, enqueue, done))
         return done

@@ -274,3 +274,73 @@ def test_saves_beyond_the_free_staging_rows_are_skipped_not_waited_for(make_rig,
     assert rig.faults[0].keys_sent(PUT_START) == rig.keys(req, blocks=range(3))
     assert worker.stats().save_skipped_staging == 5
     assert backend.exists(rig.keys(req)) == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+class _RacingPeer:
+    """A sealer whose tagging first lets a peer rewrite the layer's bytes in save staging (what
+    anyone who reaches the store's ports can do at any moment): a tag computed over staging
+    would then cover the peer's bytes."""
+
+    def __init__(self, sealer, staging: np.ndarray, slots: np.ndarray, col: int, width: int) -> None:  # type: ignore[no-untyped-def]
+        self._sealer, self._staging, self._slots, self._cols = sealer, staging, slots, slice(col, col + width)
+        self.writes = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._sealer, name)
+
+    def rows_tags(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._staging[self._slots, self._cols] ^= 0x5A
+        self.writes += 1
+        return self._sealer.rows_tags(*args, **kwargs)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host-caches", "device-path"])
+def test_save_tags_cover_the_computed_bytes_not_what_a_peer_writes_into_staging(make_pattern_rig, monkeypatch,
+                                                                              on_host: bool) -> None:
+    """A peer rewrites a layer in save staging while its tags are computed, then (second
+    producer) once the layer is staged: the tags cover the cache's bytes (device path: the
+    private pinned copy), so a consumer either loads exactly what compute wrote (the first write
+    landed before ours and was overwritten) or refuses the block (the second) -- never the
+    peer's bytes under a valid tag."""
+    import functools
+
+    import layerkv.connector.worker
+    from layerkv.transfer.views import CacheViews, StagedLayers
+
+    monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=on_host))
+    real = StagedLayers.gather_sealed
+    peers: list[_RacingPeer] = []
+    after_tags = {"on": False}
+
+    def racing(self, layer_idx, staging, slots, block_ids, contexts, sealer, after=None):  # type: ignore[no-untyped-def]
+        col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+        peers.append(_RacingPeer(sealer, staging, slots, col, width))
+        tags = real(self, layer_idx, staging, slots, block_ids, contexts, peers[-1], after)
+        if after_tags["on"] and layer_idx == 2:
+            staging[slots, col : col + width] ^= 0x3C  # after the tags: the write the check is for
+        return tags
+
+    monkeypatch.setattr(StagedLayers, "gather_sealed", racing)
+    staged = {"num_layers": 4, "transfer_plan": "groups", "read_layers_per_range": 2}
+    prefix = _tokens(4, extra=0)
+    producer = make_pattern_rig(**staged)
+    assert producer.workers[0]._jobs.caches.views.on_host == on_host
+    producer.run(Req("p", prefix + [1]))
+    assert peers and all(p.writes for p in peers)
+    rig = make_pattern_rig(role=KVRole.CONSUMER, **staged)
+    a = Req("a", prefix + _tokens(1, base=100))
+    ext, s = rig.admit(a)
+    assert ext == 4 * BLOCK_SIZE
+    rig.poison(a)
+    assert rig.step([s]) == set() and rig.wrong_blocks(a, range(4)) == []
+
+    after_tags["on"] = True
+    other = _tokens(3, extra=0, base=500)
+    make_pattern_rig(**staged).run(Req("q", other + [1]))
+    again = make_pattern_rig(role=KVRole.CONSUMER, **staged)
+    b = Req("b", other + _tokens(1, base=200))
+    ext, s = again.admit(b)
+    assert ext == 3 * BLOCK_SIZE
+    again.poison(b)
+    assert again.step([s]) == set(b.block_ids[:3])
+    assert again.workers[0].stats().checksum_failures == 3

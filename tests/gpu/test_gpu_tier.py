@@ -115,6 +115,23 @@ def test_a_failed_read_and_corrupted_staging_are_recomputed(make_oracle) -> None
     assert second.workers[0].stats().checksum_failures > 0
 
 
+def test_a_step_that_loads_and_saves_at_once(make_oracle) -> None:
+    """A consumer loads the 6-block prefix and, in the same step, computes and saves two new
+    full blocks (load copies on one stream, save copies on the other, both against the same
+    compute stream); a fresh engine then loads all 8 blocks, and both equal local compute."""
+    oracle, consumer, producer_prompts, _, _ = run_oracle(make_oracle, engine())
+    longer = prompts_with_prefix(PREFIX, 1, 2 * BLOCK + 3, 31, MODEL.vocab_size)  # 8 full blocks + 8 tokens
+    got = check(oracle, consumer, producer_prompts, longer, False)
+    assert consumer.workers[0].stats().save_keys >= 2  # blocks 6 and 7, put in the loading step
+    fresh = oracle.pooled()
+    again = serve(fresh.engine, longer, MAX_TOKENS)
+    local = oracle.local()
+    want = local_oracle(local, producer_prompts, longer, MAX_TOKENS)  # computed as the consumer did
+    assert_identical(got, want)
+    assert_identical(again, serve(local, longer, MAX_TOKENS))  # the 8 blocks from its own prefix cache
+    assert_loaded(fresh, again, 8 * BLOCK)
+
+
 def test_the_demo_on_the_device_serves_identical_outputs(device_path) -> None:
     """`layerkv demo --device cuda` in small: producer, consumer from the pool, local oracle."""
     from layerkv.config import LayerKVConfig

@@ -21,7 +21,7 @@ def test_the_gpu_check_dry_run_passes_every_gpu_test_and_reports_ttft(tmp_path: 
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     summary = [line for line in lines if line.startswith("gpu_check: pytest exit 0")]
-    assert summary and " 9 passed" in summary[0] and "failed" not in summary[0], run.stdout[-2000:]
+    assert summary and " 10 passed" in summary[0] and "failed" not in summary[0], run.stdout[-2000:]
     figures = json.loads((tmp_path / "gpu-report.jsonl").read_text().splitlines()[-1])
     assert figures["device"] == "cpu" and figures["dtype"] == "bfloat16"
     assert all(figures[k] > 0 for k in ("recompute_ms", "local_cache_ms", "pool_ms"))

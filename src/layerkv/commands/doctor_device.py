@@ -29,6 +29,12 @@ def unavailable(device: str) -> str | None:
         return f"--device {device}: only cpu and cuda (cuda:N) are checked"
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA device (torch.version.cuda={torch.version.cuda})"
+    index = device.partition(":")[2]
+    if index and not index.isdigit():
+        return f"--device {device}: the CUDA device is cuda or cuda:N (N a device index)"
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        return f"--device {device}: torch sees {count} CUDA device{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1})"
     return None
 
 

@@ -1,9 +1,11 @@
 """Ordering of the copies between a device KV cache and host staging: the one place layerkv
-touches streams and events. Every device copy runs on a side stream, ordered by markers
-(device events), never by a wait of the whole device:
+touches streams and events. Every device copy runs on a side stream (one for saves, one for
+loads: a load's copy never queues behind a save's wait for compute, and the two directions
+overlap), ordered by markers (device events), never by a wait of the whole device:
 
     compute stream:  attn l ─ marker(l) ─ attn l+1 ...      ... wait(ready) ─ attn m (reads m)
-    side stream:          └ wait(marker l) ─ cache→pinned ─ done      wait(step) ─ pinned→cache ─ ready
+    save stream:          └ wait(marker l) ─ cache→pinned ─ done
+    load stream:                                   wait(step) ─ pinned→cache ─ ready
     transfer thread:                          host_wait(done) ─ tags, store write
 
 * a save's copy of layer l waits (on the side stream) for the marker the compute thread took
@@ -12,7 +14,8 @@ touches streams and events. Every device copy runs on a side stream, ordered by 
   start (every earlier kernel that used those blocks is done), and `wait_for_layer_load` makes
   the compute stream wait for the copy's marker (`compute_wait`, no host synchronisation);
 * a load that gives up makes the compute stream wait for every copy it queued: nothing it
-  queued lands after the engine reuses the blocks.
+  queued lands after the engine reuses the blocks; an `enqueue` that raises half-way is
+  waited for before the error propagates (no copy it queued is left in flight untracked).
 
 `HostCopies` (host caches, and device caches on an accelerator without streams here) runs each
 copy as it is asked for and its markers are None; `StreamCopies` is the CUDA one; the tests
@@ -37,9 +40,10 @@ class DeviceCopies(Protocol):
     def compute_marker(self) -> Marker:
         """Compute thread: a marker after everything the compute stream queued so far."""
 
-    def run_after(self, marker: Marker, enqueue: Callable[[], None]) -> Marker:
-        """Transfer thread: run `enqueue` (it queues copies) on the side stream once `marker`
-        is reached; returns the marker of its copies' completion."""
+    def run_after(self, marker: Marker, enqueue: Callable[[], None], *, save: bool = False) -> Marker:
+        """Transfer thread: run `enqueue` (it queues copies) on the side stream of loads (of
+        saves: `save`) once `marker` is reached; returns the marker of its copies' completion.
+        The copies of one stream complete in the order they were queued."""
 
     def host_wait(self, marker: Marker) -> None:
         """Transfer thread: block until `marker` is reached (only that copy, not the device)."""
@@ -64,7 +68,7 @@ class HostCopies:
     def compute_marker(self) -> Marker:
         return None
 
-    def run_after(self, marker: Marker, enqueue: Callable[[], None]) -> Marker:
+    def run_after(self, marker: Marker, enqueue: Callable[[], None], *, save: bool = False) -> Marker:
         enqueue()
         if self._synchronize is not None:
             self._synchronize()
@@ -88,27 +92,37 @@ class HostCopies:
 
 
 class StreamCopies:
-    """CUDA: one side stream per worker (made on its device), events as markers."""
+    """CUDA: a load stream and a save stream per worker (made on its device), events as
+    markers; the transfer threads' events block (yield the CPU) rather than spin while they
+    wait."""
 
     def __init__(self, device: Any) -> None:  # pragma: no cover - needs a GPU (tests/gpu)
         import torch
 
         self._torch = torch
         self._device = torch.device(device)
-        self._side = torch.cuda.Stream(device=self._device)
+        self._loads = torch.cuda.Stream(device=self._device)
+        self._saves = torch.cuda.Stream(device=self._device)
 
     def compute_marker(self) -> Marker:  # pragma: no cover - needs a GPU
         event = self._torch.cuda.Event()
         event.record(self._torch.cuda.current_stream(self._device))
         return event
 
-    def run_after(self, marker: Marker, enqueue: Callable[[], None]) -> Marker:  # pragma: no cover - needs a GPU
-        with self._torch.cuda.device(self._device), self._torch.cuda.stream(self._side):  # a transfer thread's device is 0
+    def run_after(self, marker: Marker, enqueue: Callable[[], None], *, save: bool = False) -> Marker:  # pragma: no cover - needs a GPU
+        side = self._saves if save else self._loads
+        with self._torch.cuda.device(self._device), self._torch.cuda.stream(side):  # a transfer thread's device is 0
             if marker is not None:
-                self._side.wait_event(marker)
-            enqueue()
-            done = self._torch.cuda.Event()
-            done.record(self._side)
+                side.wait_event(marker)
+            try:
+                enqueue()
+            except BaseException:  # raised half-way: what it queued lands before the error leaves
+                landed = self._torch.cuda.Event(blocking=True)
+                landed.record(side)
+                landed.synchronize()
+                raise
+            done = self._torch.cuda.Event(blocking=True)
+            done.record(side)
         return done
 
     def host_wait(self, marker: Marker) -> None:  # pragma: no cover - needs a GPU

@@ -11,7 +11,7 @@ compute thread and read-only afterwards:
   into the paged KV cache with one vectorised copy per cache segment (fan-out blocks included)
   and verified where no peer can change the bytes any more (`publish`: in the cache for host
   caches, in a private host copy for device caches); saves gather a layer of every key from the
-  cache into its object image the same way.
+  cache into its object image the same way, tagged before it reaches staging (`gather_sealed`).
 
       object:   | header | L0 | L1 | L2 | L3 | L4 | ...      groups (k=2): [0,1) [1,3) [3,5) ...
       staging:  row i = key i's span of one group  ->  cache[block] for every segment of the group
@@ -289,14 +289,18 @@ class StagedLayers:
 
     def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
                       contexts: Sequence[bytes], sealer: Sealer, after: Marker = None) -> np.ndarray:
-        """`gather` then the layer's tags (uint8 [len(slots), 16]); an encrypting sealer gathers
-        into private memory, encrypts there and puts only ciphertext into staging. `after`:
-        the compute marker of the layer (device caches)."""
-        if not sealer.encrypts:
-            self.gather(layer_idx, staging, slots, block_ids, after)
-            col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
-            return sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
+        """`gather` plus the layer's tags (uint8 [len(slots), 16]), computed where no peer can
+        change the bytes: in the cache (host caches) or in the private pinned copies (device
+        caches), never in staging, which anyone who reaches the store's ports may write while we
+        tag (a tag over bytes a peer slipped in would be valid). An encrypting sealer gathers
+        into private memory, encrypts there and puts only ciphertext into staging. `after`: the
+        compute marker of the layer (device caches)."""
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
+        if not sealer.encrypts:
+            segments, ids = self._private_layer(layer_idx, block_ids, after)
+            tags = sealer.rows_tags(contexts, layer_idx, segments, ids)
+            self._stage(layer_idx, staging, slots, segments, ids)
+            return tags
         private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
         self.gather(layer_idx, private, np.arange(len(slots), dtype=np.int64), block_ids, after)
         spans = [private[i, col:] for i in range(len(slots))]
@@ -310,11 +314,16 @@ class StagedLayers:
         layer's place in the object image (rows are whole objects: header first). Device
         caches: copied into pinned buffers on the side stream once `after` (the layer's
         compute marker) is reached; this thread waits for that copy alone."""
+        segments, ids = self._private_layer(layer_idx, block_ids, after)
+        self._stage(layer_idx, staging, slots, segments, ids)
+
+    def _private_layer(self, layer_idx: int, block_ids: np.ndarray, after: Marker) -> tuple[list[np.ndarray], list[int]]:
+        """The layer's segments (object order) as host arrays no peer can write, and the row of
+        each block in them: the cache itself (host caches), or pinned copies of the blocks made
+        on the side stream once `after` is reached (device caches; this thread waits for them)."""
         views = self._views[layer_idx]
         if self.on_host:
-            for seg in views:
-                staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = seg.blocks[block_ids]
-            return
+            return [seg.blocks for seg in views], block_ids.tolist()
         copies, device = self._cache.copies, self._cache.device
         hosts = [copies.pinned((len(block_ids), seg.nbytes)) for seg in views]
 
@@ -323,9 +332,13 @@ class StagedLayers:
             for seg, host in zip(views, hosts):
                 host.copy_(seg.blocks[ids], non_blocking=True)
 
-        copies.host_wait(copies.run_after(after, enqueue))
-        for seg, host in zip(views, hosts):
-            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = as_numpy(host)
+        copies.host_wait(copies.run_after(after, enqueue, save=True))
+        return [as_numpy(host) for host in hosts], list(range(len(block_ids)))
+
+    def _stage(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, segments: list[np.ndarray],
+               ids: list[int]) -> None:
+        for seg, src in zip(self._views[layer_idx], segments):
+            staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src[ids]
 
     def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
              sealer: Sealer | RowSealers) -> np.ndarray:
