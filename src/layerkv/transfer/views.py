@@ -202,20 +202,20 @@ class StagedLayers:
     def scatter_device(self, group: LayerGroup, private: Any, local: np.ndarray, block_ids: np.ndarray, after: Marker) -> Marker:
         """Device caches: cache[block_ids[j]] <- private[local[j]] for every segment of `group`,
         queued on the side stream once `after` is reached (transfer/device.py): one copy of the
-        pinned rows to the device, then one indexed copy per segment there. Returns the
-        marker of the copies' completion (None when they ran at once)."""
+        pinned rows to the device, then one indexed copy per segment there (device memory: those
+        rows plus one segment of the targets at a time). Returns the marker of the copies'
+        completion (None when they ran at once)."""
         if block_ids.size == 0:
             return None
         device, views, copies = self._cache.device, self._views, self._cache.copies
 
         def enqueue() -> None:
             rows = private.to(device, non_blocking=True)  # [rows, span] from pinned memory
-            picked = rows[copies.index(local, device)]
-            ids = copies.index(block_ids, device)
+            sources, ids = copies.index(local, device), copies.index(block_ids, device)
             for layer_idx in range(group.first_layer, group.end_layer):
-                for seg in views[layer_idx]:
+                for seg in views[layer_idx]:  # one segment's worth of temporary at a time, fan-out included
                     col = seg.object_offset - group.span_start
-                    seg.blocks[ids] = picked[:, col : col + seg.nbytes]
+                    seg.blocks[ids] = rows[sources, col : col + seg.nbytes]
 
         return self._cache.copies.run_after(after, enqueue)
 
