@@ -17,6 +17,7 @@ if [ -n "$missing" ]; then
         echo "gpu_check: missing $missing and no .whl/ (run scripts/gpu_wheels.sh where pip works, carry .whl)"; exit 2
     fi
     site=$(mktemp -d /tmp/layerkv-site.XXXXXX)
+    trap 'rm -rf "$site"' EXIT
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 2
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -25,17 +25,20 @@ from tests.connector.rig import BLOCK_SIZE, Req
 
 
 class LaggingStream:
-    """A side stream on CPU: queued copies run in order on a thread of their own, each `lag_s`
-    after it was queued (and after the marker it waits for); markers are threading.Events. The
-    compute "stream" is the calling thread: compute_wait blocks it."""
+    """The side streams on CPU, one for loads and one for saves (as on CUDA): each runs its
+    queued copies in order on a thread of its own, each `lag_s` after it was queued (and after
+    the marker it waits for); markers are threading.Events. The compute "stream" is the calling
+    thread: compute_wait blocks it."""
 
     def __init__(self, lag_s: float) -> None:
         self.lag_s = lag_s
         self.compute_waits = 0
         self.errors: list[BaseException] = []
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="lagging-stream", daemon=True)
-        self._thread.start()
+        self._queues: dict[bool, queue.Queue[Any]] = {save: queue.Queue() for save in (False, True)}
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"lagging-{'save' if save else 'load'}-stream",
+                                          daemon=True) for save, q in self._queues.items()]
+        for thread in self._threads:
+            thread.start()
 
     def compute_marker(self) -> threading.Event:
         marker = threading.Event()
@@ -44,7 +47,7 @@ class LaggingStream:
 
     def run_after(self, marker: Any, enqueue: Callable[[], None], *, save: bool = False) -> threading.Event:
         done = threading.Event()
-        self._queue.put((time.monotonic() + self.lag_s, marker, enqueue, done))
+        self._queues[save].put((time.monotonic() + self.lag_s, marker, enqueue, done))
         return done
 
     def host_wait(self, marker: Any) -> None:
@@ -63,11 +66,13 @@ class LaggingStream:
         return torch.as_tensor(values, dtype=torch.int64, device=device)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5.0)
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join(5.0)
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+    def _run(self, lane: queue.Queue[Any]) -> None:
+        while (item := lane.get()) is not None:
             due, marker, enqueue, done = item
             if marker is not None:
                 marker.wait(10.0)

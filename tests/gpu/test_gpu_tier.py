@@ -122,7 +122,9 @@ def test_a_step_that_loads_and_saves_at_once(make_oracle) -> None:
     oracle, consumer, producer_prompts, _, _ = run_oracle(make_oracle, engine())
     longer = prompts_with_prefix(PREFIX, 1, 2 * BLOCK + 3, 31, MODEL.vocab_size)  # 8 full blocks + 8 tokens
     got = check(oracle, consumer, producer_prompts, longer, False)
-    assert consumer.workers[0].stats().save_keys >= 2  # blocks 6 and 7, put in the loading step
+    # the load and the computation of blocks 6 and 7 were one step, and both blocks were put
+    assert computed_chunks(consumer.engine, got[0].req_id)[0] == (HIT, len(longer[0]) - HIT)
+    assert consumer.workers[0].is_idle(10.0) and consumer.workers[0].stats().save_keys >= 2
     fresh = oracle.pooled()
     again = serve(fresh.engine, longer, MAX_TOKENS)
     local = oracle.local()

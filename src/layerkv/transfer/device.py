@@ -105,7 +105,7 @@ class StreamCopies:
         self._saves = torch.cuda.Stream(device=self._device)
 
     def compute_marker(self) -> Marker:  # pragma: no cover - needs a GPU
-        event = self._torch.cuda.Event()
+        event = self._torch.cuda.Event(blocking=True)  # a transfer thread may host-wait on it
         event.record(self._torch.cuda.current_stream(self._device))
         return event
 
@@ -117,9 +117,12 @@ class StreamCopies:
             try:
                 enqueue()
             except BaseException:  # raised half-way: what it queued lands before the error leaves
-                landed = self._torch.cuda.Event(blocking=True)
-                landed.record(side)
-                landed.synchronize()
+                try:
+                    landed = self._torch.cuda.Event(blocking=True)
+                    landed.record(side)
+                    landed.synchronize()
+                except BaseException:  # noqa: BLE001 - a sticky CUDA error: the first error is the one to see
+                    pass
                 raise
             done = self._torch.cuda.Event(blocking=True)
             done.record(side)
