@@ -18,7 +18,7 @@ from layerkv.messages import Deployment
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_RANGES
 from layerkv.connector.worker import WorkerConnector
-from tests.e2e.harness import assert_identical, computed_chunks, random_tokens, serve, small_engine
+from tests.e2e.harness import assert_identical, computed_chunks, local_oracle, random_tokens, serve, small_engine
 from tests.mooncake_master import MasterProcess, connect_store
 from tests.security.peer import Attacker
 
@@ -104,3 +104,68 @@ def test_bytes_a_peer_writes_into_staging_during_a_load_are_caught(make_oracle, 
     matched = serve(engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
     assert computed_chunks(consumer.engine, got.req_id) == computed_chunks(engine, matched.req_id)  # all recomputed
     assert_identical([got], [matched])
+
+
+class _TagHook:
+    """The producer's sealer, with `hook` run as a layer's tags are computed."""
+
+    def __init__(self, sealer, hook) -> None:  # type: ignore[no-untyped-def]
+        self._sealer, self._hook = sealer, hook
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._sealer, name)
+
+    def rows_tags(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._hook()
+        return self._sealer.rows_tags(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["mooncake"], indirect=True)
+@pytest.mark.parametrize("when", ["while-tagging", "after-tagging"])
+def test_bytes_a_peer_writes_into_save_staging_are_never_served(make_oracle, backend, attacker: Attacker,  # type: ignore[no-untyped-def]
+                                                                monkeypatch, when: str) -> None:
+    """The attacker overwrites layer 1 of every object in the producer's save staging, through
+    the store's port, while that layer's tags are computed or right after: the tags cover the
+    bytes compute wrote (never staging's), so a consumer either loads exactly those (the
+    attacker's bytes were overwritten by ours) or refuses the blocks and recomputes them; its
+    output equals local compute either way."""
+    from layerkv.transfer.views import StagedLayers
+
+    oracle = make_oracle(engine_config=ENGINE)
+    producer = oracle.pooled()
+    segment = backend.client(0).segment_name
+    written: list[int] = []
+    real = StagedLayers.gather_sealed
+
+    def attack(staging, slots, layer_idx: int, layout) -> None:  # type: ignore[no-untyped-def]
+        col, width = layout.layer_offset(layer_idx), layout.layer_nbytes(layer_idx)
+        for slot in slots.tolist():
+            addr = staging.ctypes.data + slot * staging.strides[0] + col
+            written.append(attacker.ask(op="write", segment=segment, addr=addr, nbytes=width, byte=0x5A)["rc"])
+
+    def racing(self, layer_idx, staging, slots, block_ids, contexts, sealer, after=None):  # type: ignore[no-untyped-def]
+        if layer_idx != 1:
+            return real(self, layer_idx, staging, slots, block_ids, contexts, sealer, after)
+        if when == "while-tagging":
+            sealer = _TagHook(sealer, lambda: attack(staging, slots, layer_idx, self.layout))
+        tags = real(self, layer_idx, staging, slots, block_ids, contexts, sealer, after)
+        if when == "after-tagging":
+            attack(staging, slots, layer_idx, self.layout)
+        return tags
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StagedLayers, "gather_sealed", racing)
+        serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
+    assert written and all(rc == 0 for rc in written)  # the attacker's writes landed in save staging
+    consumer = oracle.pooled()
+    got = serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
+    stats = consumer.workers[0].stats()
+    if when == "while-tagging":  # ours came after the attacker's: every block served from the pool
+        want = local_oracle(oracle.local(), [PRODUCER_PROMPT], [CONSUMER_PROMPT], MAX_TOKENS)[0]
+        assert got.num_external_tokens == 20 and stats.checksum_failures == 0, stats
+    else:  # the attacker's bytes are what the store holds: refused, recomputed
+        local = oracle.local()
+        want = serve(local, [CONSUMER_PROMPT], MAX_TOKENS)[0]
+        assert stats.checksum_failures >= 1 and stats.load_failed_blocks >= 1, stats
+        assert computed_chunks(consumer.engine, got.req_id) == computed_chunks(local, want.req_id)  # all recomputed
+    assert_identical([got], [want])

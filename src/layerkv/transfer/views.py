@@ -298,7 +298,7 @@ class StagedLayers:
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         if not sealer.encrypts:
             segments, ids = self._private_layer(layer_idx, block_ids, after)
-            tags = sealer.rows_tags(contexts, layer_idx, segments, range(len(block_ids)) if ids is None else ids)
+            tags = sealer.rows_tags(contexts, layer_idx, segments, range(len(block_ids)) if ids is None else ids.tolist())
             self._stage(layer_idx, staging, slots, segments, ids)
             return tags
         private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
@@ -317,14 +317,14 @@ class StagedLayers:
         segments, ids = self._private_layer(layer_idx, block_ids, after)
         self._stage(layer_idx, staging, slots, segments, ids)
 
-    def _private_layer(self, layer_idx: int, block_ids: np.ndarray, after: Marker) -> tuple[list[np.ndarray], list[int] | None]:
+    def _private_layer(self, layer_idx: int, block_ids: np.ndarray, after: Marker) -> tuple[list[np.ndarray], np.ndarray | None]:
         """The layer's segments (object order) as host arrays no peer can write, and the row of
         each block in them: the cache itself (host caches), or pinned copies of the blocks made
         on the side stream once `after` is reached (device caches, rows in order: None; this
         thread waits for them)."""
         views = self._views[layer_idx]
         if self.on_host:
-            return [seg.blocks for seg in views], block_ids.tolist()
+            return [seg.blocks for seg in views], block_ids
         copies, device = self._cache.copies, self._cache.device
         hosts = [copies.pinned((len(block_ids), seg.nbytes)) for seg in views]
 
@@ -337,7 +337,7 @@ class StagedLayers:
         return [as_numpy(host) for host in hosts], None
 
     def _stage(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, segments: list[np.ndarray],
-               ids: list[int] | None) -> None:
+               ids: np.ndarray | None) -> None:
         for seg, src in zip(self._views[layer_idx], segments):
             staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if ids is None else src[ids]
 
