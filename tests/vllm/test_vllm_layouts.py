@@ -1,4 +1,4 @@
-"""Every physical KV cache layout vLLM 0.33 allocates (`vllm/v1/kv_cache_layout.py`: logical
+"""Every physical KV cache layout vLLM 0.33 and 0.34 allocate (`vllm/v1/kv_cache_layout.py`: logical
 [L, B, H, N, C] permuted) through vLLM's own planning (`get_kv_cache_configs`) and allocation
 (`allocate_kv_cache`): the block-compact ones register and move bytes through the real layerkv
 core and a real store; the others are refused at startup with the fix; the connector asks vLLM

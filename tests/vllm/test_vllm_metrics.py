@@ -1,4 +1,4 @@
-"""layerkv's histograms, gauges and cache-hit source under vLLM 0.33's real metric code: a pool run
+"""layerkv's histograms, gauges and cache-hit source under vLLM's real metric code (0.33 and 0.34): a pool run
 through vLLM's real Scheduler and worker hooks (embedded and Mooncake) fed to vLLM's own
 PrometheusStatLogger; the Prometheus class with vLLM's metric types; the stats payload's
 aggregation across workers; the gauges' reporting rule."""

@@ -107,6 +107,34 @@ def test_preempted_requests_resume_and_their_blocks_reach_the_pool(pool):
     assert_blocks(consumer, "b", b + [7] * 16, 5)
 
 
+def test_requests_preempted_between_steps_resume_and_the_pool_holds_their_true_blocks(pool):
+    """vLLM's reset_prefix_cache(reset_running_requests=True) preempts the running requests
+    between two steps; the next step schedules them again, whole (0.34: as new requests with
+    prompt + generated tokens), in the same output that names them preempted. What they save
+    afterwards (blocks of prompt and of generated tokens) is what a fresh consumer loads, equal
+    to the stand-in model's KV for those tokens."""
+    producer = pool.node(num_blocks=32, max_num_batched_tokens=256)
+    a, b = prompt(11, 40), prompt(12, 24)
+    producer.add("a", a, max_tokens=30)
+    producer.add("b", b, max_tokens=30)
+    for _ in range(3):  # the prefill and two decode steps
+        producer.step()
+    assert producer.scheduler.reset_prefix_cache(reset_running_requests=True)
+    out, _, _ = producer.step()
+    assert set(out.preempted_req_ids) == {"a", "b"} and set(out.num_scheduled_tokens) == {"a", "b"}
+    producer.run_to_completion()
+
+    consumer = pool.node()
+    full_a, full_b = a + [7] * 30, b + [7] * 30  # 4 and 3 full blocks (the last token never saved)
+    consumer.add("a", full_a)
+    consumer.add("b", full_b)
+    out, connector_output, _ = consumer.step()
+    assert out.num_scheduled_tokens == {"a": 70 - 64, "b": 54 - 48}  # every full block from the pool
+    assert connector_output.invalid_block_ids == set()
+    assert_blocks(consumer, "a", full_a, 4)
+    assert_blocks(consumer, "b", full_b, 3)
+
+
 def test_request_aborted_mid_step_leaves_no_sessions(pool):
     from vllm.v1.request import RequestStatus
 

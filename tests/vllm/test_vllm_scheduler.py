@@ -3,6 +3,8 @@ SchedulerOutput translated into RequestView / block ids / SchedulerStep."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from tests.vllm.vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
 
@@ -94,26 +96,60 @@ def test_chunked_prefill_appends_block_ids_and_finishes(doubles):
     assert not engine.scheduler.connector._steps._block_ids  # nothing tracked after the finish
 
 
+def resumed_per_vllm(out, req_id: str) -> bool | None:
+    """vLLM 0.33's own word that `req_id` resumed (model runner V1: resumed_req_ids); None in 0.34,
+    where a resumed request is re-sent whole in scheduled_new_reqs like a new one."""
+    ids = getattr(out.scheduled_cached_reqs, "resumed_req_ids", None)
+    return None if ids is None else req_id in ids
+
+
 def test_preempted_request_resumes_with_replaced_block_ids(doubles):
     # 9 usable blocks: two 64-token prompts take 8, the first decode block preempts one.
     engine = make_engine(num_blocks=10, max_num_batched_tokens=128)
     engine.scheduler.add_request(make_request("a", prompt(4, 64), max_tokens=20))
     engine.scheduler.add_request(make_request("b", prompt(5, 64), max_tokens=20))
-    preempted, resumed = set(), set()
+    preempted, resumed, waiting = set(), set(), set()
     for out, step in drive(engine, 80):
         preempted |= step.preempted_req_ids
+        waiting |= step.preempted_req_ids
         for s in step.requests:
             assert s.block_ids == block_ids_in_vllm(engine, s.req_id)
             assert s.num_scheduled_tokens == out.num_scheduled_tokens[s.req_id]
-            assert s.resumed == (s.req_id in out.scheduled_cached_reqs.resumed_req_ids)
+            assert s.resumed == (s.req_id in waiting)  # scheduled again after its preemption
+            assert resumed_per_vllm(out, s.req_id) in (None, s.resumed)
             if s.resumed:
                 resumed.add(s.req_id)
-                assert s.req_id in preempted
+                waiting.discard(s.req_id)
         if not engine.scheduler.requests:
             break
     assert preempted and resumed == preempted
     assert not engine.scheduler.requests
     assert not engine.scheduler.connector._steps._block_ids
+
+
+def test_requests_preempted_between_steps_and_scheduled_again_keep_their_block_tables(doubles):
+    """reset_prefix_cache(reset_running_requests=True) preempts every running request between two
+    steps: the next output names them in preempted_req_ids AND schedules them again (0.34: in
+    scheduled_new_reqs; 0.33: resumed cached requests). Their new block tables must survive
+    the preemption, in that step and every later one."""
+    engine = make_engine(num_blocks=32, max_num_batched_tokens=256)
+    engine.scheduler.add_request(make_request("a", prompt(7, 40), max_tokens=30))
+    engine.scheduler.add_request(make_request("b", prompt(8, 24), max_tokens=30))
+    steps = drive(engine, 80)
+    for out, step in itertools.islice(steps, 3):  # prefill and two decode steps
+        assert not step.preempted_req_ids
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+    out, step = next(steps)
+    assert step.preempted_req_ids == {"a", "b"}
+    assert {s.req_id for s in step.requests} == {"a", "b"} and all(s.resumed for s in step.requests)
+    checked = 0
+    for out, step in itertools.chain([(out, step)], steps):
+        for s in step.requests:
+            assert s.block_ids == block_ids_in_vllm(engine, s.req_id), f"step {checked}: {s.req_id}'s block table"
+            checked += 1
+        if not engine.scheduler.requests:
+            break
+    assert checked > 40 and not engine.scheduler.requests  # both decoded past new blocks to the end
 
 
 def test_each_step_output_reaches_core_as_worker_report(doubles):

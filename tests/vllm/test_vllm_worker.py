@@ -1,4 +1,4 @@
-"""The facade's worker side under vLLM's real KVConnectorModelRunnerMixin and per-layer
+"""The facade's worker side under vLLM's real `ActiveKVConnector` (the model runner's connector driver) and per-layer
 `@maybe_transfer_kv_layer` wrapper (CPU caches in vLLM's layout), load failures fed back into
 vLLM's real Scheduler, and the stats / Prometheus hooks."""
 

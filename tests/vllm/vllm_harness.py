@@ -4,6 +4,8 @@ scheduler / worker connectors. vLLM is installed by `make test` (requirements/vl
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.metadata
 import os
 import types
@@ -167,12 +169,14 @@ class Engine:
 
 def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None,
                      failure_policy: str = "recompute", max_model_len: int = 1024, executor: str = "uni",
-                     multi_connector: bool = False, model_kwargs: dict | None = None, kv_events: bool = False):
+                     multi_connector: bool = False, model_kwargs: dict | None = None, kv_events: bool = False,
+                     scheduler_kwargs: dict | None = None):
     """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: as the only
     child of vLLM's MultiConnector). `executor` "uni": the scheduler and the worker share this
     process, as in these tests (the embedded store needs it). `model_kwargs`: more ModelConfig
     arguments (revision, hf_overrides, quantization, ...). `kv_events`: KV cache events on, vLLM's
-    null publisher (a test swaps in its own recorder)."""
+    null publisher (a test swaps in its own recorder). `scheduler_kwargs`: more SchedulerConfig
+    arguments (max_num_seqs, max_num_inflight_kv_loads, ...)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
     from vllm.config.kv_events import KVEventsConfig
 
@@ -185,18 +189,36 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
                                     kv_connector_extra_config={"connectors": [layerkv]})
     else:
         transfer = KVTransferConfig(**layerkv, kv_load_failure_policy=failure_policy)
-    return VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=transfer,
-        parallel_config=ParallelConfig(distributed_executor_backend=executor),
-        device_config=DeviceConfig("cpu"),
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
-    )
+    with _cpu_platform_without_triton():
+        return VllmConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(**{
+                "max_num_seqs": 8, "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                "enable_chunked_prefill": True, "is_encoder_decoder": False, "disable_hybrid_kv_cache_manager": True,
+                **(scheduler_kwargs or {}),
+            }),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
+            kv_transfer_config=transfer,
+            parallel_config=ParallelConfig(distributed_executor_backend=executor),
+            device_config=DeviceConfig("cpu"),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
+        )
+
+
+@contextlib.contextmanager
+def _cpu_platform_without_triton():
+    """vLLM 0.34's CPU platform refuses to build a VllmConfig on x86 without Triton (its CPU
+    model runner compiles kernels with triton-cpu). This tier runs vLLM's scheduler and hooks,
+    never a kernel, so the check is passed for the config's construction only; the product
+    never does this."""
+    import vllm.triton_utils as triton_utils
+
+    has_triton = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = has_triton
 
 
 FULL_SPEC_ARGS = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16)
@@ -270,30 +292,37 @@ def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_i
     for req_id in req_ids:
         request = scheduler.requests.get(req_id)  # None: aborted while the step ran
         sampled.append([token_id] if request is not None and request.num_computed_tokens >= request.num_tokens else [])
+    version_fields = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33; gone in 0.34
+        version_fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-        pooler_output=None, kv_connector_output=kv_connector_output or KVConnectorOutput(),
+        req_ids=req_ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+        pooler_output=None, kv_connector_output=kv_connector_output or KVConnectorOutput(), **version_fields,
     )
 
 
 @dataclass
 class WorkerRig:
     """A worker-role facade created by vLLM's factory, installed as the process's KV transfer
-    agent, with LAYERS bound to CPU caches vLLM's `allocate_kv_cache` made for the engine's
-    layout (logical [B, H, N, 2*head] views per layer)."""
+    agent and driven by vLLM's own `ActiveKVConnector` (vllm/v1/worker/gpu/kv_connector.py: how
+    the model runner drives a connector in 0.33 and 0.34, byte-identical in both), with LAYERS
+    bound to CPU caches vLLM's `allocate_kv_cache` made for the engine's layout (logical
+    [B, H, N, 2*head] views per layer)."""
 
     connector: Any
+    runner: Any  # ActiveKVConnector
     kv_caches: dict = field(default_factory=dict)
 
-    def run_step(self, scheduler_output, run_layer=None):
-        """One model-runner step: the real connector-output context and the real per-layer
-        `@maybe_transfer_kv_layer` wrapper, one attention call per layer (`run_layer(name)` is
-        the attention body: it runs after the layer's load wait, before its save)."""
+    def run_step(self, scheduler_output, run_layer=None, defer_finalize: bool = False):
+        """One model-runner step as vLLM's GPU model runner takes it: a step with no scheduled
+        token goes through `no_forward`; otherwise `pre_forward` inside the forward context,
+        one attention call per layer through the real per-layer `@maybe_transfer_kv_layer`
+        wrapper (`run_layer(name)` is the attention body: it runs after the layer's load wait,
+        before its save), `finish_forward`, `post_forward`, and with `defer_finalize` (what the
+        runner does with a speculator) `finalize_step` after the output was taken."""
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         @maybe_transfer_kv_layer
         def attention(query, layer_name):  # same wrapper as unified_attention_with_output
@@ -302,12 +331,17 @@ class WorkerRig:
             return query
 
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # this node's worker (tests run several)
-
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self.runner.no_forward(scheduler_output).kv_connector_output
         vllm_config = self.connector._vllm_config
         with set_forward_context({n: object() for n in LAYERS}, vllm_config, slot_mapping={}):
-            with KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(scheduler_output) as output:
-                for name in LAYERS:
-                    attention(None, name)
+            self.runner.pre_forward(scheduler_output)
+            for name in LAYERS:
+                attention(None, name)
+        self.runner.finish_forward()
+        output = self.runner.post_forward(set(scheduler_output.finished_req_ids), defer_finalize=defer_finalize)
+        if defer_finalize:
+            self.runner.finalize_step()
         return output
 
 
@@ -317,17 +351,18 @@ def make_worker(engine: Engine) -> WorkerRig:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.utils import allocate_kv_cache
 
     connector = KVConnectorFactory.create_connector(engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config)
     kv_transfer_state._KV_CONNECTOR_AGENT = connector  # what ensure_kv_transfer_initialized sets
     layout = KVCacheLayout[engine.kv_cache_config.kv_cache_layout]
     kv_caches = allocate_kv_cache(engine.kv_cache_config, torch.device("cpu"), layout)  # vLLM's own views
-    connector.register_kv_caches(kv_caches)
+    runner = ActiveKVConnector(engine.vllm_config, kv_caches)  # registers the caches, as the model runner does
     forward_context = engine.vllm_config.compilation_config.static_forward_context
     for name in LAYERS:  # stand-in Attention layers: what get_attention_context reads
         forward_context[name] = types.SimpleNamespace(kv_cache=kv_caches[name])
-    return WorkerRig(connector, kv_caches)
+    return WorkerRig(connector, runner, kv_caches)
 
 
 @pytest.fixture

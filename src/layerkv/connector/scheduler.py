@@ -255,7 +255,7 @@ class SchedulerConnector:
             self._manifest_task = self._manifest_thread.submit(functools.partial(self._manifests.ensure, self._writing))
         ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
         self._ended.clear()
-        self._live = (self._live | scheduled) - ended
+        self._live = (self._live - ended) | scheduled  # preempted between steps and scheduled again: live
         self._before_reset -= ended - scheduled
         seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
         if saves:

@@ -33,12 +33,21 @@ class StepTranslator:
     """SchedulerOutput -> one SchedulerStep per KV cache group. vLLM sends only new block ids for
     running requests, so this keeps each live request's full block-id list per group (position
     i = token block i; vLLM's null block where a sliding-window group freed one) and a reference
-    to its `Request` (whose block hashes grow as tokens arrive). Scheduler thread only."""
+    to its `Request` (whose block hashes grow as tokens arrive). Scheduler thread only.
+
+    Preemption: a preempted request's blocks were freed, so its list is dropped. When it runs
+    again vLLM sends its whole block table: in `scheduled_new_reqs` (vLLM 0.34, and 0.33 under
+    model runner V2) or in `scheduled_cached_reqs` with its id in `resumed_req_ids` (0.32 / 0.33
+    under model runner V1); either way the table replaces the list and the step marks it
+    `resumed`. Preemptions are applied before the step's scheduled requests: a request preempted
+    between two steps (vLLM's reset_prefix_cache(reset_running_requests=True)) is named in
+    `preempted_req_ids` and may be scheduled again in the very same output."""
 
     def __init__(self, num_groups: int = 1) -> None:
         self.num_groups = num_groups
         self._requests: dict[ReqId, Request] = {}
         self._block_ids: dict[ReqId, list[list[int]]] = {}
+        self._preempted: set[ReqId] = set()  # preempted and not scheduled since
 
     def track(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -50,25 +59,31 @@ class StepTranslator:
     def forget(self, req_id: ReqId) -> None:
         self._requests.pop(req_id, None)
         self._block_ids.pop(req_id, None)
+        self._preempted.discard(req_id)
 
     def translate(self, out: SchedulerOutput) -> tuple[SchedulerStep, ...]:
+        preempted = frozenset(out.preempted_req_ids or ())
+        for req_id in preempted:
+            self._block_ids.pop(req_id, None)
+            self._preempted.add(req_id)
         scheduled: list[tuple[ScheduledRequest, ...]] = []
-        for new in out.scheduled_new_reqs:
+        for new in out.scheduled_new_reqs:  # new, or resumed whole (vLLM 0.34; 0.33 under model runner V2)
+            resumed = new.req_id in self._preempted
+            self._preempted.discard(new.req_id)
             self._block_ids[new.req_id] = self._groups(new.block_ids)
-            scheduled.append(self._scheduled(new.req_id, new.num_computed_tokens, out, resumed=False))
+            scheduled.append(self._scheduled(new.req_id, new.num_computed_tokens, out, resumed=resumed))
         cached = out.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()  # vLLM 0.32 / 0.33 (model runner V1) only
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
+            resumed = req_id in resumed_ids
             if resumed:  # preempted earlier: its old blocks were freed, these replace them
+                self._preempted.discard(req_id)
                 self._block_ids[req_id] = self._groups(new_ids)
             elif new_ids:
                 for ids, more in zip(self._block_ids.setdefault(req_id, self._groups(None)), self._groups(new_ids)):
                     ids.extend(more)
             scheduled.append(self._scheduled(req_id, cached.num_computed_tokens[i], out, resumed=resumed))
-        preempted = frozenset(out.preempted_req_ids or ())
-        for req_id in preempted:
-            self._block_ids.pop(req_id, None)
         for req_id in out.finished_req_ids:
             self.forget(req_id)
         return tuple(
