@@ -185,3 +185,22 @@ def test_a_lookup_that_asks_again_leaves_the_request_waiting_and_schedules_the_o
     core.ask_again.clear()  # the prefix is in the pool now
     out = engine.scheduler.schedule()
     assert out.num_scheduled_tokens["a"] == 8 and out.has_sync_kv_loads  # 32 tokens from the pool, 8 computed
+
+
+@pytest.mark.parametrize("sent", ["own pool", "plain", "one other pool", "two other pools"])
+def test_the_core_reads_the_promise_meant_for_its_pool(doubles, sent):
+    """The facade hands the neutral core the promise (layerkv_prefix_tokens) that the client's
+    kv_transfer_params name for this connector's pool (integrations/vllm_pools.py)."""
+    from layerkv.config import LayerKVConfig
+    from layerkv.connector.prefill_wait import pool_promise_key
+    from layerkv.store.factory import pool_identity
+
+    own, other, third = (pool_promise_key(pool_identity(LayerKVConfig(tenant=t))) for t in ("default", "x", "y"))
+    params = {"own pool": {own: 32, other: 16}, "plain": {"layerkv_prefix_tokens": 32, other: 16},
+              "one other pool": {other: 32}, "two other pools": {other: 32, third: 16}}[sent]
+    engine = make_engine()
+    engine.scheduler.add_request(make_request("a", prompt(9, 40), kv_transfer_params=params))
+    engine.scheduler.schedule()
+    core = doubles.schedulers[0]
+    (view,) = [c[1][0] for c in core.calls if c[0] == "get_num_new_matched_tokens"]
+    assert view.kv_transfer_params.get("layerkv_prefix_tokens") == (None if sent == "two other pools" else 32)

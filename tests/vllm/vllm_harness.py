@@ -167,12 +167,19 @@ class Engine:
     scheduler: Any
 
 
+def layerkv_child(extra: dict | None = None, kv_role: str = "kv_both") -> dict:
+    """The layerkv connector's entry in a KVTransferConfig (or a MultiConnector's `connectors`)."""
+    return dict(kv_connector="LayerKVConnector", kv_connector_module_path="layerkv.integrations.vllm",
+                kv_role=kv_role, kv_connector_extra_config=extra or {})
+
+
 def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None,
                      failure_policy: str = "recompute", max_model_len: int = 1024, executor: str = "uni",
-                     multi_connector: bool = False, model_kwargs: dict | None = None, kv_events: bool = False,
+                     multi_connector: bool | list[dict] = False, model_kwargs: dict | None = None, kv_events: bool = False,
                      scheduler_kwargs: dict | None = None):
-    """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: as the only
-    child of vLLM's MultiConnector). `executor` "uni": the scheduler and the worker share this
+    """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: True, as the
+    only child of vLLM's MultiConnector; a list: these children, `layerkv_child` entries and
+    vLLM's own). `executor` "uni": the scheduler and the worker share this
     process, as in these tests (the embedded store needs it). `model_kwargs`: more ModelConfig
     arguments (revision, hf_overrides, quantization, ...). `kv_events`: KV cache events on, vLLM's
     null publisher (a test swaps in its own recorder). `scheduler_kwargs`: more SchedulerConfig
@@ -182,11 +189,11 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
 
     model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len,
                                **(model_kwargs or {}))
-    layerkv = dict(kv_connector="LayerKVConnector", kv_connector_module_path="layerkv.integrations.vllm",
-                   kv_role=kv_role, kv_connector_extra_config=extra or {})
+    layerkv = layerkv_child(extra, kv_role)
     if multi_connector:
+        children = [layerkv] if multi_connector is True else list(multi_connector)
         transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role=kv_role, kv_load_failure_policy=failure_policy,
-                                    kv_connector_extra_config={"connectors": [layerkv]})
+                                    kv_connector_extra_config={"connectors": children})
     else:
         transfer = KVTransferConfig(**layerkv, kv_load_failure_policy=failure_policy)
     with _cpu_platform_without_triton():
@@ -266,14 +273,15 @@ def make_engine(num_blocks: int = 64, layout: str = "LBHNC", **config_kwargs) ->
     return Engine(vllm_config, kv_cache_config, scheduler)
 
 
-def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None):
+def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None,
+                 prompt_logprobs: int | None = None):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs,
                             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
     params.update_from_generation_config({}, 2)
     return Request(

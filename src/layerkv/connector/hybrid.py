@@ -102,6 +102,19 @@ class GroupedScheduler:
             self._local[request.req_id] = num_computed_tokens
         return hit, self.load_async and hit > 0
 
+    def may_load_async(self, request: RequestView) -> bool:
+        """Would `get_num_new_matched_tokens` answer an asynchronous load for `request`? Asked as
+        a request enters the engine's waiting queues (vLLM 0.34 keeps such requests in a queue of
+        their own under --max-num-inflight-kv-loads), so it must be cheap: only with
+        `load_async`, never for a request whose load failed, and then whether the first full
+        group holds the request's first block (one exists query, `may_hit`). It may be wrong
+        either way (the engine's own cache may cover that block, the pool may change before
+        the lookup): the engine only queues the request differently."""
+        if not self.load_async or request.req_id in self._failed:
+            return False
+        sub = next((s for s, window in zip(self.subs, self._windows) if not window), self.subs[0])
+        return bool(getattr(sub, "may_hit", lambda _request: False)(request))
+
     def _hit(self, request: RequestView, num_computed_tokens: int) -> int | None:
         """The hit in tokens; None while a full group asks to be asked again."""
         hit: int | None = None

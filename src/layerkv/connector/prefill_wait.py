@@ -9,12 +9,18 @@ request loads what is there and computes the rest. A prefill server that dies be
 costs one bounded wait and a recompute, never a hang or a wrong token: what is read is what any
 lookup reads (COMPLETE objects, verified per layer).
 
+In vLLM each connector names its promise under its own pool's key, `pool_promise_key`
+(PREFIX_TOKENS@<digest of the pool>): vLLM's MultiConnector refuses a key two of its connectors
+return, and a decode server on one of several pools must find the promise meant for it
+(integrations/vllm_pools.py maps the keys to PREFIX_TOKENS, which this module reads).
+
 Polls of one request are at most one per POLL_S (a waiting request costs the engine's loop no
 store round trip in between). Scheduler thread only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +30,12 @@ from layerkv.messages import ReqId
 
 PREFIX_TOKENS = "layerkv_prefix_tokens"  # the kv_transfer_params key
 POLL_S = 0.005
+
+
+def pool_promise_key(pool: str) -> str:
+    """The kv_transfer_params key of the prefix promised in one pool (`pool`: store.factory.
+    pool_identity): a short digest, so a client or proxy sees no address or tenant."""
+    return f"{PREFIX_TOKENS}@{hashlib.blake2b(pool.encode(), digest_size=6).hexdigest()}"
 
 
 def promised_tokens(params: Mapping[str, Any] | None) -> int:

@@ -202,6 +202,16 @@ class SchedulerConnector:
         self._matched[request.req_id] = self._hit(start_block, generations)
         return len(generations) * self._block_size, False
 
+    def may_hit(self, request: RequestView) -> bool:
+        """A cheap hint before the lookup: is the request's first block in the pool (one exists
+        query of that block)? False for a role that never loads, while the store is down, and for
+        a prompt with no full block before its last token."""
+        if not self.deployment.role.loads or self.store.is_down():
+            return False
+        if min((request.num_tokens - 1) // self._block_size, len(request.block_hashes)) < 1:
+            return False
+        return self._lookup.locate(request.block_hashes[:1])[0] >= 0
+
     def _hit(self, start_block: int, generations: Sequence[int]) -> _PendingLoad:
         self._stats.hit_blocks += len(generations)
         self._stats.hit_blocks_older_key += sum(1 for g in generations if g)

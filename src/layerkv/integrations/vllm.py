@@ -12,6 +12,7 @@ Load with: --kv-transfer-config '{"kv_connector": "LayerKVConnector",
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from layerkv.config import LayerKVConfig
+from layerkv.connector.prefill_wait import pool_promise_key
 from layerkv.connector.hybrid import GroupedPlan, GroupedScheduler, GroupedWorker
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.integrations.vllm_events import VllmPoolEvents
@@ -41,8 +43,10 @@ from layerkv.integrations.vllm_setup import (
     kv_signature_of,
     required_kv_cache_layout,
 )
-from layerkv.integrations.vllm_steps import LayerKVMetadata, LayerKVWorkerMeta, StepTranslator, request_view
+from layerkv.integrations.vllm_pools import promise_named
+from layerkv.integrations.vllm_steps import LayerKVMetadata, LayerKVWorkerMeta, StepTranslator, request_view, skips_external_kv
 from layerkv.messages import Deployment, WorkerReport
+from layerkv.store.factory import pool_identity
 
 __all__ = ["LayerKVConnector", "LayerKVMetadata", "LayerKVWorkerMeta", "LayerKVStats", "CounterDeltas", "counters_of", "check_supported",
            "deployment_from", "kv_signature_of", "request_view", "StepTranslator", "LayerKVPromMetrics"]
@@ -107,6 +111,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         check_pool_shared(config, vllm_config)
         self.deployment = deployment_from(vllm_config, kv_cache_config, role)
         check_cudagraphs(config, self.deployment.role)
+        self._promise_key = pool_promise_key(pool_identity(config))  # one key per pool (integrations/vllm_pools.py)
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         self._steps = StepTranslator(len(deployments))
@@ -158,6 +163,23 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return not LayerKVConfig.from_dict(extra_config).full_cudagraphs
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34 (its extensible KV cache): how the workers reach the KV cache. REGISTERS
+        exactly when the live cache is registered with the store (`register_kv_cache: true`:
+        each segment must then be one physical allocation); otherwise IN_PROCESS: only layerkv's
+        own staging is registered and the cache is read and written by in-process copies."""
+        access = importlib.import_module("vllm.config.kv_transfer").KVCacheAccess  # 0.34 and later
+        config = LayerKVConfig.from_dict(kv_transfer_config.kv_connector_extra_config)
+        return access.REGISTERS if config.register_kv_cache else access.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34's lookahead block hashes (speculative decoding): never. Objects are named by
+        the block hashes vLLM has always had; hashes that look ahead would name other objects, so
+        engines with and without a drafter would stop sharing the pool."""
+        return False
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         return False  # layer templates hold the registered cache addresses
 
@@ -172,13 +194,26 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._steps.track(request)
+        if skips_external_kv(request):  # vLLM drops any external hit for it (prompt logprobs, ...): no lookup
+            return 0, False
         # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (connector/hybrid.py).
         # None: a prefill server's prefix is not all in the pool yet; vLLM asks again next step.
-        return self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
+        return self.scheduler_side.get_num_new_matched_tokens(request_view(request, self._promise_key), num_computed_tokens)
+
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34 (--max-num-inflight-kv-loads) asks as a request enters its waiting queues:
+        would get_num_new_matched_tokens answer an asynchronous load? Only a model with several
+        KV cache groups loads asynchronously (connector/hybrid.py); there one exists query of
+        the request's first block answers (GroupedScheduler.may_load_async). A wrong answer only
+        queues the request differently in vLLM."""
+        if self._scheduler is None or skips_external_kv(request):
+            return False
+        self._steps.track(request)
+        return self.scheduler_side.may_load_async(request_view(request, self._promise_key))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._steps.track(request)
-        self.scheduler_side.update_state_after_alloc(request_view(request), tuple(map(tuple, blocks.get_block_ids())),
+        self.scheduler_side.update_state_after_alloc(request_view(request, self._promise_key), tuple(map(tuple, blocks.get_block_ids())),
                                                      num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -220,9 +255,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        result = self.scheduler_side.request_finished(request_view(request), tuple(map(tuple, block_ids)))
+        delay, params = self.scheduler_side.request_finished(request_view(request, self._promise_key), tuple(map(tuple, block_ids)))
         self._steps.forget(request.request_id)
-        return result
+        return delay, promise_named(request, params, self._promise_key)
 
     # ---- worker side ----------------------------------------------------------------
 

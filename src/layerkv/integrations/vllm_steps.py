@@ -5,11 +5,14 @@ number back (vLLM aggregates it over every worker before the scheduler sees it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from layerkv.connector.prefill_wait import PREFIX_TOKENS
+from layerkv.integrations.vllm_pools import promise_read
 from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep
 
 if TYPE_CHECKING:
@@ -17,16 +20,33 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def request_view(request: Request) -> RequestView:
+def request_view(request: Request, promise_key: str | None = None) -> RequestView:
     """`request.block_hashes` already chain the cache salt, LoRA id and multimodal hashes;
-    `kv_transfer_params` is what the client sent (a prefill server's promise, from a proxy)."""
+    `kv_transfer_params` is what the client sent (a prefill server's promise, from a proxy); with
+    `promise_key` (this connector's pool's key) the promise meant for this pool is what the
+    neutral side reads under PREFIX_TOKENS (integrations/vllm_pools.py)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if promise_key is not None and isinstance(params, Mapping):
+        promise = promise_read(params, promise_key)  # integrations/vllm_pools.py
+        if promise is not None:
+            params = {**params, PREFIX_TOKENS: promise}
     return RequestView(
         req_id=request.request_id,
         num_prompt_tokens=request.num_prompt_tokens,
         num_tokens=request.num_tokens,
         block_hashes=tuple(request.block_hashes),
-        kv_transfer_params=getattr(request, "kv_transfer_params", None),
+        kv_transfer_params=params,
     )
+
+
+def skips_external_kv(request: Request) -> bool:
+    """vLLM reads no external KV for this request whatever the connector answers (0.34:
+    `skip_reading_external_kv`, e.g. prompt logprobs or a bounded prefix hit; 0.32 / 0.33:
+    `skip_reading_prefix_cache`, e.g. prompt logprobs)."""
+    skip = getattr(request, "skip_reading_external_kv", None)
+    if skip is None:
+        skip = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(skip)
 
 
 class StepTranslator:

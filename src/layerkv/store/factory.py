@@ -36,6 +36,20 @@ def open_store(config: LayerKVConfig) -> KVStore:
         return root.client()
 
 
+def pool_identity(config: LayerKVConfig) -> str:
+    """Which pool `config` writes to and reads from: the backend, where it is (the Mooncake master
+    address as configured; the embedded store is this process's), and the tenant its objects
+    are kept under. Holds no secret; may name an address (digest it before showing it to
+    clients). Reads the Mooncake JSON config when the master is not given otherwise."""
+    if config.backend == "mooncake":
+        from layerkv.store.mooncake import master_address_of
+
+        where = master_address_of(config)
+    else:
+        where = "this-process"
+    return f"{config.backend}|{where}|{config.tenant}|{config.mooncake_tenant_id or config.tenant}"
+
+
 def close_shared_stores() -> None:
     """Close every shared embedded store's root handle (tests). Stores whose client handles are
     all closed free their memory now; the next `open_store` starts an empty store."""

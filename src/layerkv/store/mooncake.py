@@ -118,6 +118,21 @@ def load_mooncake_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def config_path_of(config: LayerKVConfig) -> str:
+    """The Mooncake JSON config `config` names (its key, else $MOONCAKE_CONFIG_PATH)."""
+    path = config.mooncake_config_path or os.environ.get("MOONCAKE_CONFIG_PATH")
+    if not path:
+        raise ConfigError("backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)")
+    return path
+
+
+def master_address_of(config: LayerKVConfig) -> str:
+    """The master address a client opened from `config` reaches, as configured (mooncake_master,
+    else $MOONCAKE_MASTER, else the JSON config's master_server_address); reads the file."""
+    master = config.mooncake_master or os.environ.get("MOONCAKE_MASTER")
+    return master or str(load_mooncake_config(config_path_of(config)).get("master_server_address", ""))
+
+
 def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = None,
                tenant_id: str | None = None) -> dict[str, Any]:
     """Mooncake JSON config (+ optional master and tenant overrides) -> the dict `setup(config)`
@@ -188,9 +203,7 @@ class MooncakeStore:
     def from_config(cls, config: LayerKVConfig) -> MooncakeStore:
         """From `config.mooncake_config_path` (default $MOONCAKE_CONFIG_PATH); master from
         `config.mooncake_master` / $MOONCAKE_MASTER, else the file's. Placement from config."""
-        path = config.mooncake_config_path or os.environ.get("MOONCAKE_CONFIG_PATH")
-        if not path:
-            raise ConfigError("backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)")
+        path = config_path_of(config)
         master = config.mooncake_master or os.environ.get("MOONCAKE_MASTER") or None
         return cls.from_mooncake_config(load_mooncake_config(path), master_address=master,
                                         placement=Placement.from_config(config),
