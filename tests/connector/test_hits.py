@@ -110,3 +110,19 @@ def test_a_long_full_hit_doubles_the_window(make_rig) -> None:
     assert ext == 30 * BLOCK_SIZE
     # 2 + 4 + 8 + 16 blocks: four queries for 30 blocks instead of fifteen windows of 2
     assert [len(c.keys) for c in rig.sched_faults.calls(IS_EXIST)] == [2, 4, 8, 16]
+
+
+def test_may_hit_asks_one_block_and_answers_what_the_pool_holds(make_rig, backend) -> None:
+    """The cheap hint vLLM 0.34 asks for as a request arrives (connector/hybrid.py
+    may_load_async): one exists query of the first block (every storage rank's key)."""
+    rig = make_rig(tp_size=2, num_kv_heads=2)
+    tokens = _tokens(4, extra=1)
+    assert rig.scheduler.may_hit(Req("a", tokens).view()) is False  # an empty pool
+    rig.run(Req("a", tokens))
+    rig.sched_faults.clear_calls()
+    assert rig.scheduler.may_hit(Req("b", tokens).view()) is True
+    assert [len(c.keys) for c in rig.sched_faults.calls(IS_EXIST)] == [2]  # block 0 on both storage ranks
+    assert rig.scheduler.may_hit(Req("c", _tokens(4, extra=1, base=1000)).view()) is False  # another prompt
+    assert rig.scheduler.may_hit(Req("d", tokens[:BLOCK_SIZE]).view()) is False  # no full block before its last token
+    assert backend.remove(rig.keys(Req("x", tokens), rank=1, blocks=[0])) == [0]
+    assert rig.scheduler.may_hit(Req("e", tokens).view()) is False  # one storage rank's key is not a block

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from tests.vllm.vllm_harness import make_request, make_vllm_config, require_vllm
+from tests.vllm.vllm_harness import make_request, make_vllm_config, require_vllm, runner_output
 
 require_vllm()
 
@@ -69,3 +69,84 @@ def test_a_request_with_prompt_logprobs_reads_nothing_from_the_pool_and_asks_not
     assert out.num_scheduled_tokens == {"c": 8}  # 48 tokens from the pool
     assert fresh.scheduler.connector.scheduler_side.subs[0].stats().lookups == 1
     assert_blocks(fresh, "c", tokens, 3)
+
+
+# ---------------------------------------------------------------- may_load_async (several groups)
+
+
+def hybrid_engine(**scheduler_kwargs):
+    """vLLM's real Scheduler with its hybrid KV cache manager over a full-attention and a
+    sliding-window group (layerkv loads such a model before the request's first step:
+    asynchronously), the neutral cores replaced by the recording doubles."""
+    import torch
+    from tests.vllm.vllm_harness import BLOCK_SIZE, FULL_SPEC_ARGS, make_engine
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = [FullAttentionSpec(**FULL_SPEC_ARGS, dtype=torch.float16),
+             SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)]
+    return make_engine(64, specs=specs, scheduler_kwargs={"disable_hybrid_kv_cache_manager": False, **scheduler_kwargs})
+
+
+def queued(engine, req_id: str) -> str:
+    scheduler = engine.scheduler
+    for name in ("async_kv_waiting", "waiting"):
+        if any(r.request_id == req_id for r in getattr(scheduler, name)):
+            return name
+    return "elsewhere"
+
+
+@needs_034
+def test_a_pool_hit_of_a_hybrid_model_starts_loading_while_the_batch_is_full(doubles):
+    from vllm.v1.request import RequestStatus
+
+    engine = hybrid_engine(max_num_seqs=2, max_num_inflight_kv_loads=2)
+    assert engine.scheduler.connector.scheduler_side.load_async
+    hit = make_request("hit", prompt(51, 40))
+    doubles.schedulers[0].pool_hashes.update(hit.block_hashes[:2])  # the pool holds its first 2 blocks
+    for i, req_id in enumerate(("r1", "r2")):
+        engine.scheduler.add_request(make_request(req_id, prompt(52 + i, 40), max_tokens=8))
+    engine.scheduler.add_request(hit)
+    engine.scheduler.add_request(make_request("miss", prompt(60, 40)))
+    assert (queued(engine, "hit"), queued(engine, "miss")) == ("async_kv_waiting", "waiting")
+
+    out = engine.scheduler.schedule()  # r1 and r2 fill the batch
+    assert set(out.num_scheduled_tokens) == {"r1", "r2"}
+    assert engine.scheduler.requests["hit"].status is RequestStatus.WAITING_FOR_REMOTE_KVS  # its load started
+    assert engine.scheduler.requests["miss"].status is RequestStatus.WAITING
+
+
+@needs_034
+def test_a_capped_pool_hit_of_a_hybrid_model_does_not_hold_up_local_requests(doubles):
+    from vllm.v1.request import RequestStatus
+
+    engine = hybrid_engine(max_num_seqs=8, max_num_inflight_kv_loads=1)
+    first, second = make_request("hit1", prompt(61, 40)), make_request("hit2", prompt(62, 40))
+    doubles.schedulers[0].pool_hashes.update(first.block_hashes[:2] + second.block_hashes[:2])
+    engine.scheduler.add_request(first)
+    out = engine.scheduler.schedule()  # hit1's load takes the one in-flight slot (its worker never reports it)
+    engine.scheduler.update_from_output(out, runner_output(engine.scheduler, out))
+    assert engine.scheduler.requests["hit1"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.scheduler.add_request(second)
+    engine.scheduler.add_request(make_request("local", prompt(63, 40)))
+    out = engine.scheduler.schedule()
+    assert out.num_scheduled_tokens == {"local": 40}  # not held up behind the capped hit2
+    assert engine.scheduler.requests["hit2"].status is RequestStatus.WAITING and queued(engine, "hit2") == "async_kv_waiting"
+
+
+@needs_034
+def test_may_load_async_is_false_for_one_group_a_miss_and_prompt_logprobs(doubles):
+    """One KV cache group loads inside the step (synchronously): never async. A prompt whose
+    first block the pool lacks, or a request that reads no external KV: no lookup at all."""
+    from tests.vllm.vllm_harness import make_engine
+
+    single = make_engine(scheduler_kwargs={"max_num_inflight_kv_loads": 1})
+    request = make_request("a", prompt(64, 40))
+    doubles.schedulers[0].pool_hashes.update(request.block_hashes)
+    assert single.scheduler.connector.may_load_async(request) is False
+    hybrid = hybrid_engine(max_num_inflight_kv_loads=1)
+    core = doubles.schedulers[-2]
+    assert hybrid.scheduler.connector.may_load_async(request) is True
+    assert hybrid.scheduler.connector.may_load_async(make_request("b", prompt(65, 40))) is False
+    asked = len([c for c in core.calls if c[0] == "may_hit"])
+    assert hybrid.scheduler.connector.may_load_async(make_request("lp", request.prompt_token_ids, prompt_logprobs=1)) is False
+    assert len([c for c in core.calls if c[0] == "may_hit"]) == asked

@@ -66,6 +66,15 @@ class RecordingScheduler:
         num_tokens = min(hit_blocks * self.deployment.block_size, (request.num_prompt_tokens - 1) // self.deployment.block_size * self.deployment.block_size)
         return max(0, num_tokens - num_computed_tokens), False
 
+    def match_window(self, request, num_computed_tokens, max_tokens=None):
+        """A sliding-window group: the same pool, the hit bounded by `max_tokens`."""
+        tokens, _ = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens if max_tokens is None else min(tokens, max_tokens)
+
+    def may_hit(self, request):
+        self.calls.append(("may_hit", (request,)))
+        return bool(request.block_hashes) and request.block_hashes[0] in self.pool_hashes
+
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.calls.append(("update_state_after_alloc", (request, block_ids, num_external_tokens)))
 
@@ -256,15 +265,15 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def make_engine(num_blocks: int = 64, layout: str = "LBHNC", **config_kwargs) -> Engine:
+def make_engine(num_blocks: int = 64, layout: str = "LBHNC", specs: list | None = None, **config_kwargs) -> Engine:
     """vLLM's real Scheduler (its scheduler-role connector built by vLLM's factory) for a KV
-    cache in the physical `layout`."""
+    cache in the physical `layout` (`specs`: hand-made groups, make_kv_cache_config)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config_kwargs.setdefault("max_model_len", min(1024, (num_blocks - 1) * BLOCK_SIZE))
     vllm_config = make_vllm_config(**config_kwargs)
-    kv_cache_config = make_kv_cache_config(num_blocks, vllm_config=vllm_config, layout=layout)
+    kv_cache_config = make_kv_cache_config(num_blocks, specs, vllm_config=vllm_config, layout=layout)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     scheduler = Scheduler(
         vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
