@@ -150,3 +150,19 @@ def test_may_load_async_is_false_for_one_group_a_miss_and_prompt_logprobs(double
     asked = len([c for c in core.calls if c[0] == "may_hit"])
     assert hybrid.scheduler.connector.may_load_async(make_request("lp", request.prompt_token_ids, prompt_logprobs=1)) is False
     assert len([c for c in core.calls if c[0] == "may_hit"]) == asked
+
+
+@needs_034
+def test_a_bad_layerkv_config_is_refused_by_the_connector_not_by_the_access_question():
+    """vLLM 0.34 asks kv_cache_access while it builds its config: a bad layerkv key must still be
+    refused by the connector, with layerkv's message (IN_PROCESS meanwhile: nothing registered)."""
+    from vllm.config.kv_transfer import KVCacheAccess
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from layerkv.errors import ConfigError
+    from tests.vllm.vllm_harness import make_kv_cache_config
+
+    vllm_config = make_vllm_config(extra={"register_kv_cache": "yes"})
+    assert vllm_config.kv_transfer_config.kv_cache_access() == KVCacheAccess.IN_PROCESS
+    with pytest.raises(ConfigError, match="register_kv_cache='yes' must be of type bool"):
+        LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))

@@ -13,7 +13,7 @@ step carries the block ids of the request's other groups (`ScheduledRequest.othe
 the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once every
 group's worker ran it. With one group every call is passed through unchanged.
 
-`load_async` (what vLLM needs for a model with several groups): vLLM 0.32 / 0.33 cannot map a
+`load_async` (what vLLM needs for a model with several groups): vLLM 0.32 to 0.34 cannot map a
 failed block back to a request when there are several groups (`invalid_block_ids` stops the
 engine core), and recovers a failed load only for a request that waits for its load
 (`failed_recving`: it recomputes the request from token 0). So with `load_async` the prefix is

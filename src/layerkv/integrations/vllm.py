@@ -45,7 +45,8 @@ from layerkv.integrations.vllm_setup import (
 )
 from layerkv.integrations.vllm_pools import promise_named
 from layerkv.integrations.vllm_steps import LayerKVMetadata, LayerKVWorkerMeta, StepTranslator, request_view, skips_external_kv
-from layerkv.messages import Deployment, WorkerReport
+from layerkv.errors import ConfigError
+from layerkv.messages import Deployment, RequestView, WorkerReport
 from layerkv.store.factory import pool_identity
 
 __all__ = ["LayerKVConnector", "LayerKVMetadata", "LayerKVWorkerMeta", "LayerKVStats", "CounterDeltas", "counters_of", "check_supported",
@@ -169,8 +170,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         each segment must then be one physical allocation); otherwise IN_PROCESS: only layerkv's
         own staging is registered and the cache is read and written by in-process copies."""
         access = importlib.import_module("vllm.config.kv_transfer").KVCacheAccess  # 0.34 and later
-        config = LayerKVConfig.from_dict(kv_transfer_config.kv_connector_extra_config)
-        return access.REGISTERS if config.register_kv_cache else access.IN_PROCESS
+        try:  # asked while vLLM builds its config, before the connector validates its own
+            registers = LayerKVConfig.from_dict(kv_transfer_config.kv_connector_extra_config).register_kv_cache
+        except ConfigError:
+            registers = False  # never registered: the connector refuses this config at startup, naming the key
+        return access.REGISTERS if registers else access.IN_PROCESS
 
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
@@ -189,6 +193,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side -------------------------------------------------------------
 
+    def _view(self, request: Request) -> RequestView:
+        """The neutral view of `request`, the promise meant for this connector's pool included."""
+        return request_view(request, self._promise_key)
+
     def on_new_request(self, request: Request) -> None:
         self._steps.track(request)
 
@@ -198,7 +206,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (connector/hybrid.py).
         # None: a prefill server's prefix is not all in the pool yet; vLLM asks again next step.
-        return self.scheduler_side.get_num_new_matched_tokens(request_view(request, self._promise_key), num_computed_tokens)
+        return self.scheduler_side.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
 
     def may_load_async(self, request: Request) -> bool:
         """vLLM 0.34 (--max-num-inflight-kv-loads) asks as a request enters its waiting queues:
@@ -209,11 +217,11 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None or skips_external_kv(request):
             return False
         self._steps.track(request)
-        return self.scheduler_side.may_load_async(request_view(request, self._promise_key))
+        return self.scheduler_side.may_load_async(self._view(request))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._steps.track(request)
-        self.scheduler_side.update_state_after_alloc(request_view(request, self._promise_key), tuple(map(tuple, blocks.get_block_ids())),
+        self.scheduler_side.update_state_after_alloc(self._view(request), tuple(map(tuple, blocks.get_block_ids())),
                                                      num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -255,7 +263,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = self.scheduler_side.request_finished(request_view(request, self._promise_key), tuple(map(tuple, block_ids)))
+        delay, params = self.scheduler_side.request_finished(self._view(request), tuple(map(tuple, block_ids)))
         self._steps.forget(request.request_id)
         return delay, promise_named(request, params, self._promise_key)
 
