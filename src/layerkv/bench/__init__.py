@@ -6,6 +6,7 @@ they exercise are started and joined inside each measurement. Benchmarks report,
 from __future__ import annotations
 
 SUITES: tuple[str, ...] = ("datapath", "plans", "descriptors", "lookup", "objects", "overlap", "scale")
-# Run only when named: `serving` and `pd` (prefill/decode) drive real vLLM engines under another
-# venv's Python; `network` needs root (a namespace cluster of hosts).
-OPT_IN_SUITES: tuple[str, ...] = ("serving", "network", "pd")
+# Run only when named: `serving`, `pd` (prefill/decode) and `load` (`vllm serve` under vLLM's
+# benchmark client) drive real vLLM engines under another venv's Python; `network` needs root
+# (a namespace cluster of hosts).
+OPT_IN_SUITES: tuple[str, ...] = ("serving", "network", "pd", "load")

@@ -35,6 +35,22 @@ def line_plot(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[flo
     return _save(plt, fig, ax, path)
 
 
+def xy_plot(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str, xlabel: str,
+            ylabel: str, logy: bool = False) -> str:
+    """One line per series, each over its own xs: {label: (xs, ys)}."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, label=label)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return _save(plt, fig, ax, path)
+
+
 def bar_plot(path: Path, labels: Sequence[str], groups: Mapping[str, Sequence[float]], *, title: str, ylabel: str,
              logy: bool = False) -> str:
     """Grouped bars: one group per label, one bar per series."""

@@ -3,6 +3,11 @@ transformers' save_pretrained (no download), and deterministic token ids. Runs i
 process calls it (imports torch / transformers only inside `save_random_llama`).
 
     python -m layerkv.bench.vllm_model PATH [--layers 8] [--hidden 1024] [--dtype float32]
+        [--lm-head-scale 10] [--tokenizer]
+
+`--tokenizer` adds a word-level tokenizer (for `vllm serve` and vLLM's benchmark client) whose
+words are 3 letters: 4 characters a token with the space, under vLLM 0.32's 5-characters-a-token
+limit on prompts.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ def native_dtype() -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str, max_positions: int = 16384) -> Path:
-    """A random-weight Llama (head_dim 128, as many KV heads as heads) saved into `path`."""
+def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str, max_positions: int = 16384,
+                      lm_head_scale: float = 1.0) -> Path:
+    """A random-weight Llama (head_dim 128, as many KV heads as heads) saved into `path`.
+    `lm_head_scale` > 1 sharpens its next-token distribution (a random model's is nearly flat):
+    greedy tokens then survive the rounding differences of another batch or chunking."""
     import torch
     import transformers
 
@@ -35,8 +43,34 @@ def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 128,
         num_key_value_heads=hidden_size // 128, max_position_embeddings=max_positions,
     )
-    transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
+    model.to(getattr(torch, dtype)).save_pretrained(path)
     return path
+
+
+def word(token_id: int) -> str:
+    """Token id t >= 3 <-> a 3-letter word (base 26); ids 0-2 are <unk>, <s>, </s>."""
+    return "".join(chr(ord("a") + (token_id // 26 ** k) % 26) for k in (2, 1, 0))
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A WordLevel tokenizer over VOCAB_SIZE words (whitespace-split; text <-> ids round-trips),
+    saved as tokenizer.json + tokenizer_config.json for `vllm serve` and transformers."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab = {**special, **{word(t): t for t in range(len(special), VOCAB_SIZE)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+        "eos_token": "</s>", "model_max_length": 16384, "add_bos_token": False,
+    }))
 
 
 def kv_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
@@ -56,8 +90,12 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--dtype", default=native_dtype())
     parser.add_argument("--max-positions", type=int, default=16384)
+    parser.add_argument("--lm-head-scale", type=float, default=1.0)
+    parser.add_argument("--tokenizer", action="store_true", help="add a 3-letter word tokenizer")
     args = parser.parse_args()
-    save_random_llama(args.path, args.layers, args.hidden, args.dtype, args.max_positions)
+    save_random_llama(args.path, args.layers, args.hidden, args.dtype, args.max_positions, args.lm_head_scale)
+    if args.tokenizer:
+        save_word_tokenizer(args.path)
     return 0
 
 

