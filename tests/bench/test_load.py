@@ -26,6 +26,8 @@ def test_plan_sizes_follow_the_working_set():
     assert plan.pool_bytes(SCENARIO_OF[EVICTION]) == w.working_set_tokens // 2 * plan.model.kv_bytes_per_token
     everything = (w.working_set_tokens + w.num_requests * (w.suffix_tokens + w.output_tokens)) * plan.model.kv_bytes_per_token
     assert plan.pool_bytes(SCENARIO_OF[CAPACITY]) > everything
+    soak = LoadPlan.build(tiny=False, soak_s=3600)  # thousands of requests: room for 256 requests' own blocks
+    assert plan.pool_bytes(SCENARIO_OF[CAPACITY]) < soak.pool_bytes(SCENARIO_OF[CAPACITY]) < 2 * everything
     assert w.max_model_len % BLOCK_SIZE == 0 and w.max_model_len >= w.request_tokens
     # vLLM refuses a KV cache that cannot hold one max_model_len request
     tiny = LoadPlan.build(tiny=True)
@@ -162,3 +164,39 @@ def test_goals_name_every_miss_and_compare_throughput_and_p99_ttft():
     assert "capacity / mooncake: MISSED failed requests, gauges at 0 when idle, clean exit" in lines
     assert "capacity: layerkv 1.500 req/s ≥ none 1.000" in lines
     assert "capacity: layerkv TTFT p99 200 ms > best peer (mooncake) 150 ms" in lines
+
+
+SHUTS_DOWN_ON_SIGTERM = """
+import signal, sys, threading
+done = threading.Event()
+def first(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as uvicorn: a second SIGTERM kills
+    print("stopping", flush=True)
+    done.set()
+signal.signal(signal.SIGTERM, first)
+print("ready", flush=True)
+done.wait(60)
+done.clear()
+done.wait(1.0)  # a graceful shutdown that takes a while
+sys.exit(0)
+"""
+
+
+def test_a_server_is_sent_one_sigterm_and_exits_cleanly(tmp_path):
+    import sys
+    import time
+
+    from layerkv.bench.serve_proc import ServeProcess
+
+    server = ServeProcess("fake", [sys.executable, "-c", SHUTS_DOWN_ON_SIGTERM], 1, dict(os.environ), tmp_path)
+
+    def wait_for(line: str) -> None:
+        deadline = time.monotonic() + 30
+        while line not in server.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the child's log for its next line, bounded
+
+    wait_for("ready")
+    server.request_stop()  # the fleets ask every server first, then wait for each in turn
+    wait_for("stopping")  # this one is shutting down when its turn comes
+    assert server.stop(timeout_s=30) == 0
+    assert not server.alive()

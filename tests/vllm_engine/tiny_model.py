@@ -8,7 +8,6 @@ schedule, while every logprob still depends on every KV byte (the oracle compare
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,17 +83,9 @@ def _save(model: Any, lm_head_scale: float, dtype: str, path: Path) -> Path:
 def save_word_tokenizer(path: Path) -> None:
     """A WordLevel tokenizer whose words are w0..w4095 (whitespace-split), saved as
     tokenizer.json + tokenizer_config.json so `vllm serve` and transformers load it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from layerkv.bench.vllm_model import save_word_tokenizer as save
 
-    special = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab = {**special, **{f"{WORD_PREFIX}{t}": t for t in range(len(special), VOCAB_SIZE)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
-        "eos_token": "</s>", "model_max_length": 4096, "add_bos_token": False,
-    }))
+    save(path, lambda t: f"{WORD_PREFIX}{t}", max_length=4096)
 
 
 def words(token_ids: list[int]) -> str:

@@ -13,12 +13,11 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
+from layerkv.bench.serve_proc import wait_http_ok
 from layerkv.bench.vllm_engines import LOOPBACK_ENV, QUIET_ENV, log_tail, stop_group
 from layerkv.errors import UnsupportedSetupError
 from layerkv.store.mooncake_master import MasterPorts
@@ -114,21 +113,8 @@ class LMCacheServer:
         tail if the server exits, TimeoutError if it does not answer in `timeout_s`, and
         UnsupportedSetupError if it fell back from shared memory to pickling every chunk."""
         assert self._popen is not None, "LMCacheServer used after stop()"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._popen.poll() is not None:
-                raise RuntimeError(f"lmcache server exited with {self._popen.returncode}; log {self.log_path}:\n"
-                                   f"{log_tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:  # refused while it starts; URLError and HTTPError are OSErrors
-                pass
-            time.sleep(0.5)  # polling another process's HTTP endpoint with a deadline
-        else:
-            raise TimeoutError(f"lmcache server not healthy after {timeout_s:.0f} s; log {self.log_path}:\n"
-                               f"{log_tail(self.log_path)}")
+        wait_http_ok(f"http://127.0.0.1:{self.http_port}/healthcheck", self._popen, "lmcache server", self.log_path,
+                     timeout_s)
         if "disabling shm" in self.log_path.read_text(errors="replace").lower():
             raise UnsupportedSetupError(f"lmcache server could not map its L1 into /dev/shm (too small for the pool?); "
                                         f"log {self.log_path}:\n{log_tail(self.log_path)}")

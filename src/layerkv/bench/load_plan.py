@@ -6,7 +6,7 @@ Sizes, in KV tokens (a token's K and V over every layer: `LoadModel.kv_bytes_per
 
     working set   num_prefixes x prefix_tokens          (the shared prefixes)
     local cache   working set x local_fraction          (per server; at least one request)
-    pool          capacity / two-servers: every prefix and every request's own blocks, 1.25x
+    pool          capacity / two-servers: every prefix and up to 256 requests' own blocks, 1.25x
                   eviction: working set x pool_fraction (Mooncake evicts; LMCache its LRU)
 """
 
@@ -19,6 +19,7 @@ from layerkv.bench.vllm_model import kv_bytes_per_token
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MiB = 1 << 20
+MAX_OWN_REQUESTS = 256  # requests whose own (suffix + output) blocks the capacity pool has room for
 NONE, LAYERKV, MOONCAKE, LMCACHE = "none", "layerkv", "mooncake", "lmcache"
 CONTENDERS = (NONE, LAYERKV, MOONCAKE, LMCACHE)
 CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", MOONCAKE: "vLLM MooncakeStoreConnector",
@@ -105,7 +106,7 @@ class LoadPlan:
         if tiny:
             model, workload = LoadModel(2, 256), Workload(8, 256, 32, 8, 24, 6.0)
         else:
-            model, workload = LoadModel(4, 512), Workload(16, 1024, 64, 32, 128, 1.0)
+            model, workload = LoadModel(4, 512), Workload(16, 1024, 64, 32, 128, 2.0)
         if request_rate is not None:
             workload = replace(workload, request_rate=request_rate)
         if num_requests is not None:
@@ -127,8 +128,10 @@ class LoadPlan:
         w, per_token = self.workload, self.model.kv_bytes_per_token
         if scenario.pool_fraction is not None:
             return max(8 * MiB, int(w.working_set_tokens * scenario.pool_fraction * per_token))
-        everything = w.working_set_tokens + w.num_requests * (w.suffix_tokens + w.output_tokens)
-        return _round_up(int(everything * per_token * 1.25) + 64 * MiB, MiB)
+        # every prefix and the own blocks of up to MAX_OWN_REQUESTS requests: a soak's thousands of
+        # requests then make the pool evict old requests' own blocks, as a long-running one does
+        own = min(w.num_requests, MAX_OWN_REQUESTS) * (w.suffix_tokens + w.output_tokens)
+        return _round_up(int((w.working_set_tokens + own) * per_token * 1.25) + 64 * MiB, MiB)
 
     def client_args(self, base_url: str, model_path: str, served_name: str) -> list[str]:
         """vLLM's benchmark client (vllm.benchmarks.serve) arguments: greedy, EOS ignored, every

@@ -26,13 +26,7 @@ def line_plot(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[flo
         ax.plot(xs, ys, marker="o", label=label)
     if logx:
         ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return _save(plt, fig, ax, path)
+    return _labelled(plt, fig, ax, path, title, xlabel, ylabel, logy)
 
 
 def xy_plot(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str, xlabel: str,
@@ -42,13 +36,7 @@ def xy_plot(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[flo
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, label=label)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return _save(plt, fig, ax, path)
+    return _labelled(plt, fig, ax, path, title, xlabel, ylabel, logy)
 
 
 def bar_plot(path: Path, labels: Sequence[str], groups: Mapping[str, Sequence[float]], *, title: str, ylabel: str,
@@ -65,6 +53,17 @@ def bar_plot(path: Path, labels: Sequence[str], groups: Mapping[str, Sequence[fl
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
+    return _save(plt, fig, ax, path)
+
+
+def _labelled(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str, logy: bool) -> str:  # type: ignore[no-untyped-def]
+    """Log y axis if asked, title, axis labels, grid; then `_save`."""
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
     return _save(plt, fig, ax, path)
 
 

@@ -26,6 +26,7 @@ class ServeProcess:
         self.name, self.port = name, port
         self.log_path = log_dir / f"{name}.log"
         self.base_url = f"http://127.0.0.1:{port}"
+        self._stop_requested = False
         with open(self.log_path, "wb") as log:
             self._popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                            env=env, start_new_session=True)
@@ -36,20 +37,8 @@ class ServeProcess:
 
     def ready(self, timeout_s: float = 420) -> ServeProcess:
         """Wait until /health answers 200; RuntimeError (it exited) or TimeoutError with the log tail."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._popen.poll() is not None:
-                raise RuntimeError(f"vllm serve {self.name} exited with {self._popen.returncode}; log {self.log_path}:\n"
-                                   f"{log_tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return self
-            except OSError:  # refused while it starts; URLError and HTTPError are OSErrors
-                pass
-            time.sleep(0.5)  # polling another process's HTTP endpoint with a deadline
-        raise TimeoutError(f"vllm serve {self.name} not healthy after {timeout_s:.0f} s; log {self.log_path}:\n"
-                           f"{log_tail(self.log_path)}")
+        wait_http_ok(f"{self.base_url}/health", self._popen, f"vllm serve {self.name}", self.log_path, timeout_s)
+        return self
 
     def alive(self) -> bool:
         return self._popen.poll() is None
@@ -64,9 +53,11 @@ class ServeProcess:
         return group_rss_bytes(self._popen.pid)
 
     def request_stop(self) -> None:
-        """SIGTERM to the API server alone: it shuts its engine core down in order (a SIGTERM to
-        the whole group kills the engine core under it: vLLM then logs EngineDeadError)."""
-        if self._popen.poll() is None:
+        """SIGTERM to the API server alone, once: it shuts its engine core down in order (a
+        SIGTERM to the whole group kills the engine core under it: vLLM then logs
+        EngineDeadError; a second SIGTERM during its shutdown kills it: exit -15)."""
+        if self._popen.poll() is None and not self._stop_requested:
+            self._stop_requested = True
             os.kill(self._popen.pid, signal.SIGTERM)
 
     def stop(self, timeout_s: float = 60) -> int | None:
@@ -80,6 +71,23 @@ class ServeProcess:
             return None
         stop_group(self._popen, 10)  # workers that outlived it
         return self._popen.returncode
+
+
+def wait_http_ok(url: str, popen: subprocess.Popen[bytes], what: str, log_path: Path, timeout_s: float) -> None:
+    """Poll `url` until it answers 200 while `popen` runs: RuntimeError if it exits first,
+    TimeoutError after `timeout_s`; both quote `log_path`'s tail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"{what} exited with {popen.returncode}; log {log_path}:\n{log_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:  # refused while it starts; URLError and HTTPError are OSErrors
+            pass
+        time.sleep(0.5)  # polling another process's HTTP endpoint with a deadline
+    raise TimeoutError(f"{what} not healthy after {timeout_s:.0f} s; log {log_path}:\n{log_tail(log_path)}")
 
 
 def group_rss_bytes(pgid: int) -> int:

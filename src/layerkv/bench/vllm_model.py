@@ -13,6 +13,7 @@ limit on prompts.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 VOCAB_SIZE = 4096
@@ -55,21 +56,22 @@ def word(token_id: int) -> str:
     return "".join(chr(ord("a") + (token_id // 26 ** k) % 26) for k in (2, 1, 0))
 
 
-def save_word_tokenizer(path: Path) -> None:
-    """A WordLevel tokenizer over VOCAB_SIZE words (whitespace-split; text <-> ids round-trips),
-    saved as tokenizer.json + tokenizer_config.json for `vllm serve` and transformers."""
+def save_word_tokenizer(path: Path, word_of: Callable[[int], str] = word, max_length: int = 16384) -> None:
+    """A WordLevel tokenizer over VOCAB_SIZE words, id t >= 3 <-> `word_of(t)` (whitespace-split;
+    text <-> ids round-trips), saved as tokenizer.json + tokenizer_config.json for `vllm serve`
+    and transformers."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     special = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab = {**special, **{word(t): t for t in range(len(special), VOCAB_SIZE)}}
+    vocab = {**special, **{word_of(t): t for t in range(len(special), VOCAB_SIZE)}}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
-        "eos_token": "</s>", "model_max_length": 16384, "add_bos_token": False,
+        "eos_token": "</s>", "model_max_length": max_length, "add_bos_token": False,
     }))
 
 
