@@ -11,8 +11,8 @@ import os
 import pytest
 
 from layerkv.bench.load_plan import BLOCK_SIZE, CAPACITY, EVICTION, LAYERKV, NONE, SCENARIO_OF, TWO_SERVERS, LoadPlan
-from layerkv.bench.load_probe import (SHUTDOWN_NOISE, LogPhases, Series, gauges, hits_by_source, put_balance,
-                                      rss_slope_pct_per_10min, total)
+from layerkv.bench.load_probe import (SHUTDOWN_NOISE, LogPhases, Series, gauges, hits_by_source, layerkv_counters,
+                                      put_balance, rss_slope_pct_per_10min, total)
 from layerkv.bench.load_report import LoadRecord, errors_by_phase, failed_requests, goals, row, same_outputs
 from layerkv.bench.serve_proc import group_rss_bytes
 from layerkv.commands.bench import duration_s
@@ -67,6 +67,9 @@ vllm:layerkv_pending_puts{engine="0",tenant="bench"} 2.0
 vllm:layerkv_staging_bytes_in_use{engine="0",tenant="bench"} 0.0
 vllm:num_requests_running{engine="0",model_name="m"} 0.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:layerkv_total{counter="load_blocks",engine="0",rank="0"} 3.0
+vllm:layerkv_total{counter="load_blocks",engine="0",rank="1"} 4.0
+vllm:layerkv_total{counter="committed_keys",engine="0",rank="0"} 2.0
 """
 
 
@@ -74,6 +77,7 @@ def test_metrics_text_is_read_by_name_and_label():
     assert hits_by_source(METRICS) == {"device": 96.0, "p2p": 1856.0, "external_unspecified": 0.0}
     assert total(METRICS, "vllm:external_prefix_cache_hits_total") == 1856.0
     assert total(METRICS, "vllm:prompt_tokens_cached_by_source_total", 'source="p2p"') == 1856.0
+    assert layerkv_counters(METRICS) == {"load_blocks": 7.0, "committed_keys": 2.0}
     assert gauges(METRICS) == {"layerkv_pending_puts": 2.0, "layerkv_staging_bytes_in_use": 0.0,
                                "num_requests_running": 0.0, "num_requests_waiting": 1.0}
 

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from layerkv.bench.load_probe import layerkv_counters as counters_of
 from tests.vllm_engine.engine_proc import ServeProcess
 from tests.vllm_engine.tier import BLOCK_SIZE, MODEL_NAME, readme_serve_argv
 from tests.vllm_engine.tiny_model import prompt, words
@@ -33,13 +34,7 @@ def complete(server: ServeProcess, text: str, max_tokens: int = 4):
 
 
 def layerkv_counters(server: ServeProcess) -> dict[str, float]:
-    import httpx
-
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    counters: dict[str, float] = {}
-    for match in re.finditer(r'^vllm:layerkv_total\{[^}]*counter="([^"]+)"[^}]*\} (\S+)$', text, re.M):
-        counters[match.group(1)] = counters.get(match.group(1), 0) + float(match.group(2))
-    return counters
+    return counters_of(server.metrics())
 
 
 def test_readme_command_names_the_layerkv_connector():

@@ -14,7 +14,6 @@ sampler thread of load_probe.py during each run).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import tempfile
@@ -26,9 +25,10 @@ from typing import Any
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.load_fleet import SERVED_NAME, ContenderFleet
 from layerkv.bench.load_plan import LMCACHE, SCENARIO_OF, LoadPlan, Scenario
-from layerkv.bench.load_probe import Sampler, gauges, hits_by_source, put_balance, total
+from layerkv.bench.load_probe import Sampler, gauges, hits_by_source, layerkv_counters, put_balance, total
 from layerkv.bench.load_report import LoadRecord, build
 from layerkv.bench.vllm_engines import check_engine_python, engine_env, link_layerkv, log_tail
+from layerkv.bench.vllm_model import save_in
 from layerkv.errors import UnsupportedSetupError
 
 NAME = "load"
@@ -37,13 +37,9 @@ NAME = "load"
 def make_model(python: str, pythonpath: Path, plan: LoadPlan, path: Path) -> Path:
     """The plan's random-weight Llama with the 3-letter word tokenizer, made by the engine's Python."""
     m = plan.model
-    made = subprocess.run([python, "-m", "layerkv.bench.vllm_model", str(path), "--layers", str(m.num_layers),
-                           "--hidden", str(m.hidden_size), "--dtype", m.dtype, "--lm-head-scale", str(m.lm_head_scale),
-                           "--max-positions", str(plan.workload.max_model_len), "--tokenizer"],
-                          env=engine_env(pythonpath, {}), capture_output=True, text=True, timeout=600)
-    if made.returncode != 0:
-        raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
-    return path
+    return save_in(python, engine_env(pythonpath, {}), path, m.num_layers, m.hidden_size, m.dtype,
+                   "--lm-head-scale", str(m.lm_head_scale), "--max-positions", str(plan.workload.max_model_len),
+                   "--tokenizer")
 
 
 def run_client(python: str, pythonpath: Path, plan: LoadPlan, urls: list[str], model: Path,
@@ -100,7 +96,7 @@ def run_contender(plan: LoadPlan, scenario: Scenario, contender: str, ctx: Conte
             for source, tokens in hits_by_source(text).items():
                 record.hits_by_source[source] = record.hits_by_source.get(source, 0.0) + tokens
             record.external_hit_tokens += total(text, "vllm:external_prefix_cache_hits_total")
-            for labels, value in _layerkv_counters(text).items():
+            for labels, value in layerkv_counters(text).items():
                 record.layerkv_counters[labels] = record.layerkv_counters.get(labels, 0.0) + value
         if fleet.master is not None:
             record.balance_idle = put_balance(fleet.master.info["metrics_url"])
@@ -114,14 +110,6 @@ def run_contender(plan: LoadPlan, scenario: Scenario, contender: str, ctx: Conte
         fleet.stop()
     record.log_errors = {name: log.errors() for name, log in fleet.logs.items()}
     return record
-
-
-def _layerkv_counters(text: str) -> dict[str, float]:
-    """layerkv's counters (vllm:layerkv_total by its `counter` label), summed over labels."""
-    found: dict[str, float] = {}
-    for match in re.finditer(r'^vllm:layerkv_total\{[^}]*counter="([^"]+)"[^}]*\} (\S+)$', text, re.M):
-        found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(2))
-    return found
 
 
 @dataclass(slots=True)

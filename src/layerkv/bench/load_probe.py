@@ -41,15 +41,25 @@ def total(text: str, name: str, label: str = "") -> float:
     return sum(v for labels, v in samples(text, name).items() if label in labels)
 
 
+def by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """Metric `name`'s samples summed by the value of `label` (samples without it left out)."""
+    found: dict[str, float] = {}
+    for labels, value in samples(text, name).items():
+        match = re.search(rf'{label}="([^"]*)"', labels)
+        if match:
+            found[match.group(1)] = found.get(match.group(1), 0.0) + value
+    return found
+
+
 def hits_by_source(text: str) -> dict[str, float]:
     """Prompt tokens served from a cache, by vLLM's source label (device: its own prefix cache; p2p,
     host, external_unspecified: a connector's)."""
-    found: dict[str, float] = {}
-    for labels, value in samples(text, "vllm:prompt_tokens_cached_by_source_total").items():
-        source = re.search(r'source="([^"]*)"', labels)
-        if source:
-            found[source.group(1)] = found.get(source.group(1), 0.0) + value
-    return found
+    return by_label(text, "vllm:prompt_tokens_cached_by_source_total", "source")
+
+
+def layerkv_counters(text: str) -> dict[str, float]:
+    """layerkv's counters (`vllm:layerkv_total` by its `counter` label), summed over the other labels."""
+    return by_label(text, "vllm:layerkv_total", "counter")
 
 
 def gauges(text: str) -> dict[str, float]:

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +39,7 @@ from layerkv.bench.serving_grid import (BLOCK_SIZE, LOAD_MAX_TOKENS, LOAD_MISS_E
 from layerkv.bench.serving_report import (CEILING, LAYERKV, LAYERKV_DIRECT, LAYERKV_ENCRYPTED, LAYERKV_KEYED, MOONCAKE,
                                          RECOMPUTE, TRANSFER, LoadRun, Run, Step)
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
+from layerkv.bench.vllm_model import save_in
 
 NAME = "serving"
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
@@ -55,13 +55,7 @@ REFERENCES = (("layerkv-producer", LAYERKV), ("mooncake-producer", MOONCAKE), ("
 
 def make_model(python: str, pythonpath: Path, work_dir: Path, grid: Grid) -> Path:
     """The grid's random-weight Llama in work_dir/model, made by the engine's Python."""
-    model = work_dir / "model"
-    made = subprocess.run([python, "-m", "layerkv.bench.vllm_model", str(model), "--layers", str(grid.num_layers),
-                           "--hidden", str(grid.hidden_size), "--dtype", grid.dtype],
-                          env=engine_env(pythonpath, {}), capture_output=True, text=True, timeout=600)
-    if made.returncode != 0:
-        raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
-    return model
+    return save_in(python, engine_env(pythonpath, {}), work_dir / "model", grid.num_layers, grid.hidden_size, grid.dtype)
 
 
 def omp_bind() -> str:

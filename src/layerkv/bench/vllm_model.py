@@ -75,6 +75,20 @@ def save_word_tokenizer(path: Path, word_of: Callable[[int], str] = word, max_le
     }))
 
 
+def save_in(python: str, env: dict[str, str], path: Path, num_layers: int, hidden_size: int, dtype: str,
+            *extra: str) -> Path:
+    """`save_random_llama` (+ `extra` flags of main()) run by another Python (an engine's venv, which
+    has transformers); RuntimeError with its stderr if it fails. Returns `path`."""
+    import subprocess
+
+    made = subprocess.run([python, "-m", "layerkv.bench.vllm_model", str(path), "--layers", str(num_layers),
+                           "--hidden", str(hidden_size), "--dtype", dtype, *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if made.returncode != 0:
+        raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
+    return path
+
+
 def kv_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
     """K and V of every layer for one token (head_dim x KV heads = hidden_size here)."""
     return num_layers * 2 * hidden_size * (2 if dtype in ("bfloat16", "float16") else 4)
