@@ -126,10 +126,8 @@ class LayerKVConfig:
     # write), in private memory before it reaches staging; readers decrypt in private memory
     # before the cache. Needs tenant_key_file. Nothing stored in clear says anything of the KV.
     encrypt_objects: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
-    # vLLM on CUDA: let vLLM keep full CUDA graphs (uniform decode batches replayed whole, the
-    # per-layer hooks skipped in them). Only for kv_producer (an engine that never loads: a
-    # replayed step's saves are dropped, nothing wrong is written); refused for a role that
-    # loads. False: layerkv asks vLLM for PIECEWISE graphs (docs/gpu.md "CUDA graphs").
+    # Retired (accepted, ignored, a startup warning): vLLM keeps its full CUDA graphs on every
+    # role now; a decode step carries no per-layer work (connector/graphs.py, docs/gpu.md).
     full_cudagraphs: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
     # Placement of new objects (Mooncake ReplicateConfig).
     replica_num: int = field(default=1, metadata=_rule("1 <= value <= 16", lambda v: 1 <= v <= 16))

@@ -5,7 +5,7 @@ Plain frozen dataclasses, picklable, no behaviour; built on the engine's schedul
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -103,11 +103,29 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStep:
-    """Everything the connector's scheduler side needs to build one step's worker metadata."""
+    """Everything the connector's scheduler side needs to build one step's worker metadata.
+
+    `requests`: every scheduled request, or (when `scheduled_req_ids` is given) only those that
+    can concern the connector: every request new or resumed in this step and every one that
+    completes a block in it. A decode step that completes no block then carries none, and costs
+    the connector nothing per running request (integrations/vllm_steps.py; an engine asked for
+    every request, SchedulerConnector.needs_every_request, passes all of them)."""
 
     requests: tuple[ScheduledRequest, ...]
     finished_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
     preempted_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
+    # every request scheduled in this step (None: those in `requests`); a set or a dict's keys
+    scheduled_req_ids: AbstractSet[ReqId] | None = None
+    num_tokens: int | None = None  # tokens computed in this step (None: the sum over `requests`)
+
+    def is_scheduled(self, req_id: ReqId) -> bool:
+        """Is `req_id` scheduled in this step (whether or not it is in `requests`)?"""
+        if self.scheduled_req_ids is not None and req_id in self.scheduled_req_ids:
+            return True
+        return any(r.req_id == req_id for r in self.requests)
+
+    def total_tokens(self) -> int:
+        return self.num_tokens if self.num_tokens is not None else sum(r.num_scheduled_tokens for r in self.requests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ the scheduler thread, read on the worker's compute and transfer threads.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from layerkv.messages import BlockHash, ReqId
@@ -64,7 +65,18 @@ class StepPlan:
     reinvalidate: frozenset[int] = field(default_factory=frozenset)
     # The namespaces' epoch ("" until the first reset_cache): workers name this step's objects by it.
     epoch: str = ""
+    # Loads no attention layer waits for (connector/graphs.py): `loads_first`, a request of this step
+    # computes so few tokens over its hit that vLLM may replay the step as one CUDA graph (no per-layer
+    # hook runs): start_load_kv returns once every layer landed; `async_req_ids`, requests loaded before
+    # their first step (0 tokens scheduled in this one; connector/hybrid.py).
+    loads_first: bool = False
+    async_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
 
     @property
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.ended_req_ids or self.verdicts or self.reinvalidate)
+
+    def load_block_ids(self, skip_req_ids: AbstractSet[ReqId] = frozenset()) -> set[int]:
+        """The local blocks this plan loads (what the engine recomputes when they fail), less
+        those of the requests in `skip_req_ids`."""
+        return {b for spec in self.loads if spec.req_id not in skip_req_ids for b in spec.block_ids}

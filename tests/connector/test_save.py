@@ -27,8 +27,11 @@ def test_partial_put_start_failure_keeps_block_key_alignment(make_rig) -> None:
     rig.run(a)
     assert _exists(rig, keys) == [1, 1, 1, 1, 0, 1, 1, 1, 1]
     assert rig.workers[0].stats().save_failed_keys == 1
-    rig.run(Req("b", tokens))  # saves block 4 only; the rest exist
-    assert rig.faults[0].calls(PUT_START)[-1].keys == (keys[4],)
+    skipped = rig.workers[0].stats().save_skipped_existing
+    rig.run(Req("b", tokens))  # b hits blocks 0-3 and computes 4-8: only block 4 is written, the rest exist
+    assert rig.faults[0].calls(PUT_START)[-1].keys == tuple(keys[4:])  # planned without asking the store
+    assert rig.workers[0].stats().save_skipped_existing - skipped == 4
+    assert _exists(rig, keys) == [1] * 9
     c = Req("c", tokens)
     ext, s = rig.admit(c)
     assert ext == 9 * BLOCK_SIZE
@@ -100,19 +103,21 @@ def test_malformed_put_answers_fail_the_whole_call(make_rig, backend) -> None:
     assert backend.processing_keys(rig.keys(b)) == []
 
 
-def test_a_step_run_without_the_layer_hooks_saves_nothing_and_is_counted(make_rig) -> None:
-    """A producer whose step ran as a full CUDA graph (full_cudagraphs: vLLM replays it without
-    save_kv_layer): start_load_kv and wait_for_save run, no layer is handed over. Nothing is
-    written or left PROCESSING, the step is counted, and the next step with hooks saves."""
+def test_a_step_run_without_the_layer_hooks_saves_from_the_cache_after_the_forward(make_rig) -> None:
+    """A step vLLM replayed as one full CUDA graph calls no save_kv_layer (start_load_kv and
+    wait_for_save run): every layer is handed at the end of the forward and copied from the
+    cache then (connector/graphs.py). The objects are whole and correct: another engine loads
+    them bit for bit; the step is counted."""
     rig = make_rig(role=KVRole.PRODUCER, call_save=False, transfer_plan="groups")
     a = Req("a", _tokens(4))
     rig.run(a)
-    assert _exists(rig, rig.keys(a)) == [0, 0, 0, 0]
-    assert rig.faults[0].keys_sent(PUT_START) == []
+    assert _exists(rig, rig.keys(a)) == [1, 1, 1, 1]
     stats = rig.workers[0].stats()
-    assert (stats.save_incomplete_steps, stats.save_keys, stats.save_failed_keys) == (1, 0, 0)
-    rig.call_save = True
-    b = Req("b", _tokens(4, base=1000))
-    rig.run(b)
-    assert _exists(rig, rig.keys(b)) == [1, 1, 1, 1]
-    assert rig.workers[0].stats().save_incomplete_steps == 1
+    assert (stats.save_after_forward_steps, stats.save_incomplete_steps, stats.committed_keys) == (1, 0, 4)
+    consumer = make_rig(role=KVRole.CONSUMER)
+    c = Req("c", _tokens(4))
+    ext, s = consumer.admit(c)
+    assert ext == 4 * BLOCK_SIZE
+    consumer.poison(c)
+    assert consumer.step([s]) == set()
+    assert consumer.wrong_blocks(c, range(4)) == []

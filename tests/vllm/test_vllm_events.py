@@ -96,4 +96,8 @@ def test_a_block_whose_load_failed_is_announced_removed(pool, monkeypatch):
     consumer.step()
     assert [e.block_hashes for e in events.pool(BlockRemoved)] == [[_ext(request.block_hashes[1])]]
     consumer.run_to_completion()
-    assert events.pool(BlockStored) == []  # it recomputed them; the pool had them: nothing saved, nothing announced
+    # it recomputed blocks 1 and 2; the pool still had them (the read failed, not the object): the
+    # worker's put starts found them and wrote nothing, and they are announced held again
+    assert [e.block_hashes for e in events.pool(BlockStored)] == [[_ext(request.block_hashes[1])], [_ext(request.block_hashes[2])]]
+    stats = consumer.core_worker.stats()
+    assert (stats.save_skipped_existing, stats.saved_bytes) == (2, 0)

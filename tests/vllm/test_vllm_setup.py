@@ -3,6 +3,8 @@ kv_connector_extra_config, and setups it rejects with a message naming what is u
 
 from __future__ import annotations
 
+import logging
+
 import re
 from dataclasses import replace
 from types import SimpleNamespace
@@ -53,37 +55,46 @@ def test_explicit_cache_dtype_names_the_kv_dtype(doubles):
 
 
 @pytest.mark.parametrize("multi_connector", [False, True])
-def test_piecewise_cudagraphs_unless_full_cudagraphs_is_set(multi_connector):
+@pytest.mark.parametrize("kv_role", ["kv_both", "kv_consumer", "kv_producer"])
+def test_full_cudagraphs_are_kept_on_every_role(multi_connector, kv_role):
     """What vLLM's config asks (config/vllm.py: the factory's class for kv_transfer_config, then
-    requires_piecewise_for_cudagraph(kv_connector_extra_config)): PIECEWISE by default, full CUDA
-    graphs kept with full_cudagraphs (also as MultiConnector's child); a bad key fails there."""
+    requires_piecewise_for_cudagraph(kv_connector_extra_config)): never PIECEWISE, whatever the
+    role (also as MultiConnector's child); a bad key still fails there."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     def asks_piecewise(extra: dict) -> bool:
-        transfer = make_vllm_config(kv_role="kv_producer", extra=extra, multi_connector=multi_connector).kv_transfer_config
+        transfer = make_vllm_config(kv_role=kv_role, extra=extra, multi_connector=multi_connector).kv_transfer_config
         cls = KVConnectorFactory.get_connector_class(transfer)
         return cls.requires_piecewise_for_cudagraph(transfer.kv_connector_extra_config)
 
-    assert asks_piecewise({}) is True
-    assert asks_piecewise({"full_cudagraphs": False}) is True
+    assert asks_piecewise({}) is False
     assert asks_piecewise({"full_cudagraphs": True}) is False
     with pytest.raises(ConfigError, match="full_cudagraphs='yes' must be of type bool"):
         asks_piecewise({"full_cudagraphs": "yes"})
 
 
-@pytest.mark.parametrize("kv_role", ["kv_both", "kv_consumer"])
-@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
-def test_full_cudagraphs_is_refused_on_a_role_that_loads(doubles, kv_role, role):
-    with pytest.raises(ConfigError, match=f"full_cudagraphs=true with kv_role='{kv_role}'.*only on a kv_producer"):
-        LayerKVConnector(make_vllm_config(kv_role=kv_role, extra={"full_cudagraphs": True}), role, make_kv_cache_config(16))
-    assert not doubles.schedulers and not doubles.workers
+@pytest.mark.parametrize("kv_role", ["kv_both", "kv_producer"])
+def test_full_cudagraphs_is_retired_with_a_startup_message(doubles, kv_role, caplog):
+    with caplog.at_level(logging.WARNING, logger="layerkv"):
+        connector = LayerKVConnector(make_vllm_config(kv_role=kv_role, extra={"full_cudagraphs": True}),
+                                     KVConnectorRole.WORKER, make_kv_cache_config(16))
+    assert connector.deployment.role.value == kv_role
+    assert "full_cudagraphs is no longer needed and is ignored" in caplog.text
 
 
-def test_full_cudagraphs_is_accepted_on_a_producer(doubles):
-    connector = LayerKVConnector(make_vllm_config(kv_role="kv_producer", extra={"full_cudagraphs": True}),
-                                 KVConnectorRole.WORKER, make_kv_cache_config(16))
-    (core,) = doubles.workers
-    assert core.config.full_cudagraphs is True and connector.deployment.role is KVRole.PRODUCER
+@pytest.mark.parametrize(("mode", "eager", "expected"), [
+    ("FULL_AND_PIECEWISE", False, (1, False)), ("FULL_DECODE_ONLY", False, (1, False)), ("FULL", False, (1, True)),
+    ("PIECEWISE", False, (0, False)), ("NONE", False, (0, False)), ("FULL_AND_PIECEWISE", True, (0, False)),
+])
+def test_the_steps_vllm_may_replay_whole_are_read_from_its_cudagraph_mode(mode, eager, expected):
+    from vllm.config import CUDAGraphMode
+
+    from layerkv.integrations.vllm_setup import replayed_steps
+
+    vllm_config = make_vllm_config()
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    vllm_config.model_config.enforce_eager = eager
+    assert replayed_steps(vllm_config) == expected
 
 
 def test_unknown_extra_config_key_is_rejected_by_name(doubles):

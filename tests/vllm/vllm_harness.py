@@ -4,7 +4,6 @@ scheduler / worker connectors. vLLM is installed by `make test` (requirements/vl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.metadata
 import os
@@ -205,7 +204,9 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
                                     kv_connector_extra_config={"connectors": children})
     else:
         transfer = KVTransferConfig(**layerkv, kv_load_failure_policy=failure_policy)
-    with _cpu_platform_without_triton():
+    from layerkv.bench.decode_engine import cpu_platform_without_triton
+
+    with cpu_platform_without_triton():
         return VllmConfig(
             model_config=model_config,
             scheduler_config=SchedulerConfig(**{
@@ -219,22 +220,6 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
             device_config=DeviceConfig("cpu"),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
         )
-
-
-@contextlib.contextmanager
-def _cpu_platform_without_triton():
-    """vLLM 0.34's CPU platform refuses to build a VllmConfig on x86 without Triton (its CPU
-    model runner compiles kernels with triton-cpu). This tier runs vLLM's scheduler and hooks,
-    never a kernel, so the check is passed for the config's construction only; the product
-    never does this."""
-    import vllm.triton_utils as triton_utils
-
-    has_triton = triton_utils.HAS_TRITON
-    triton_utils.HAS_TRITON = True
-    try:
-        yield
-    finally:
-        triton_utils.HAS_TRITON = has_triton
 
 
 FULL_SPEC_ARGS = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16)
@@ -265,9 +250,13 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def make_engine(num_blocks: int = 64, layout: str = "LBHNC", specs: list | None = None, **config_kwargs) -> Engine:
+def make_engine(num_blocks: int = 64, layout: str = "LBHNC", specs: list | None = None, full_graphs: bool = False,
+                **config_kwargs) -> Engine:
     """vLLM's real Scheduler (its scheduler-role connector built by vLLM's factory) for a KV
-    cache in the physical `layout` (`specs`: hand-made groups, make_kv_cache_config)."""
+    cache in the physical `layout` (`specs`: hand-made groups, make_kv_cache_config).
+    `full_graphs`: the config a CUDA server runs by default (FULL_AND_PIECEWISE CUDA graphs, not
+    eager), which vLLM's CPU platform never sets; the worker rig then replays the steps vLLM
+    would replay whole without their per-layer hooks (WorkerRig.replayed)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -275,6 +264,11 @@ def make_engine(num_blocks: int = 64, layout: str = "LBHNC", specs: list | None 
     vllm_config = make_vllm_config(**config_kwargs)
     kv_cache_config = make_kv_cache_config(num_blocks, specs, vllm_config=vllm_config, layout=layout)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    if full_graphs:
+        from vllm.config import CUDAGraphMode
+
+        vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        vllm_config.model_config.enforce_eager = False
     scheduler = Scheduler(
         vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE,
@@ -329,6 +323,26 @@ class WorkerRig:
     connector: Any
     runner: Any  # ActiveKVConnector
     kv_caches: dict = field(default_factory=dict)
+    full_graphs: bool = False  # the engine's config replays uniform decode batches as full CUDA graphs
+    replays: int = 0  # steps run as a full graph replay: no per-layer hook
+
+    def replayed(self, scheduler_output) -> bool:
+        """Would vLLM 0.34 replay this step as one full CUDA graph? Its rule (gpu/model_runner.py
+        gather_batch_req_state, then utils.get_uniform_decode_token_count): every request computes
+        the uniform decode query length (1 here: no drafter), each one decoding or computing one
+        prompt token over an existing context. (Batches above the largest captured size run
+        piecewise in vLLM; treating them as replayed only makes the tests stricter.)"""
+        from vllm.v1.worker.utils import get_uniform_decode_token_count
+
+        counts = scheduler_output.num_scheduled_tokens
+        if not self.full_graphs or not counts:
+            return False
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        computed.update((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs)
+        eligible = all(computed[req_id] > 0 for req_id in counts)
+        return get_uniform_decode_token_count(len(counts), scheduler_output.total_num_scheduled_tokens,
+                                              max(counts.values()), eligible) == 1
 
     def run_step(self, scheduler_output, run_layer=None, defer_finalize: bool = False):
         """One model-runner step as vLLM's GPU model runner takes it: a step with no scheduled
@@ -351,10 +365,15 @@ class WorkerRig:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self.runner.no_forward(scheduler_output).kv_connector_output
         vllm_config = self.connector._vllm_config
+        replay = self.replayed(scheduler_output)
+        self.replays += replay
         with set_forward_context({n: object() for n in LAYERS}, vllm_config, slot_mapping={}):
             self.runner.pre_forward(scheduler_output)
             for name in LAYERS:
-                attention(None, name)
+                if not replay:
+                    attention(None, name)
+                elif run_layer is not None:  # the captured graph: the layers' compute, no hook
+                    run_layer(name)
         self.runner.finish_forward()
         output = self.runner.post_forward(set(scheduler_output.finished_req_ids), defer_finalize=defer_finalize)
         if defer_finalize:
@@ -376,10 +395,12 @@ def make_worker(engine: Engine) -> WorkerRig:
     layout = KVCacheLayout[engine.kv_cache_config.kv_cache_layout]
     kv_caches = allocate_kv_cache(engine.kv_cache_config, torch.device("cpu"), layout)  # vLLM's own views
     runner = ActiveKVConnector(engine.vllm_config, kv_caches)  # registers the caches, as the model runner does
+    mode = engine.vllm_config.compilation_config.cudagraph_mode
     forward_context = engine.vllm_config.compilation_config.static_forward_context
     for name in LAYERS:  # stand-in Attention layers: what get_attention_context reads
         forward_context[name] = types.SimpleNamespace(kv_cache=kv_caches[name])
-    return WorkerRig(connector, runner, kv_caches)
+    full_graphs = mode is not None and mode.has_full_cudagraphs() and not engine.vllm_config.model_config.enforce_eager
+    return WorkerRig(connector, runner, kv_caches, full_graphs=full_graphs)
 
 
 @pytest.fixture

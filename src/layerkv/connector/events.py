@@ -48,12 +48,15 @@ class PoolEvents:
         self._earlier_loading = self._loading
         self._loading = {b: (spec.req_id, h) for spec in loads for h, b in zip(spec.block_hashes, spec.block_ids)}
 
-    def decided(self, verdicts: Sequence[StepVerdict]) -> None:
-        """Verdicts a plan carries now: the committed requests' blocks are stored."""
+    def decided(self, verdicts: Sequence[StepVerdict]) -> list[BlockSpec]:
+        """Verdicts a plan carries now: the committed requests' blocks are stored (returned)."""
+        stored = []
         for verdict in verdicts:
             for spec in self._saving.pop(verdict.step_seq, ()):
                 if not verdict.revokes(spec.req_id):
                     self._queue.append(PoolEvent(PoolEventKind.STORED, spec.req_id, spec.block_hashes))
+                    stored.append(spec)
+        return stored
 
     def failed(self, invalid_block_ids: AbstractSet[int]) -> None:
         """Blocks whose load failed: the pool does not hold them (readably) any more."""

@@ -11,7 +11,7 @@ sliding-window group's objects of the blocks outside its window are asked for to
 saved. A request whose load failed in any group taints its saves in every group: each group's
 step carries the block ids of the request's other groups (`ScheduledRequest.other_block_ids`,
 the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once every
-group's worker ran it. With one group every call is passed through unchanged.
+group's worker ran it. With one group the calls are passed through, but for the loads below.
 
 `load_async` (what vLLM needs for a model with several groups): vLLM 0.32 to 0.34 cannot map a
 failed block back to a request when there are several groups (`invalid_block_ids` stops the
@@ -21,6 +21,11 @@ loaded before the request's first step, whole: the hit is reported asynchronous,
 the next engine step (with the request added to that step's plans, 0 tokens scheduled) and ends
 within it; the worker reports the request finished receiving, and failed if any block of any
 group failed (never as invalid blocks); a request whose load failed is not offered the pool again.
+
+The same mechanism, per request, keeps full CUDA graphs (connector/graphs.py, any number of
+groups): a hit that leaves a decode step's worth to compute loads before the request's first step;
+with one group its failed blocks are reported as usual (vLLM truncates the hit and recomputes from
+there). Plans name these requests (`StepPlan.async_req_ids`) and mark `loads_first`.
 Scheduler hooks on the scheduler thread, worker hooks on the compute thread (as hooks.py).
 """
 
@@ -31,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from layerkv.connector.graphs import loads_before_scheduling, mark
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
@@ -73,12 +79,15 @@ class GroupedScheduler:
     """Scheduler hooks over one sub-scheduler per KV cache group; block ids come per group."""
 
     def __init__(self, subs: Sequence[SchedulerHooks], skip_block_ids: frozenset[int] = frozenset(),
-                 windows: Sequence[int] | None = None, load_async: bool = False) -> None:
+                 windows: Sequence[int] | None = None, load_async: bool = False,
+                 replayed: tuple[int, bool] = (0, False)) -> None:
         if not subs:
             raise ValueError("GroupedScheduler needs at least one group")
         self.subs = tuple(subs)
         self._skip = skip_block_ids
         self.load_async = load_async
+        # steps the engine may replay as one CUDA graph: (a decode step's tokens per request, any step) (graphs.py)
+        self.decode_tokens, self._replays_any = replayed
         self._loading: dict[ReqId, tuple[RequestView, tuple[tuple[int, ...], ...], int]] = {}  # async loads to plan
         self._failed: set[ReqId] = set()  # async loads that failed: recomputed, not offered the pool again
         self._local: dict[ReqId, int] = {}  # async hits: the engine's own computed tokens before them
@@ -98,9 +107,13 @@ class GroupedScheduler:
         hit = self._hit(request, num_computed_tokens)
         if hit is None:  # a full group waits for a prefill server's prefix: ask again
             return None, False
-        if self.load_async and hit > 0:
+        # a hit that leaves a decode step's worth to compute loads before the request's first step
+        # (connector/graphs.py): that step may run as one CUDA graph, without the per-layer waits
+        load_async = hit > 0 and (self.load_async or loads_before_scheduling(
+            request.num_tokens - num_computed_tokens - hit, self.decode_tokens))
+        if load_async:
             self._local[request.req_id] = num_computed_tokens
-        return hit, self.load_async and hit > 0
+        return hit, load_async
 
     def may_load_async(self, request: RequestView) -> bool:
         """Would `get_num_new_matched_tokens` answer an asynchronous load for `request`? Asked as
@@ -141,19 +154,27 @@ class GroupedScheduler:
                     return 0
         return hit or 0
 
+    def needs_every_request(self) -> bool:
+        """Must the step name every scheduled request (SchedulerStep)? When any group asks
+        (SchedulerConnector.needs_every_request; a group that cannot say, always)."""
+        return any([getattr(sub, "needs_every_request", lambda: True)() for sub in self.subs])
+
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[tuple[int, ...]], num_external_tokens: int) -> None:
         self._check(block_ids)
         for sub, ids in zip(self.subs, block_ids):
             sub.update_state_after_alloc(request, tuple(ids), num_external_tokens)
-        local = self._local.pop(request.req_id, 0)
-        if self.load_async and num_external_tokens > 0:
+        local = self._local.pop(request.req_id, None)
+        if local is not None and num_external_tokens > 0:
             self._loading[request.req_id] = (request, tuple(map(tuple, block_ids)), local + num_external_tokens)
 
     def build_connector_meta(self, steps: Sequence[SchedulerStep]) -> Any:
         self._check(steps)
-        if self._loading:
+        loading = frozenset(self._loading)
+        if loading:
             steps = self._with_loading(steps)
-        plans = tuple(_without_blocks(sub.build_connector_meta(step), self._skip) for sub, step in zip(self.subs, steps))
+        plans = tuple(mark(_without_blocks(sub.build_connector_meta(step), self._skip), step, loading,
+                           self.decode_tokens, self._replays_any)
+                      for sub, step in zip(self.subs, steps))
         return plans[0] if len(plans) == 1 else GroupedPlan(plans)
 
     def _with_loading(self, steps: Sequence[SchedulerStep]) -> list[SchedulerStep]:
@@ -242,17 +263,20 @@ class GroupedWorker:
 
     def bind_connector_metadata(self, meta: Any) -> None:
         if len(self.subs) == 1:
-            self.subs[0].bind_connector_metadata(meta)
-            return
-        if meta is not None and not isinstance(meta, GroupedPlan):
-            raise TypeError(f"layerkv grouped worker got metadata of type {type(meta).__name__}, expected GroupedPlan")
-        plans = meta.plans if meta is not None else (None,) * len(self.subs)
-        if len(plans) != len(self.subs):
-            raise ValueError(f"a plan for {len(plans)} KV cache groups, the worker has {len(self.subs)}")
+            plans: tuple[Any, ...] = (meta,)
+        else:
+            if meta is not None and not isinstance(meta, GroupedPlan):
+                raise TypeError(f"layerkv grouped worker got metadata of type {type(meta).__name__}, expected GroupedPlan")
+            plans = meta.plans if meta is not None else (None,) * len(self.subs)
+            if len(plans) != len(self.subs):
+                raise ValueError(f"a plan for {len(plans)} KV cache groups, the worker has {len(self.subs)}")
         for g, (sub, plan) in enumerate(zip(self.subs, plans)):
             sub.bind_connector_metadata(plan)
-            for spec in getattr(plan, "loads", ()) if self.load_async else ():
-                self._receiving.setdefault(spec.req_id, [set() for _ in self.subs])[g].update(spec.block_ids)
+            asynchronous: frozenset[ReqId] = getattr(plan, "async_req_ids", frozenset())
+            if asynchronous or self.load_async:  # loaded before the request's first step: reported finished receiving
+                for spec in getattr(plan, "loads", ()):
+                    if self.load_async or spec.req_id in asynchronous:
+                        self._receiving.setdefault(spec.req_id, [set() for _ in self.subs])[g].update(spec.block_ids)
 
     def start_load_kv(self) -> None:
         for sub in self.subs:
@@ -290,7 +314,10 @@ class GroupedWorker:
         (a failed request is also finished: vLLM releases it and recomputes it from token 0)."""
         sending, recving = self.get_finished(finished_req_ids)
         done = set(recving or ())
-        if not self.load_async:
+        if not self.load_async:  # loaded before their first step (connector/graphs.py); failures are blocks
+            if self._receiving and all(getattr(sub, "loads_settled", lambda: True)() for sub in self.subs):
+                done |= set(self._receiving)
+                self._receiving.clear()
             return set(sending or ()), done, set()
         self._collect_failures()
         if all(getattr(sub, "loads_settled", lambda: True)() for sub in self.subs):

@@ -1,5 +1,6 @@
 """Scheduler side of the connector: pool hit planning (windowed exists queries that stop at
-the first miss), the per-step plan (blocks to load, new full blocks to save, and the commit
+the first miss), the per-step plan (blocks to load, new full blocks to save, planned without a
+store call (connector/saved.py), and the commit
 verdicts of earlier steps, which transfer/commit.py's `Verdicts` decides: a step's saves are
 committed only after every worker of every rank and stage reported the step, and never those of
 a request whose block table held a block that failed to load). Runs on the engine's scheduler
@@ -24,6 +25,7 @@ from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, Schedule
 from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.events import PoolEvent, PoolEvents
 from layerkv.connector.prefill_wait import PREFIX_TOKENS, PrefillWaits, promised_tokens
+from layerkv.connector.saved import SavedBlocks
 from layerkv.connector.stats import LOOKUP_S, Samples, SchedulerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.commit import Verdicts
@@ -139,6 +141,8 @@ class SchedulerConnector:
         self._suspect: set[int] = set()  # block ids whose load failed and that nobody rewrote since
         self._waits = PrefillWaits(config.prefill_wait_s, self._stats)
         self._events = PoolEvents()  # what the pool holds, for routers (take_events)
+        self._known = SavedBlocks()  # this engine's committed saves: planned again only once lost
+        self._commits_unsettled = False  # verdicts went out in a step that computes (the workers do not wait for them)
 
     def _name_objects(self) -> None:
         """The namespaces of this epoch and the lookup over them."""
@@ -165,6 +169,7 @@ class SchedulerConnector:
         self._name_objects()
         self._matched.clear()
         self._pending.clear()
+        self._known.clear()  # the events forget the old namespace's saves waiting for verdicts
         self._before_reset |= self._live
         self._events.cleared()
         self._stats.cache_resets += 1
@@ -193,6 +198,7 @@ class SchedulerConnector:
         lookup_start_s = time.perf_counter()
         generations = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
         self.samples.observe(LOOKUP_S, time.perf_counter() - lookup_start_s)
+        self._known.forget(request.block_hashes[start_block + len(generations):end_block])  # computed: saved again
         if waits:
             if start_block + len(generations) < promised and self._waits.keep_waiting(request.req_id):
                 return None, False
@@ -240,7 +246,9 @@ class SchedulerConnector:
                 if min(found) >= 0:  # blocks before the window are the null block: not loaded
                     self._matched[request.req_id] = self._hit(start_block, [0] * (first - start_block) + found)
                     return (end_block - start_block) * self._block_size
-                end_block = first + max(i for i, g in enumerate(found) if g < 0)  # the hit ends before that miss
+                miss = first + max(i for i, g in enumerate(found) if g < 0)
+                self._known.forget(request.block_hashes[miss:end_block])  # computed: saved again
+                end_block = miss  # the hit ends before that miss
             return 0
         finally:
             self.samples.observe(LOOKUP_S, time.perf_counter() - lookup_start_s)
@@ -256,27 +264,41 @@ class SchedulerConnector:
         self._pending[request.req_id] = BlockSpec(request.req_id, tuple(request.block_hashes[first:last]),
                                                   tuple(block_ids[first:last]), matched.generations[:num_blocks])
 
+    def needs_every_request(self) -> bool:
+        """Must the next step name every scheduled request (SchedulerStep.requests), not only
+        those that are new or complete a block? Only while blocks whose load failed are
+        suspect: any request attending to one is re-invalidated (_stale_blocks)."""
+        return bool(self._suspect)
+
     def build_connector_meta(self, step: SchedulerStep) -> StepPlan:
-        scheduled = {r.req_id for r in step.requests}
-        loads = tuple(self._pending.pop(req_id) for req_id in list(self._pending) if req_id in scheduled)
+        """This step's plan. With nothing to load or save and no verdict to carry, it costs no
+        store call and nothing per running request (a decode step: SchedulerStep)."""
+        loads = tuple(self._pending.pop(req_id) for req_id in list(self._pending) if step.is_scheduled(req_id)) if self._pending else ()
         self._pending.clear()  # a hit whose request was not scheduled is planned again later
-        saves = self._plan_saves(step, {spec.req_id for spec in loads}) if self.deployment.role.saves else ()
+        saves = self._plan_saves(step) if self.deployment.role.saves and step.requests else ()
         if saves and (self._manifest_task is None or self._manifest_task.wait(0)):
             self._manifest_task = self._manifest_thread.submit(functools.partial(self._manifests.ensure, self._writing))
-        ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
+        ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids) if self._ended or step.finished_req_ids or step.preempted_req_ids else frozenset()
         self._ended.clear()
-        self._live = (self._live - ended) | scheduled  # preempted between steps and scheduled again: live
-        self._before_reset -= ended - scheduled
+        self._live -= ended
+        self._live.update(r.req_id for r in step.requests)  # a running request entered when it was new or resumed
+        if self._before_reset and ended:
+            self._before_reset -= {req_id for req_id in ended if not step.is_scheduled(req_id)}
         seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
         if saves:
-            self._verdicts.await_step(seq, {r.req_id: frozenset(r.block_ids + r.other_block_ids) for r in step.requests})
+            saving = {spec.req_id for spec in saves}
+            self._verdicts.await_step(seq, {r.req_id: frozenset((*r.block_ids, *r.other_block_ids))
+                                            for r in step.requests if r.req_id in saving})
         verdicts = self._verdicts.take()
-        self._events.decided(verdicts)
+        num_tokens = step.total_tokens()
+        self._commits_unsettled = (self._commits_unsettled or bool(verdicts)) if num_tokens else False
+        if verdicts:
+            self._known.add(h for spec in self._events.decided(verdicts) for h in spec.block_hashes)
         self._events.planned(seq, loads, saves)
         self._stats.steps += 1
-        self._stats.load_blocks += sum(len(spec) for spec in loads)
-        self._stats.save_blocks += sum(len(spec) for spec in saves)
-        num_tokens = sum(r.num_scheduled_tokens for r in step.requests)
+        if loads or saves:
+            self._stats.load_blocks += sum(len(spec) for spec in loads)
+            self._stats.save_blocks += sum(len(spec) for spec in saves)
         reinvalidate = self._stale_blocks(step, loads)
         return StepPlan(step_seq=seq, num_tokens=num_tokens, loads=loads, saves=saves, ended_req_ids=ended,
                         verdicts=verdicts, reinvalidate=reinvalidate, epoch=self._epoch)
@@ -322,8 +344,10 @@ class SchedulerConnector:
     def has_pending_work(self) -> bool:
         """True while a step's saves wait for their verdict or a decided verdict waits for the
         next step to carry it: the engine must keep stepping (with nothing scheduled) or the
-        last step's objects are never committed."""
-        return self._verdicts.pending()
+        last step's objects are never committed. After verdicts went out in steps that compute
+        tokens, one step with nothing scheduled: the workers wait for those commits in it (so
+        they are in the pool, and in the stats, when the engine goes idle)."""
+        return self._verdicts.pending() or self._commits_unsettled
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
         """Never holds the blocks (saves copy them out in the step). A role that saves names
@@ -339,37 +363,33 @@ class SchedulerConnector:
         return False, {PREFIX_TOKENS: prefix}
 
     # -- save planning --------------------------------------------------------------------
-    def _plan_saves(self, step: SchedulerStep, loading: set[ReqId]) -> tuple[BlockSpec, ...]:
-        """New full blocks of this step whose keys are not all in the pool yet (none while the
-        store is down: nothing could be saved)."""
+    def _plan_saves(self, step: SchedulerStep) -> tuple[BlockSpec, ...]:
+        """New full blocks of this step, less those this engine knows it saved (SavedBlocks);
+        never asks the store (a block someone else wrote is skipped by the worker's put start,
+        off the engine's path). None while the store is down: nothing could be saved."""
         if self.store.is_down():
             return ()
-        candidates: list[tuple[ReqId, BlockHash, int]] = []
+        per_request: dict[ReqId, tuple[list[BlockHash], list[int]]] = {}
         seen: set[BlockHash] = set()
+        known = self._known
         for request in step.requests:
+            first = request.num_computed_tokens // self._block_size
+            last = min((request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,
+                       len(request.block_hashes), len(request.block_ids))
+            if first >= last:
+                continue
             if request.req_id in self._before_reset:
                 self._stats.save_skipped_reset += 1
                 continue
-            first = request.num_computed_tokens // self._block_size
-            last = min(
-                (request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,
-                len(request.block_hashes),
-                len(request.block_ids),
-            )
             for block in range(first, last):
                 block_hash = request.block_hashes[block]
-                if block_hash not in seen:  # two requests computing the same block: save once
-                    seen.add(block_hash)
-                    candidates.append((request.req_id, block_hash, request.block_ids[block]))
-        if not candidates:
-            return ()
-        present = self._lookup.present([block_hash for _, block_hash, _ in candidates])
-        per_request: dict[ReqId, tuple[list[BlockHash], list[int]]] = {}
-        for (req_id, block_hash, block_id), exists in zip(candidates, present):
-            if exists:
-                self._stats.save_skipped_existing += 1
-                continue
-            hashes, ids = per_request.setdefault(req_id, ([], []))
-            hashes.append(block_hash)
-            ids.append(block_id)
+                if block_hash in seen:  # two requests computing the same block: save once
+                    continue
+                seen.add(block_hash)
+                if block_hash in known:
+                    self._stats.save_skipped_existing += 1
+                    continue
+                hashes, ids = per_request.setdefault(request.req_id, ([], []))
+                hashes.append(block_hash)
+                ids.append(request.block_ids[block])
         return tuple(BlockSpec(req_id, tuple(h), tuple(i)) for req_id, (h, i) in per_request.items())

@@ -31,7 +31,7 @@ class SchedulerStats:
     prefill_wait_timeouts: int = 0  # ... and stopped waiting at prefill_wait_s without all of it
     prefill_wait_ms: int = 0  # their waits, summed
     cache_resets: int = 0  # reset_cache calls: each one a new namespace epoch (SchedulerConnector.reset_cache)
-    save_skipped_reset: int = 0  # steps of requests that ran across a reset: nothing of them saved
+    save_skipped_reset: int = 0  # steps in which a request that ran across a reset completed blocks: none of them saved
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -75,7 +75,9 @@ class WorkerStats:
     save_copy_s: float = 0.0  # send thread: copying the cache into staging images (and their checksums)
     save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
     save_skipped_staging: int = 0  # keys not saved: no free staging row (the staging area is full)
-    save_incomplete_steps: int = 0  # saving steps handed fewer than all layers (e.g. a full CUDA graph ran without the hooks): nothing saved
+    save_incomplete_steps: int = 0  # saving steps handed fewer than all layers: nothing saved
+    save_after_forward_steps: int = 0  # saving steps whose per-layer hooks never ran (a full CUDA graph): copied after the forward
+    load_unwaited_steps: int = 0  # steps that computed over a load without waiting for it: its blocks recomputed
     # commit protocol
     committed_keys: int = 0
     revoked_tainted: int = 0  # owned by a request that attended to a failed block (any rank / stage)

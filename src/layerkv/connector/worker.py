@@ -26,6 +26,7 @@ from layerkv.objects.keys import with_store_shards, storage_role
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.handoff import SaveHandoff
 from layerkv.connector.stats import LOAD_WAIT_S, Samples, WorkerStats
 from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import tenant_keys
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 # saves are skipped: a write that never returns must not make every later step hold more rows.
 # 4 still dropped 1-3 saves of healthy steps in the engine tier (~20 processes on 2 cores).
 MAX_SAVES_IN_FLIGHT = 8
+# Steps that move nothing feed the planner's compute estimate: the first few, then one in this many
+# (each observation refits the estimate: tens of µs an engine's decode steps need not pay every step)
+COMPUTE_SAMPLE_FIRST, COMPUTE_SAMPLE_EVERY = 8, 32
 
 
 class WorkerConnector:
@@ -95,8 +99,8 @@ class WorkerConnector:
         self.samples = Samples()  # per-step observations (connector/stats.py), compute thread; vLLM's histograms
         self._ledger = JobLedger(self._stats, self.samples)  # jobs whose outcomes are not counted yet
         self._invalid_block_ids, self._reported_steps = set[int](), list[int]()
-        self._saved_names: dict[int, int] = {}  # layer -> names saved this step
-        self._handed: set[int] = set()  # layers handed to the save job this step
+        self._handoff = SaveHandoff()  # this step's layers handed to its save job
+        self._waited = False  # a layer of this step's load was waited for (per-layer hooks ran)
         self._handed_invalid: set[int] = set()  # load failures of this step already reported
         self._errors_settled: bool | None = None  # was the load settled at this step's last error report
         self._areas: StagingAreas | None = None  # registered rows, one job at a time (once registered)
@@ -109,6 +113,7 @@ class WorkerConnector:
         self._save_lanes = Lanes(f"layerkv-slane-{rank}", max_lanes=8)
         self._step_start_s = 0.0  # compute thread: when this step's forward began
         self._step_wait_s = 0.0  # compute thread: time this step waited for layers
+        self._idle_steps = 0  # compute thread: steps that moved nothing (their compute is sampled)
         self._recv = TransferThread(f"layerkv-recv-{rank}")
         self._send = TransferThread(f"layerkv-send-{rank}")
         # staged saves' writes and the commits: never ahead of the copies a step needs
@@ -146,7 +151,8 @@ class WorkerConnector:
         self._end_step()
         self._take_epoch(meta.epoch if meta is not None else self._epoch)
         self._plan = meta
-        self._saved_names, self._handed = {}, set()
+        self._handoff.start(None, self._names_per_layer, lambda: None)
+        self._waited = False
         self._handed_invalid = set()
         self._errors_settled = None
         if meta is not None:
@@ -166,7 +172,7 @@ class WorkerConnector:
             return
         self._step_start_s, self._step_wait_s = time.perf_counter(), 0.0
         if self._closed:  # after shutdown: no transfers; loads are recomputed
-            self._invalid_block_ids |= {b for spec in plan.loads for b in spec.block_ids}
+            self._invalid_block_ids |= plan.load_block_ids()
             return
         self._stats.steps += 1
         self._invalid_block_ids |= plan.reinvalidate  # the engine recomputes them (see StepPlan)
@@ -179,14 +185,16 @@ class WorkerConnector:
             # the store refused our memory (e.g. Mooncake's master is down): no transfers this
             # step; loads are reported failed so the engine recomputes, saves are skipped
             if plan.loads and self.deployment.role.loads:
-                self._invalid_block_ids |= {b for spec in plan.loads for b in spec.block_ids}
+                self._invalid_block_ids |= plan.load_block_ids()
             return
         if plan.loads and self.deployment.role.loads:
             if self._ledger.stuck(LoadJob):  # an earlier load is still inside the store: recompute, don't queue
-                self._invalid_block_ids |= {b for spec in plan.loads for b in spec.block_ids}
+                self._invalid_block_ids |= plan.load_block_ids()
                 self._stats.load_skipped_stuck += 1
             else:
                 self._load = self._start_loads(plan.loads, plan.num_tokens)
+                if plan.loads_first and self._load is not None and self.layout is not None:
+                    self._wait_layer(self._load, self.layout.num_layers - 1)  # a decode-shaped step: no layer will wait
         if plan.saves and self.deployment.role.saves and self.storage_role.writes:
             if self._ledger.stuck(SaveJob) or self.store.is_down() or self._ledger.saves_in_flight() >= MAX_SAVES_IN_FLIGHT:
                 self._stats.save_skipped_steps += 1
@@ -194,15 +202,22 @@ class WorkerConnector:
                 self._save = self._start_saves(plan.step_seq, plan.saves)
                 if self._save is not None:
                     self.commits.saving(plan.step_seq)
+                    copies = self._jobs.caches.views.copies if self._jobs is not None else None
+                    self._handoff.start(self._save, self._names_per_layer, copies.compute_marker if copies else lambda: None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._load is None and not self._handoff.pending:  # nothing to wait for or hand over: free
+            return
         if self.layout is None:
             return
         layer_idx = self.layout.layer_index(layer_name)
-        self._hand_layers_before(layer_idx)
+        self._handoff.passed(layer_idx)
         job = self._load
-        if job is None or job.cancelled:
-            return
+        if job is not None and not job.cancelled:
+            self._waited = True
+            self._wait_layer(job, layer_idx)
+
+    def _wait_layer(self, job: LoadJob, layer_idx: int) -> None:
         start = time.perf_counter()
         if not job.wait_layer(layer_idx, self.config.load_timeout_s):
             self._stats.load_timeouts += 1
@@ -215,11 +230,7 @@ class WorkerConnector:
     def save_kv_layer(self, layer_name: str) -> None:
         if self.layout is None or self._save is None:
             return
-        layer_idx = self.layout.layer_index(layer_name)
-        self._hand_layers_before(layer_idx)
-        self._saved_names[layer_idx] = self._saved_names.get(layer_idx, 0) + 1
-        if self._saved_names[layer_idx] >= self._names_per_layer[layer_idx]:
-            self._hand_layer(layer_idx)
+        self._handoff.saved(self.layout.layer_index(layer_name))
 
     def wait_for_save(self) -> None:
         """End of the forward: loads must be over (their failures go to the scheduler) and the
@@ -227,6 +238,14 @@ class WorkerConnector:
         Remote writes of staged saves and the plan's commits go on in the background. Bounded."""
         load, save = self._load, self._save
         plan = self._plan
+        if load is None and save is None:  # nothing moved (a decode step)
+            if plan is not None and plan.num_tokens == 0 and not (plan.loads or plan.saves):
+                self.commits.finish_idle_step(self.config.save_timeout_s)  # the engine steps only to commit
+            elif plan is not None and self.planner is not None and self._step_start_s:
+                self._idle_steps += 1  # compute alone: the first few steps, then one in COMPUTE_SAMPLE_EVERY
+                if self._idle_steps <= COMPUTE_SAMPLE_FIRST or self._idle_steps % COMPUTE_SAMPLE_EVERY == 0:
+                    self.planner.observe(worker_jobs.step_times(plan, None, time.perf_counter() - self._step_start_s, 0.0, True))
+            return
         step_s = time.perf_counter() - self._step_start_s if self._step_start_s else 0.0
         # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
         # their kind's finish factor accounts for, not every kind's compute estimate
@@ -238,9 +257,15 @@ class WorkerConnector:
             self.planner.observe(worker_jobs.step_times(plan, self._load, step_s, self._step_wait_s, compute_alone))
         if load is not None:
             self.samples.observe(LOAD_WAIT_S, self._step_wait_s)
+        if load is not None and plan is not None and not (self._waited or plan.loads_first):
+            # attention ran over these loads without waiting (a CUDA graph replay, connector/graphs.py):
+            # recomputed, their saves revoked; asynchronous loads need no wait
+            unwaited = plan.load_block_ids(skip_req_ids=plan.async_req_ids)
+            self._stats.load_unwaited_steps += bool(unwaited)
+            self._invalid_block_ids |= unwaited
         if save is not None:
-            if self.layout is not None:
-                self._hand_layers_before(self.layout.num_layers)
+            if self.layout is not None and self._handoff.finish(self.layout.num_layers):
+                self._stats.save_after_forward_steps += 1  # no per-layer hook ran: copied from the cache now
             save.finalize()
             if not save.wait_for(lambda: save.released, self.config.save_timeout_s):
                 save.cancel()  # it revokes its sessions when the stuck call returns
@@ -250,8 +275,6 @@ class WorkerConnector:
                 self.commits.commit_now(plan.step_seq)  # a prefill server's objects: readable once written
         if load is not None:
             self._invalid_block_ids |= load.failed_block_ids() - self._handed_invalid
-        if plan is not None and not (plan.loads or plan.saves):
-            self.commits.finish_idle_step(self.config.save_timeout_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads are synchronous; a save never holds the engine's blocks
@@ -367,19 +390,6 @@ class WorkerConnector:
             # write thread, after this step's verdicts (a revoke always precedes a re-save)
             (self._send if job.is_staged else self._write).submit(job)
         return job
-
-    def _hand_layer(self, layer_idx: int) -> None:
-        """Give layer `layer_idx` to the save job once, with the compute stream's marker (device.py)."""
-        if self._save is None or layer_idx in self._handed or layer_idx not in self._saved_names:
-            return
-        assert self.layout is not None
-        self._handed.add(layer_idx)
-        self._save.hand_layer(layer_idx, self._jobs.caches.views.copies.compute_marker() if self._jobs else None)
-
-    def _hand_layers_before(self, layer_idx: int) -> None:
-        """Layers < layer_idx are complete (the compute thread moved past them): hand those whose save was asked for."""
-        for earlier in sorted(l for l in self._saved_names if l < layer_idx):
-            self._hand_layer(earlier)
 
     def _current(self) -> list[worker_jobs.Job]:
         return [j for j in (self._load, self._save, self.commits.job) if j is not None]

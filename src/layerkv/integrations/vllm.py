@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics,
 from layerkv.integrations.vllm_plugin import register as _register_connector_name
 from layerkv.integrations.vllm_setup import (
     check_cudagraphs,
+    replayed_steps,
     check_pool_shared,
     check_supported,
     deployment_from,
@@ -115,12 +117,14 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._promise_key = pool_promise_key(pool_identity(config))  # one key per pool (integrations/vllm_pools.py)
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
-        self._steps = StepTranslator(len(deployments))
+        # a running request concerns the connector only in a step where it completes a block
+        self._steps = StepTranslator(len(deployments), math.gcd(*(d.block_size for d in deployments)))
         # several groups: vLLM recovers a failed load only for a request waiting for it (connector/hybrid.py)
         load_async = len(deployments) > 1
         self._scheduler: GroupedScheduler | None = None
         self._worker: GroupedWorker | None = None
         self._load_started = False  # worker: start_load_kv already delegated for this step
+        self._moves = False  # worker: this step's plan loads or saves (else the per-layer hooks return at once)
         self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
         events_on = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         # what the pool holds, for KV-aware routers (integrations/vllm_events.py), when vLLM publishes events
@@ -132,7 +136,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler = GroupedScheduler([SCHEDULER_SIDE(config, d, self._store) for d in deployments],
                                                    skip_block_ids=frozenset({0}) if any(d.window_blocks for d in deployments) else frozenset(),
                                                    windows=[d.window_blocks for d in deployments],
-                                                   load_async=load_async)
+                                                   load_async=load_async, replayed=replayed_steps(vllm_config))
             else:
                 self._worker = GroupedWorker([WORKER_SIDE(config, d, self._store) for d in deployments],
                                              [g.layer_names for g in kv_cache_config.kv_cache_groups], load_async=load_async)
@@ -156,12 +160,12 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # wait_for_layer_load / save_kv_layer must run between attention layers: a step that loads
-        # a prefix and computes one token per request looks like a uniform decode batch, which a
-        # full graph would replay without the hooks (attention before the loads landed). Only an
-        # engine that never loads can do without: `full_cudagraphs`, which this hook reads (it does
-        # not see the role; the connector refuses the key on a role that loads, check_cudagraphs).
-        return not LayerKVConfig.from_dict(extra_config).full_cudagraphs
+        # Never: vLLM keeps its full CUDA graphs for decode steps. A step it may replay whole (a
+        # uniform decode batch) never needs a per-layer hook: a hit that leaves a decode step's
+        # worth to compute loads before the request is scheduled, a short chunk over a load loads
+        # before the forward, and a step whose hooks never ran saves after it (connector/graphs.py).
+        LayerKVConfig.from_dict(extra_config)  # a bad config fails here, as vLLM builds its own
+        return False
 
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
@@ -225,7 +229,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                      num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        steps = self._steps.translate(scheduler_output)
+        steps = self._steps.translate(scheduler_output, everyone=self.scheduler_side.needs_every_request())
         payload = self.scheduler_side.build_connector_meta(steps)
         if self._events is not None:
             self._events.note(payload.plans if isinstance(payload, GroupedPlan) else (payload,), self._steps.request)
@@ -276,7 +280,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_connector_metadata(connector_metadata)
         self._load_started = False
         assert isinstance(connector_metadata, LayerKVMetadata), type(connector_metadata).__name__
-        self.worker_side.bind_connector_metadata(connector_metadata.payload)
+        payload = connector_metadata.payload
+        self._moves = any(getattr(plan, "loads", True) or getattr(plan, "saves", True)
+                          for plan in (payload.plans if isinstance(payload, GroupedPlan) else (payload,)))
+        self.worker_side.bind_connector_metadata(payload)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -293,11 +300,14 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker_side.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._moves:  # nothing to load or save this step: start_load_kv can wait for the forward's end
+            return
         self._start_load_once()
         self.worker_side.wait_for_layer_load(str(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        self.worker_side.save_kv_layer(str(layer_name))
+        if self._moves:
+            self.worker_side.save_kv_layer(str(layer_name))
 
     def wait_for_save(self) -> None:
         self.worker_side.wait_for_save()

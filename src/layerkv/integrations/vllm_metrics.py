@@ -13,7 +13,9 @@ Payload (`LayerKVStats.data`, plain and serialisable; vLLM aggregates it across 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +52,14 @@ def hit_source(backend: str) -> CacheHitSource:
     return CacheHitSource.HOST if backend == "embedded" else CacheHitSource.P2P
 
 
+@functools.cache
+def _fields_of(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """A stats dataclass's field names, and a reader of its values as one tuple."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    getter = operator.attrgetter(*names)  # a tuple when there are several
+    return names, (getter if len(names) > 1 else lambda stats: (getter(stats),))
+
+
 def _leaves(side: Any) -> list[Any]:
     """The engine-neutral connectors under a grouped side (connector/hybrid.py, shards.py)."""
     subs = getattr(side, "subs", None)
@@ -69,10 +79,21 @@ class CounterDeltas:
     def __init__(self, prefix: str = "") -> None:
         self._prefix = prefix
         self._last: dict[str, int | float] = {}
+        self._last_values: tuple[Any, ...] = ()
         self._last_gauges: dict[str, int] = {}
 
     def take(self, stats: Any) -> dict[str, int | float]:
-        """Non-zero counter changes since the previous call."""
+        """Non-zero counter changes since the previous call. A stats dataclass (the core's) is
+        read as one tuple of its fields, compared with the last one: vLLM asks every step."""
+        if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+            names, values_of = _fields_of(type(stats))
+            values = values_of(stats)
+            last = self._last_values if len(self._last_values) == len(values) else (0,) * len(values)
+            if values == last:
+                return {}
+            self._last_values = values
+            return {self._prefix + name: value - before for name, value, before in zip(names, values, last)
+                    if value != before and isinstance(value, (int, float)) and not isinstance(value, bool)}
         now = counters_of(stats)
         deltas = {name: value - self._last.get(name, 0) for name, value in now.items()}
         self._last = now

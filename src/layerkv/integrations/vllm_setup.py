@@ -184,17 +184,27 @@ def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
 
 
 def check_cudagraphs(config: LayerKVConfig, kv_role: KVRole) -> None:
-    """ConfigError for `full_cudagraphs: true` on a role that loads: vLLM replays a uniform
-    decode batch as one full graph without the per-layer hooks, and a step that loads a prefix
-    and computes one token per request has that shape, so attention would read blocks before
-    their loads landed. A kv_producer never loads: a replayed step only drops its saves."""
-    if config.full_cudagraphs and kv_role.loads:
-        raise ConfigError(
-            f"full_cudagraphs=true with kv_role={kv_role.value!r}: a server that loads from the pool needs its per-layer "
-            "waits between attention layers, which a full CUDA graph replays without (attention would read KV "
-            "before it is loaded). Remove full_cudagraphs (layerkv then asks vLLM for PIECEWISE graphs), or use "
-            "it only on a kv_producer (a prefill server that never loads)"
-        )
+    """`full_cudagraphs` is retired: every role keeps vLLM's full CUDA graphs now
+    (connector/graphs.py). The key is still accepted; a startup message says so."""
+    if config.full_cudagraphs:
+        log.warning("layerkv: full_cudagraphs is no longer needed and is ignored: layerkv keeps vLLM's full CUDA graphs "
+                    "on every role (kv_role=%s); a decode step carries no per-layer work (docs/gpu.md)", kv_role.value)
+
+
+def replayed_steps(vllm_config: VllmConfig) -> tuple[int, bool]:
+    """Which steps vLLM may replay as one full CUDA graph (no per-layer hook runs in them):
+    (tokens per request of a uniform decode batch that may be replayed, 0 for none; may any
+    step be replayed). FULL_AND_PIECEWISE (vLLM's default) and FULL_DECODE_ONLY replay uniform
+    decode batches: 1 token per request, 1 + the speculative tokens with a drafter; FULL replays
+    mixed batches too; eager execution, NONE and PIECEWISE replay none (connector/graphs.py)."""
+    model = getattr(vllm_config, "model_config", None)
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if (model is not None and model.enforce_eager) or mode is None or not mode.has_full_cudagraphs():
+        return 0, False
+    known = getattr(vllm_config, "uniform_decode_query_len", None)  # vLLM 0.34
+    spec = getattr(vllm_config, "speculative_config", None)
+    tokens = known if isinstance(known, int) else 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0)
+    return tokens, mode.name == "FULL"
 
 
 def check_block_hashes(config: LayerKVConfig, hash_algo: str) -> None:

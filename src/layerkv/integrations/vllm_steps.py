@@ -5,7 +5,7 @@ number back (vLLM aggregates it over every worker before the scheduler sees it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
@@ -63,8 +63,9 @@ class StepTranslator:
     between two steps (vLLM's reset_prefix_cache(reset_running_requests=True)) is named in
     `preempted_req_ids` and may be scheduled again in the very same output."""
 
-    def __init__(self, num_groups: int = 1) -> None:
+    def __init__(self, num_groups: int = 1, block_size: int = 0) -> None:
         self.num_groups = num_groups
+        self.block_size = block_size  # 0: every scheduled request goes into the step
         self._requests: dict[ReqId, Request] = {}
         self._block_ids: dict[ReqId, list[list[int]]] = {}
         self._preempted: set[ReqId] = set()  # preempted and not scheduled since
@@ -81,7 +82,11 @@ class StepTranslator:
         self._block_ids.pop(req_id, None)
         self._preempted.discard(req_id)
 
-    def translate(self, out: SchedulerOutput) -> tuple[SchedulerStep, ...]:
+    def translate(self, out: SchedulerOutput, everyone: bool = True) -> tuple[SchedulerStep, ...]:
+        """One SchedulerStep per group. Without `everyone` (and with a block size) a running
+        request goes into the step only when it completes a block in it (SchedulerStep): a
+        decode step that completes none costs one pass over vLLM's lists, no object per
+        request."""
         preempted = frozenset(out.preempted_req_ids or ())
         for req_id in preempted:
             self._block_ids.pop(req_id, None)
@@ -94,22 +99,36 @@ class StepTranslator:
             scheduled.append(self._scheduled(new.req_id, new.num_computed_tokens, out, resumed=resumed))
         cached = out.scheduled_cached_reqs
         resumed_ids = getattr(cached, "resumed_req_ids", None) or ()  # vLLM 0.32 / 0.33 (model runner V1) only
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            resumed = req_id in resumed_ids
-            if resumed:  # preempted earlier: its old blocks were freed, these replace them
-                self._preempted.discard(req_id)
-                self._block_ids[req_id] = self._groups(new_ids)
-            elif new_ids:
-                for ids, more in zip(self._block_ids.setdefault(req_id, self._groups(None)), self._groups(new_ids)):
-                    ids.extend(more)
-            scheduled.append(self._scheduled(req_id, cached.num_computed_tokens[i], out, resumed=resumed))
+        num_tokens = out.num_scheduled_tokens
+        every = everyone or not self.block_size or bool(resumed_ids)
+        if every:
+            for i, req_id in enumerate(cached.req_ids):
+                resumed = req_id in resumed_ids
+                self._add_blocks(req_id, cached.new_block_ids[i], replace=resumed)
+                scheduled.append(self._scheduled(req_id, cached.num_computed_tokens[i], out, resumed=resumed))
+        else:
+            for i, new_ids in enumerate(cached.new_block_ids):
+                if new_ids:
+                    self._add_blocks(cached.req_ids[i], new_ids, replace=False)
+            for i in completing(cached.req_ids, cached.num_computed_tokens, num_tokens, self.block_size):
+                scheduled.append(self._scheduled(cached.req_ids[i], cached.num_computed_tokens[i], out, resumed=False))
         for req_id in out.finished_req_ids:
             self.forget(req_id)
+        finished = frozenset(out.finished_req_ids)
+        in_step = None if every else num_tokens.keys()
+        total = None if every else out.total_num_scheduled_tokens
         return tuple(
-            SchedulerStep(tuple(r[g] for r in scheduled), frozenset(out.finished_req_ids), preempted)
+            SchedulerStep(tuple(r[g] for r in scheduled), finished, preempted, in_step, total)
             for g in range(self.num_groups)
         )
+
+    def _add_blocks(self, req_id: ReqId, new_ids: Any, replace: bool) -> None:
+        if replace:  # resumed after a preemption: its old blocks were freed, these replace them
+            self._preempted.discard(req_id)
+            self._block_ids[req_id] = self._groups(new_ids)
+        elif new_ids:
+            for ids, more in zip(self._block_ids.setdefault(req_id, self._groups(None)), self._groups(new_ids)):
+                ids.extend(more)
 
     def _groups(self, block_ids: Any) -> list[list[int]]:
         if not block_ids:
@@ -135,6 +154,20 @@ class StepTranslator:
             )
             for g, ids in enumerate(groups)
         )
+
+
+def completing(req_ids: Sequence[ReqId], num_computed: Sequence[int], num_scheduled: Mapping[ReqId, int],
+               block_size: int) -> list[int]:
+    """Indices of the requests whose computed tokens cross a multiple of `block_size` in this
+    step (they complete a block). No request is scheduled more than the step's largest count,
+    so only those that close enough to a boundary are looked up (in a decode step: exactly
+    those that complete one); one pass over the computed counts."""
+    if not req_ids or not num_scheduled:
+        return []
+    most = max(num_scheduled.values())
+    low = block_size - most
+    near = [i for i, computed in enumerate(num_computed) if computed % block_size >= low] if low > 0 else range(len(req_ids))
+    return [i for i in near if (num_computed[i] + num_scheduled[req_ids[i]]) // block_size != num_computed[i] // block_size]
 
 
 class LayerKVMetadata(KVConnectorMetadata):

@@ -160,6 +160,7 @@ class Commits:
         self._saved_steps: set[int] = set()  # steps whose save job was started, until their verdict
         self.job: CommitJob | None = None  # this step's (compute thread)
         self._late: CommitJob | None = None  # a verdict-only step's job that outlived its wait
+        self._latest: CommitJob | None = None  # the last job queued (this step's or an earlier one's)
         self._lock = threading.Lock()
         self._expired = 0  # guarded by _lock: pending puts revoked after commit_timeout_s
 
@@ -175,7 +176,7 @@ class Commits:
         if not mine:
             return None
         self._saved_steps -= {v.step_seq for v in mine}
-        self.job = CommitJob(mine, store=self.store, pending=self.pending)
+        self.job = self._latest = CommitJob(mine, store=self.store, pending=self.pending)
         self.writer.submit(self.job)
         return self.job
 
@@ -195,11 +196,14 @@ class Commits:
         idle: its commits finish here, so they are in the pool (and in this step's stats) before
         the engine stops stepping. Bounded; one that times out (the write thread is stuck in the
         store) finishes alone, and no later step waits until it has: a stalled store costs one
-        bound, not one per step."""
+        bound, not one per step. The job waited for is the latest one queued: a step that
+        computes tokens never waits for its commits (SchedulerConnector keeps the engine
+        stepping once more, with nothing scheduled, after such a step carried verdicts)."""
         if self._late is not None and self._late.finished:
             self._late = None
-        if self.job is not None and self._late is None and not self.job.wait_finished(wait_s):
-            self._late = self.job
+        job = self._latest
+        if job is not None and self._late is None and not job.wait_finished(wait_s):
+            self._late = job
 
     def end_step(self) -> CommitJob | None:
         """Forget this step's job (the caller collects its outcome); returns it."""
@@ -269,6 +273,8 @@ class Verdicts:
         """One combined worker output. Failed blocks count against every step still waiting
         (under async scheduling a step can be built before the previous step's failures are
         known)."""
+        if not self._awaiting:  # nothing waits (a decode step): nothing to count
+            return
         for awaited in self._awaiting.values():
             awaited.invalid_block_ids |= invalid_block_ids
         counts = Counter(reported_steps)

@@ -85,7 +85,10 @@ class StagingArea:
         raise KeyError(f"staging area {self.name!r}: rows not taken from this area")
 
     def rows_in_use(self) -> int:
-        return int(self.num_rows - self.free_rows().size)
+        """Rows unfinished jobs hold (leases never overlap: each is taken from free rows)."""
+        if self._leases:
+            self._leases = [lease for lease in self._leases if lease.job is None or not lease.job.finished]
+        return sum(int(lease.rows.size) for lease in self._leases)
 
 
 @dataclass(frozen=True, slots=True)
