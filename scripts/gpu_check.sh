@@ -32,5 +32,5 @@ LAYERKV_GPU_REPORT=$report timeout 480 env -u CI "$PY" -m pytest -q -p no:cachep
 rc=$?
 grep -vE '^(INFO|WARNING)' "$out/gpu-pytest.log" | tail -40
 echo "gpu_check: pytest exit $rc after $(( $(date +%s) - start )) s; $(grep -E '[0-9]+ (passed|failed)' "$out/gpu-pytest.log" | tail -1)"
-[ -f "$report" ] && sed 's/^/gpu_check: ttft /' "$report"
+[ -f "$report" ] && sed "s/^/gpu_check: figures /" "$report"
 exit $rc

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from layerkv.bench.load_plan import BLOCK_SIZE, CAPACITY, EVICTION, LAYERKV, NONE, SCENARIO_OF, TWO_SERVERS, LoadPlan
+from layerkv.bench.load_plan import BLOCK_SIZE, CAPACITY, DECODE, EVICTION, LAYERKV, NONE, SCENARIO_OF, TWO_SERVERS, LoadPlan
 from layerkv.bench.load_probe import (SHUTDOWN_NOISE, LogPhases, Series, gauges, hits_by_source, layerkv_counters,
                                       put_balance, rss_slope_pct_per_10min, total)
 from layerkv.bench.load_report import LoadRecord, errors_by_phase, failed_requests, goals, row, same_outputs
@@ -42,6 +42,19 @@ def test_a_soak_holds_the_capacity_scenario_for_its_duration():
     args = plan.client_args("http://127.0.0.1:1", "/m", "served")
     assert args[args.index("--num-prompts") + 1] == "896" and args[args.index("--request-rate") + 1] == "0.5"
     assert "--save-detailed" in args and args[args.index("--temperature") + 1] == "0"
+
+
+def test_the_decode_scenario_runs_alone_with_distinct_prompts_and_a_bounded_number_in_flight():
+    plan = LoadPlan.build(tiny=False, scenarios=(DECODE,))
+    w = plan.workload
+    assert plan.scenarios == (DECODE,) and w.num_prefixes == w.num_requests  # every prompt distinct: no hit
+    args = plan.client_args("http://127.0.0.1:1", "/m", "served")
+    assert args[args.index("--max-concurrency") + 1] == "16" and args[args.index("--request-rate") + 1] == "inf"
+    assert "--max-concurrency" not in LoadPlan.build(tiny=False).client_args("http://127.0.0.1:1", "/m", "served")
+    assert plan.local_blocks(SCENARIO_OF[DECODE]) * BLOCK_SIZE >= 16 * w.max_model_len  # all in flight fit locally
+    assert 60 < plan.client_timeout_s() < 3600
+    with pytest.raises(ValueError, match="decode runs alone"):
+        LoadPlan.build(tiny=False, scenarios=(DECODE, CAPACITY))
 
 
 def test_unknown_scenarios_and_contenders_are_refused():

