@@ -176,3 +176,23 @@ def test_observed_drains_every_leaf_and_reports_gauges_while_nonzero_or_changed(
     assert deltas.take_observed(side)["gauges"]["pending_puts"] == [0]  # the drop
     assert deltas.take_observed(side) == {}
     assert deltas.take_observed(object()) == {}  # a test double without samples or gauges
+
+
+def test_steps_that_change_nothing_but_the_step_count_report_nothing_until_something_changes():
+    """vLLM asks for stats every step: a decode step that moved nothing gives it no payload; the
+    held step count goes out with the next change, or after MAX_HELD_STEPS such steps."""
+    from layerkv.connector.stats import WorkerStats
+    from layerkv.integrations.vllm_metrics import MAX_HELD_STEPS
+
+    stats, deltas = WorkerStats(), CounterDeltas()
+    assert deltas.take(stats) == {}
+    for _ in range(5):
+        stats.steps += 1
+        assert deltas.take(stats) == {}
+    stats.steps += 1
+    stats.save_keys += 3
+    assert deltas.take(stats) == {"steps": 6, "save_keys": 3}
+    for _ in range(MAX_HELD_STEPS + 1):
+        stats.steps += 1
+        taken = deltas.take(stats)
+    assert taken == {"steps": MAX_HELD_STEPS + 1}

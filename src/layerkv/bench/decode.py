@@ -13,6 +13,7 @@ import json
 import os
 import random
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ LAYERKV_EMBEDDED, LAYERKV_MOONCAKE, NONE = "layerkv-embedded", "layerkv-mooncake
 MOONCAKE_STORE, MOONCAKE_STORE_DECODE = "mooncake-store", "mooncake-store-save-decode"  # the latter: save_decode_cache
 IDLE, BLOCK = "no block completes", "a block completes"
 MAX_PREFILL_STEPS = 64  # warm-up bound: every request must be decoding by then
+DRAIN_TIMEOUT_S = 600.0  # a peer's queued saves are waited for this long before its engine stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,9 @@ def measure(contender: Contender, shape: EngineShape, num_requests: int, sizes_:
             short = [s.times.num_decoding for s in samples if s.times.num_decoding != num_requests]
             if short:
                 run.notes.append(f"{contender.name} N={num_requests}: {len(short)} timed steps had only {min(short)} requests decoding")
+            backlog = _drain_peer_saves(engine)
+            if backlog:
+                run.notes.append(f"{contender.name} N={num_requests}: {backlog}")
             return run
         finally:
             if meters is not None:
@@ -212,6 +217,23 @@ def measure(contender: Contender, shape: EngineShape, num_requests: int, sizes_:
                 from layerkv.store.factory import close_shared_stores
 
                 close_shared_stores()  # frees the run's objects (the next run has its own tenant anyway)
+
+
+def _drain_peer_saves(engine: DecodeEngine) -> str:
+    """MooncakeStoreConnector saves on its own send thread, from a queue: what is still queued
+    when the timed steps end is its save backlog. Waited for (up to DRAIN_TIMEOUT_S) before the
+    engine stops: its close waits 5 s, then closes the store under the thread (which crashed
+    this process with thousands queued). "" for a connector without such a queue."""
+    worker = getattr(engine.worker.connector, "connector_worker", None) if engine.worker is not None else None
+    queue = getattr(getattr(worker, "kv_send_thread", None), "request_queue", None)
+    if queue is None or not queue.unfinished_tasks:
+        return ""
+    queued, start = queue.unfinished_tasks, time.monotonic()
+    while queue.unfinished_tasks and time.monotonic() - start < DRAIN_TIMEOUT_S:
+        time.sleep(0.05)
+    left = queue.unfinished_tasks
+    return (f"{queued} save requests still queued on its send thread when the timed steps ended; "
+            + (f"drained {time.monotonic() - start:.1f} s later" if not left else f"{left} left after {DRAIN_TIMEOUT_S:.0f} s"))
 
 
 def _warm_up(engine: DecodeEngine, num_requests: int, warm_decode_steps: int) -> int:

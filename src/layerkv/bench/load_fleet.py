@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.load_plan import BLOCK_SIZE, LAYERKV, LMCACHE, MOONCAKE, LoadPlan, Scenario
+from layerkv.bench.load_plan import (BLOCK_SIZE, LAYERKV, LAYERKV_CONSUMER, LMCACHE, MOONCAKE, MOONCAKE_SAVE_DECODE,
+                                     LoadPlan, Scenario)
 from layerkv.bench.load_probe import LogPhases
 from layerkv.bench.serve_proc import ServeProcess
 from layerkv.bench.vllm_engines import engine_env
@@ -61,12 +62,12 @@ class ContenderFleet:
 
     def _start_pool(self, pool_bytes: int, pythons: dict[str, str]) -> dict[str, str]:
         """Start the contender's pool; the servers' environment for it."""
-        if self.contender in (LAYERKV, MOONCAKE):
+        if self.contender in (LAYERKV, LAYERKV_CONSUMER, MOONCAKE, MOONCAKE_SAVE_DECODE):
             from layerkv.store.local_master import LocalMaster
 
             self.master = LocalMaster(segment_size=str(pool_bytes))
             config: dict[str, Any] = dict(self.master.client_config)
-            if self.contender == MOONCAKE:  # standalone-store: mounts nothing, every object in the master's segment
+            if self.contender in (MOONCAKE, MOONCAKE_SAVE_DECODE):  # standalone-store: mounts nothing, every object in the master's segment
                 config.update(mode="standalone-store", global_segment_size=0, local_buffer_size=256 << 20)
             path = self.work_dir / f"mooncake-{self.contender}.json"
             path.write_text(json.dumps(config))
@@ -91,13 +92,14 @@ class ContenderFleet:
     def transfer_config(self, index: int) -> dict[str, Any] | None:
         """The server's --kv-transfer-config (None: no connector). Every contender recomputes a
         failed load (vLLM's default policy fails the request)."""
-        if self.contender == LAYERKV:
+        if self.contender in (LAYERKV, LAYERKV_CONSUMER):
             return {"kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": self._layerkv_extra}
-        if self.contender == MOONCAKE:  # its lookup server's IPC socket is named after lookup_rpc_port
+                    "kv_role": "kv_consumer" if self.contender == LAYERKV_CONSUMER else "kv_both",
+                    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": self._layerkv_extra}
+        if self.contender in (MOONCAKE, MOONCAKE_SAVE_DECODE):  # its lookup server's IPC socket is named after lookup_rpc_port
             return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"lookup_rpc_port": (os.getpid() * 8 + index) % 50000 + 10000}}
+                    "kv_connector_extra_config": {"lookup_rpc_port": (os.getpid() * 8 + index) % 50000 + 10000,
+                                                  **({"save_decode_cache": True} if self.contender == MOONCAKE_SAVE_DECODE else {})}}
         if self.contender == LMCACHE:
             return dict(self.lmcache.kv_transfer_config())
         return None

@@ -21,8 +21,13 @@ BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MiB = 1 << 20
 MAX_OWN_REQUESTS = 256  # requests whose own (suffix + output) blocks the capacity pool has room for
 NONE, LAYERKV, MOONCAKE, LMCACHE = "none", "layerkv", "mooncake", "lmcache"
-CONTENDERS = (NONE, LAYERKV, MOONCAKE, LMCACHE)
-CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", MOONCAKE: "vLLM MooncakeStoreConnector",
+# what each cost is made of: layerkv that only loads (kv_consumer: the hooks, no save), and
+# MooncakeStoreConnector saving the blocks decode fills too (save_decode_cache), as layerkv does
+# MooncakeStoreConnector saving the blocks decode fills too (save_decode_cache), as layerkv does
+LAYERKV_CONSUMER, MOONCAKE_SAVE_DECODE = "layerkv-consumer", "mooncake-save-decode"
+CONTENDERS = (NONE, LAYERKV, LAYERKV_CONSUMER, MOONCAKE, MOONCAKE_SAVE_DECODE, LMCACHE)
+CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", LAYERKV_CONSUMER: "layerkv, kv_consumer (loads only)",
+                    MOONCAKE: "vLLM MooncakeStoreConnector", MOONCAKE_SAVE_DECODE: "MooncakeStoreConnector, save_decode_cache",
                     LMCACHE: "LMCache 0.5.6 (multiprocess)"}
 CAPACITY, EVICTION, TWO_SERVERS, DECODE = "capacity", "eviction", "two-servers", "decode"
 SCENARIOS = (CAPACITY, EVICTION, TWO_SERVERS, DECODE)

@@ -7,6 +7,7 @@ worker stats and samples only by the worker's compute thread.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import deque
 from dataclasses import dataclass
 
@@ -86,6 +87,10 @@ class WorkerStats:
     commit_failed: int = 0
     transfer_errors: int = 0  # a transfer thread raised (its step's transfers failed)
 
+    def copy(self) -> WorkerStats:
+        """A snapshot (vLLM reads one every step: one positional construction)."""
+        return WorkerStats(*_worker_values(self))
+
     def count_plan(self, mode: str) -> None:  # a PlanMode other than auto
         name = f"load_plans_{mode}"
         setattr(self, name, getattr(self, name) + 1)
@@ -97,6 +102,8 @@ class WorkerStats:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+
+_worker_values = operator.attrgetter(*(f.name for f in dataclasses.fields(WorkerStats)))
 
 # Per-step observations (Samples names): histograms in vLLM's Prometheus (integrations/vllm_metrics.py).
 LOAD_WAIT_S = "load_wait_s"  # worker, per step with a load: compute thread time waiting for layers

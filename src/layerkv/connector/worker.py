@@ -345,8 +345,7 @@ class WorkerConnector:
 
     def stats(self) -> WorkerStats:
         self._ledger.collect(self._current())
-        snapshot = WorkerStats()
-        snapshot.add(self._stats)
+        snapshot = self._stats.copy()
         snapshot.revoked_unsettled += self.commits.expired()
         return snapshot
 

@@ -52,11 +52,19 @@ def hit_source(backend: str) -> CacheHitSource:
     return CacheHitSource.HOST if backend == "embedded" else CacheHitSource.P2P
 
 
+# A step that changed nothing but the `steps` counter reports nothing; the count goes out with the
+# next change, or after this many such steps (vLLM then has no payload to aggregate in most decode steps)
+MAX_HELD_STEPS = 64
+_STEP_INDEX: dict[tuple[str, ...], int] = {}  # field names of a stats class -> the index of its `steps`
+
+
 @functools.cache
 def _fields_of(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
     """A stats dataclass's field names, and a reader of its values as one tuple."""
     names = tuple(f.name for f in dataclasses.fields(cls))
     getter = operator.attrgetter(*names)  # a tuple when there are several
+    if "steps" in names:
+        _STEP_INDEX[names] = names.index("steps")
     return names, (getter if len(names) > 1 else lambda stats: (getter(stats),))
 
 
@@ -81,6 +89,7 @@ class CounterDeltas:
         self._last: dict[str, int | float] = {}
         self._last_values: tuple[Any, ...] = ()
         self._last_gauges: dict[str, int] = {}
+        self._held_steps = 0  # calls whose only change was the step count (reported with the next change)
 
     def take(self, stats: Any) -> dict[str, int | float]:
         """Non-zero counter changes since the previous call. A stats dataclass (the core's) is
@@ -91,7 +100,12 @@ class CounterDeltas:
             last = self._last_values if len(self._last_values) == len(values) else (0,) * len(values)
             if values == last:
                 return {}
-            self._last_values = values
+            step = _STEP_INDEX.get(names)
+            if (step is not None and self._held_steps < MAX_HELD_STEPS
+                    and values[:step] == last[:step] and values[step + 1:] == last[step + 1:]):
+                self._held_steps += 1  # a step that moved nothing: its count goes out with the next change
+                return {}
+            self._last_values, self._held_steps = values, 0
             return {self._prefix + name: value - before for name, value, before in zip(names, values, last)
                     if value != before and isinstance(value, (int, float)) and not isinstance(value, bool)}
         now = counters_of(stats)
