@@ -48,9 +48,6 @@ log = logging.getLogger(__name__)
 # saves are skipped: a write that never returns must not make every later step hold more rows.
 # 4 still dropped 1-3 saves of healthy steps in the engine tier (~20 processes on 2 cores).
 MAX_SAVES_IN_FLIGHT = 8
-# Steps that move nothing feed the planner's compute estimate: the first few, then one in this many
-# (each observation refits the estimate: tens of µs an engine's decode steps need not pay every step)
-COMPUTE_SAMPLE_FIRST, COMPUTE_SAMPLE_EVERY = 8, 32
 
 
 class WorkerConnector:
@@ -113,7 +110,6 @@ class WorkerConnector:
         self._save_lanes = Lanes(f"layerkv-slane-{rank}", max_lanes=8)
         self._step_start_s = 0.0  # compute thread: when this step's forward began
         self._step_wait_s = 0.0  # compute thread: time this step waited for layers
-        self._idle_steps = 0  # compute thread: steps that moved nothing (their compute is sampled)
         self._recv = TransferThread(f"layerkv-recv-{rank}")
         self._send = TransferThread(f"layerkv-send-{rank}")
         # staged saves' writes and the commits: never ahead of the copies a step needs
@@ -241,10 +237,8 @@ class WorkerConnector:
         if load is None and save is None:  # nothing moved (a decode step)
             if plan is not None and plan.num_tokens == 0 and not (plan.loads or plan.saves):
                 self.commits.finish_idle_step(self.config.save_timeout_s)  # the engine steps only to commit
-            elif plan is not None and self.planner is not None and self._step_start_s:
-                self._idle_steps += 1  # compute alone: the first few steps, then one in COMPUTE_SAMPLE_EVERY
-                if self._idle_steps <= COMPUTE_SAMPLE_FIRST or self._idle_steps % COMPUTE_SAMPLE_EVERY == 0:
-                    self.planner.observe(worker_jobs.step_times(plan, None, time.perf_counter() - self._step_start_s, 0.0, True))
+            elif plan is not None and self.planner is not None and self._step_start_s:  # compute alone, sampled
+                self.planner.observe_idle(worker_jobs.step_times(plan, None, time.perf_counter() - self._step_start_s, 0.0, True))
             return
         step_s = time.perf_counter() - self._step_start_s if self._step_start_s else 0.0
         # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
@@ -298,8 +292,7 @@ class WorkerConnector:
         blocks were recomputed, and what it still reads lands in its own staging rows (with
         register_kv_cache and direct reads: in the cache, docs/data-safety.md §5)."""
         deadline = time.monotonic() + (self.config.save_timeout_s if timeout_s is None else timeout_s)
-        jobs = [j for j in (*self._current(), *self._ledger.later)
-                if j is not None and (given_up_loads or not (isinstance(j, LoadJob) and j.cancelled))]
+        jobs = [j for j in self._all_jobs() if given_up_loads or not (isinstance(j, LoadJob) and j.cancelled)]
         return all(job.wait_finished(max(0.0, deadline - time.monotonic())) for job in jobs)
 
     def loads_settled(self) -> bool:
@@ -357,14 +350,13 @@ class WorkerConnector:
         """No put session waits for a verdict and no job is running (after a drained engine);
         waits up to `timeout_s` for running jobs to finish."""
         deadline = time.monotonic() + timeout_s
-        for job in [j for j in (*self._current(), *self._ledger.later) if j is not None]:
+        for job in self._all_jobs():
             job.wait_finished(max(0.0, deadline - time.monotonic()))
         return self.open_sessions() == {"pending_puts": 0, "running_jobs": 0}
 
     def open_sessions(self) -> dict[str, int]:
         """Sessions this worker holds now: put sessions waiting for a verdict, jobs running."""
-        jobs = [j for j in (*self._current(), *self._ledger.later) if j is not None]
-        return {"pending_puts": self.commits.pending.num_keys(), "running_jobs": sum(1 for j in jobs if not j.finished)}
+        return {"pending_puts": self.commits.pending.num_keys(), "running_jobs": sum(1 for j in self._all_jobs() if not j.finished)}
 
     def gauges(self) -> dict[str, int]:
         """open_sessions now, and the staging bytes lent to jobs that have not finished (compute thread)."""
@@ -392,6 +384,10 @@ class WorkerConnector:
 
     def _current(self) -> list[worker_jobs.Job]:
         return [j for j in (self._load, self._save, self.commits.job) if j is not None]
+
+    def _all_jobs(self) -> list[worker_jobs.Job]:
+        """This step's jobs and those of ended steps not folded in yet."""
+        return [*self._current(), *self._ledger.later]
 
     def _end_step(self) -> None:
         """Forget this step's jobs (a job still running is collected when it finishes). A step

@@ -233,6 +233,9 @@ class StepTimes:
     measured: Measured | None = None  # the calls of the step's load (a finished one)
 
 
+COMPUTE_SAMPLE_FIRST, COMPUTE_SAMPLE_EVERY = 8, 32  # observe_idle's sampling
+
+
 class Planner:
     """One worker's load planner: owns the running costs and the exploration turns, and is
     entered from two places only: `choose` a step's plan (the fixed knobs, or the fastest
@@ -244,6 +247,7 @@ class Planner:
         self.costs = Costs()
         self.exploration = exploration or Exploration()
         self.last_predictions: dict[str, float] = {}  # the last auto plan's best per kind (ms)
+        self._idle_steps = 0  # steps that moved nothing, seen by observe_idle
         self._shape = shape  # the layout's part of every step's shape (num_keys 0)
         self._lanes = lanes  # 0: chosen per step
         self._prefetch = prefetch_layers
@@ -271,6 +275,14 @@ class Planner:
             plan = best[trying]
         self.exploration.used(plan.kind)
         return replace(plan, explored=explored), None
+
+    def observe_idle(self, step: StepTimes) -> None:
+        """A step that moved nothing (a decode step): its compute alone feeds the estimate for
+        the first COMPUTE_SAMPLE_FIRST such steps, then one in COMPUTE_SAMPLE_EVERY (each refit
+        costs tens of µs that an engine's decode steps need not pay every step)."""
+        self._idle_steps += 1
+        if self._idle_steps <= COMPUTE_SAMPLE_FIRST or self._idle_steps % COMPUTE_SAMPLE_EVERY == 0:
+            self.observe(step)
 
     def observe(self, step: StepTimes) -> None:
         """Fold one step's measurements into the costs: its load's calls (the fits), its compute
