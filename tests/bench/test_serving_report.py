@@ -293,3 +293,63 @@ def test_the_bound_is_the_ceiling_or_the_transfer_alone_whichever_is_slower() ->
     assert summary["cells where layerkv <= 1.25x the bound"] == 0.0  # 1.48x
     assert summary["cells where layerkv <= 1.1x layerkv register_kv_cache"] == 0.0  # 120 / 90
     assert summary["all tokens equal recompute"] == 1.0  # the transfer row is not compared
+
+
+def test_prefix_suffix_and_repeats_replace_the_modes_grid(tmp_path: Path) -> None:
+    options = BenchOptions(quick=True, out_dir=tmp_path, serving_prefixes=(512,), serving_suffixes=(512, 64),
+                           serving_repeats=5)
+    grid = Grid.for_options(options)
+    assert (grid.prefixes, grid.suffixes, grid.repeats) == ((512,), (512, 64), 5)
+    assert grid.contenders == Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path)).contenders  # the mode's
+    assert len(schedule(grid.prefixes, grid.suffixes, grid.repeats, grid.contenders)) == 10
+    with pytest.raises(ValueError, match="--prefix 500: a prefix must be whole 32-token blocks"):
+        Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path, serving_prefixes=(500,)))
+
+
+@pytest.mark.parametrize("flag", ["--prefix=0", "--suffix=-32", "--repeats=x"])
+def test_grid_flags_refuse_what_is_not_a_positive_count(flag: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "serving", flag, "--out", str(tmp_path)])
+    assert flag.split("=")[0] in capsys.readouterr().err
+
+
+class _Engine:
+    """What `measure` calls on an engine, recorded; every reply a one-token output."""
+
+    def __init__(self, name: str, calls: list[tuple[str, int, bool]]) -> None:
+        self.name, self.calls = name, calls
+
+    def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, commit: bool = False) -> dict:
+        self.calls.append((self.name, len(prompts[0]), reset_prefix_cache))
+        return {"wall_ms": float(len(self.calls)), "outputs": [{"num_cached_tokens": 0, "token_ids": [1],
+                                                                 "logprobs": ["0x0p+0"], "first_token_ms": None}]}
+
+
+class _Reader:
+    def layerkv_keys(self) -> set[str]:
+        return set()
+
+    def read_whole_ms(self, keys: list[str]) -> tuple[float, int]:
+        return 1.0, 0
+
+
+def test_every_timed_run_follows_the_same_work_in_its_engine() -> None:
+    """Recompute and pool runs: the same request just before (cache reset both times), the second
+    timed; the ceiling: the prefix's own forward just before; producers' references run once."""
+    from layerkv.bench.serving import ENGINE_OF, measure
+    from layerkv.bench.serving_report import Step
+
+    calls: list[tuple[str, int, bool]] = []
+    rig = type("Rig", (), {})()
+    rig.engines = {n: _Engine(n, calls) for n in ("plain", "layerkv-producer", "layerkv", "mooncake-producer", "mooncake")}
+    rig.reader, rig.prefix_keys = _Reader(), {}
+    contenders = (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
+    runs = measure(rig, Step((512, 64), 0, contenders))
+    timed = {r.contender: r.ttft_ms for r in runs if not r.reference and r.contender in contenders}
+    for contender in (RECOMPUTE, LAYERKV, MOONCAKE):
+        k = int(timed[contender]) - 1  # the timed call's index
+        assert calls[k] == calls[k - 1] == (ENGINE_OF[contender], 576, True)
+    k = int(timed[CEILING]) - 1
+    assert calls[k - 1] == ("plain", 512, True) and calls[k] == ("plain", 576, False)
+    assert sum(c == ("layerkv-producer", 576, False) for c in calls) == 1  # its reference: once, cold

@@ -37,6 +37,10 @@ class BenchOptions:
     request_rate: float | None = None
     num_requests: int | None = None
     lmcache_python: str = ""
+    # suite serving: the grid's prefix / suffix lengths and repeats instead of the mode's (empty / None)
+    serving_prefixes: tuple[int, ...] = ()
+    serving_suffixes: tuple[int, ...] = ()
+    serving_repeats: int | None = None
 
     @property
     def reps(self) -> int:

@@ -23,7 +23,6 @@ MAX_OWN_REQUESTS = 256  # requests whose own (suffix + output) blocks the capaci
 NONE, LAYERKV, MOONCAKE, LMCACHE = "none", "layerkv", "mooncake", "lmcache"
 # what each cost is made of: layerkv that only loads (kv_consumer: the hooks, no save), and
 # MooncakeStoreConnector saving the blocks decode fills too (save_decode_cache), as layerkv does
-# MooncakeStoreConnector saving the blocks decode fills too (save_decode_cache), as layerkv does
 LAYERKV_CONSUMER, MOONCAKE_SAVE_DECODE = "layerkv-consumer", "mooncake-save-decode"
 CONTENDERS = (NONE, LAYERKV, LAYERKV_CONSUMER, MOONCAKE, MOONCAKE_SAVE_DECODE, LMCACHE)
 CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", LAYERKV_CONSUMER: "layerkv, kv_consumer (loads only)",

@@ -4,7 +4,7 @@ the pool and cache sizes, and the prompts (pure: no processes). Driver thread on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions
@@ -43,6 +43,19 @@ class Grid:
 
     @classmethod
     def for_options(cls, options: BenchOptions) -> Grid:
+        """The mode's grid (`--tenant-keys`, `--quick` or full), its prefixes, suffixes and repeats
+        replaced by the options' where given (`--prefix`, `--suffix`, `--repeats`)."""
+        grid = cls._for_mode(options)
+        uneven = [n for n in options.serving_prefixes if n % BLOCK_SIZE]
+        if uneven:
+            raise ValueError(f"--prefix {uneven[0]}: a prefix must be whole {BLOCK_SIZE}-token blocks (only whole "
+                             "blocks are cached)")
+        return replace(grid, prefixes=options.serving_prefixes or grid.prefixes,
+                       suffixes=options.serving_suffixes or grid.suffixes,
+                       repeats=options.serving_repeats or grid.repeats)
+
+    @classmethod
+    def _for_mode(cls, options: BenchOptions) -> Grid:
         if options.tenant_keys:  # what a tenant key and encryption cost, side by side with no key
             return cls((512, 2048), (32, 512), 1 if options.quick else 3, dtype=native_dtype(), load_requests=8,
                        load_repeats=0, contenders=report.KEY_CONTENDERS)

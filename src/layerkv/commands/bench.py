@@ -31,6 +31,16 @@ def duration_s(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure data path, descriptor / lookup overhead, object counts, overlap, scale",
                        description="Run benchmark suites (all by default) and write results.json, results.md and PNGs.")
@@ -50,6 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tenant-keys", action="store_true",
                    help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "
                         "(instead of recompute, the local cache and MooncakeStoreConnector)")
+    serving = p.add_argument_group("suite serving")
+    serving.add_argument("--prefix", action="append", type=positive_int, default=[], metavar="TOKENS",
+                         help="prefix length(s) of the TTFT grid (repeat the flag; default: the mode's, 512 and 2048)")
+    serving.add_argument("--suffix", action="append", type=positive_int, default=[], metavar="TOKENS",
+                         help="computed suffix length(s) of the TTFT grid (repeat the flag; default: the mode's)")
+    serving.add_argument("--repeats", type=positive_int, default=None,
+                         help="repeats per cell (default: 1 with --quick, 3 otherwise)")
     load = p.add_argument_group("suite load")
     load.add_argument("--scenario", action="append", default=[], choices=LOAD_SCENARIOS,
                       help="scenario(s) to run (repeat the flag; default: capacity, eviction, two-servers; decode runs "
@@ -83,10 +100,13 @@ def run(args: argparse.Namespace) -> int:
                            engine_python=args.engine_python, tenant_keys=args.tenant_keys,
                            load_scenarios=tuple(args.scenario), load_contenders=tuple(args.contender),
                            soak_s=args.soak, request_rate=args.rate, num_requests=args.requests,
-                           lmcache_python=args.lmcache_python)
+                           lmcache_python=args.lmcache_python, serving_prefixes=tuple(args.prefix),
+                           serving_suffixes=tuple(args.suffix), serving_repeats=args.repeats)
     command = "layerkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("layerkv") else \
         "layerkv bench " + shlex.join([*args.suites, *(["--quick"] if args.quick else []),
-                                       *(["--tenant-keys"] if args.tenant_keys else []), "--out", str(args.out)])
+                                       *(["--tenant-keys"] if args.tenant_keys else []),
+                                       *[f"--prefix={n}" for n in args.prefix], *[f"--suffix={n}" for n in args.suffix],
+                                       *([f"--repeats={args.repeats}"] if args.repeats else []), "--out", str(args.out)])
     doc = run_bench(args.suites, options, progress=not args.no_progress, command=command)
     print(f"layerkv bench: {len(doc['suites'])} suite(s) in {doc['total_seconds']:.0f} s; "
           f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots")
