@@ -83,6 +83,10 @@ class LayerKVConfig:
     # written in time is revoked. Never an exception into the engine.
     load_timeout_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
     save_timeout_s: float = field(default=10.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
+    # Save the blocks a request's answer fills (decode steps) as well as its prompt's: a later turn
+    # that sends the answer back as its prompt hits them. False: prompts only (as vLLM's
+    # MooncakeStoreConnector by default), no save work in decode steps.
+    save_decode_blocks: bool = field(default=True, metadata=_rule("true or false", lambda v: True))
     # A step's written objects wait for the scheduler's verdict (every rank and stage clean) at
     # most this long, then they are revoked (Mooncake discards put starts after 30 s).
     commit_timeout_s: float = field(default=20.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 20"))

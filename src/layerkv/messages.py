@@ -99,6 +99,7 @@ class ScheduledRequest:
     # hybrid models: the request's block ids in its other KV cache groups (connector/hybrid.py); a block
     # that failed to load there taints this request's saves here too
     other_block_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int | None = None  # None: unknown (every full block counts as the prompt's)
 
 
 @dataclass(frozen=True, slots=True)

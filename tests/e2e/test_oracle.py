@@ -141,3 +141,15 @@ def test_partial_hit_when_later_keys_are_gone(make_oracle, backend) -> None:
     assert_loaded(consumer, got, 8)
     for rank in range(2):
         assert consumer.rank_faults(rank).keys_sent(GET_START) == producer.keys(PREFIX, storage_rank=rank, blocks=[0, 1])
+
+
+@BOTH_BACKENDS
+def test_an_answers_blocks_are_saved_unless_save_decode_blocks_is_false(make_oracle, backend) -> None:
+    """The reference engine's steps name each request's prompt length: with save_decode_blocks
+    false only the prompt's full blocks reach the pool, by default the answer's too."""
+    for seed, save_decode_blocks, saved in ((77, True, [1] * 4), (78, False, [1, 1, 0, 0])):
+        prompt = random_tokens(2 * BLOCK_SIZE + 1, seed=seed)  # one pool: a prompt of its own each
+        run = make_oracle(save_decode_blocks=save_decode_blocks).pooled()
+        out = run.engine.generate([prompt], 2 * BLOCK_SIZE)[0]
+        full = prompt + list(out.token_ids)  # KV of all but the last answer token was computed: 4 blocks
+        assert backend.exists(run.keys(full, blocks=range(4))) == saved

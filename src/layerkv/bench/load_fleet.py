@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.load_plan import (BLOCK_SIZE, LAYERKV, LAYERKV_CONSUMER, LMCACHE, MOONCAKE, MOONCAKE_SAVE_DECODE,
+from layerkv.bench.load_plan import (BLOCK_SIZE, LAYERKV_CONSUMER, LAYERKV_KINDS, LAYERKV_PROMPTS, LMCACHE, MOONCAKE, MOONCAKE_SAVE_DECODE,
                                      LoadPlan, Scenario)
 from layerkv.bench.load_probe import LogPhases
 from layerkv.bench.serve_proc import ServeProcess
@@ -62,7 +62,7 @@ class ContenderFleet:
 
     def _start_pool(self, pool_bytes: int, pythons: dict[str, str]) -> dict[str, str]:
         """Start the contender's pool; the servers' environment for it."""
-        if self.contender in (LAYERKV, LAYERKV_CONSUMER, MOONCAKE, MOONCAKE_SAVE_DECODE):
+        if self.contender in (*LAYERKV_KINDS, MOONCAKE, MOONCAKE_SAVE_DECODE):
             from layerkv.store.local_master import LocalMaster
 
             self.master = LocalMaster(segment_size=str(pool_bytes))
@@ -92,10 +92,11 @@ class ContenderFleet:
     def transfer_config(self, index: int) -> dict[str, Any] | None:
         """The server's --kv-transfer-config (None: no connector). Every contender recomputes a
         failed load (vLLM's default policy fails the request)."""
-        if self.contender in (LAYERKV, LAYERKV_CONSUMER):
+        if self.contender in LAYERKV_KINDS:
+            extra = {**self._layerkv_extra, **({"save_decode_blocks": False} if self.contender == LAYERKV_PROMPTS else {})}
             return {"kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
                     "kv_role": "kv_consumer" if self.contender == LAYERKV_CONSUMER else "kv_both",
-                    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": self._layerkv_extra}
+                    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         if self.contender in (MOONCAKE, MOONCAKE_SAVE_DECODE):  # its lookup server's IPC socket is named after lookup_rpc_port
             return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": {"lookup_rpc_port": (os.getpid() * 8 + index) % 50000 + 10000,

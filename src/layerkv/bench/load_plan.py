@@ -21,11 +21,14 @@ BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MiB = 1 << 20
 MAX_OWN_REQUESTS = 256  # requests whose own (suffix + output) blocks the capacity pool has room for
 NONE, LAYERKV, MOONCAKE, LMCACHE = "none", "layerkv", "mooncake", "lmcache"
-# what each cost is made of: layerkv that only loads (kv_consumer: the hooks, no save), and
+# what each cost is made of: layerkv that only loads (kv_consumer: the hooks, no save), layerkv
+# saving prompts only (save_decode_blocks false, as MooncakeStoreConnector by default), and
 # MooncakeStoreConnector saving the blocks decode fills too (save_decode_cache), as layerkv does
-LAYERKV_CONSUMER, MOONCAKE_SAVE_DECODE = "layerkv-consumer", "mooncake-save-decode"
-CONTENDERS = (NONE, LAYERKV, LAYERKV_CONSUMER, MOONCAKE, MOONCAKE_SAVE_DECODE, LMCACHE)
+LAYERKV_CONSUMER, LAYERKV_PROMPTS, MOONCAKE_SAVE_DECODE = "layerkv-consumer", "layerkv-prompts", "mooncake-save-decode"
+LAYERKV_KINDS = (LAYERKV, LAYERKV_CONSUMER, LAYERKV_PROMPTS)
+CONTENDERS = (NONE, LAYERKV, LAYERKV_CONSUMER, LAYERKV_PROMPTS, MOONCAKE, MOONCAKE_SAVE_DECODE, LMCACHE)
 CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", LAYERKV_CONSUMER: "layerkv, kv_consumer (loads only)",
+                    LAYERKV_PROMPTS: "layerkv, save_decode_blocks false (saves prompts only)",
                     MOONCAKE: "vLLM MooncakeStoreConnector", MOONCAKE_SAVE_DECODE: "MooncakeStoreConnector, save_decode_cache",
                     LMCACHE: "LMCache 0.5.6 (multiprocess)"}
 CAPACITY, EVICTION, TWO_SERVERS, DECODE = "capacity", "eviction", "two-servers", "decode"

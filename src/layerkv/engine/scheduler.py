@@ -106,6 +106,7 @@ class Scheduler:
                     num_scheduled_tokens=len(c.token_ids),
                     block_hashes=self.requests[c.req_id].block_hashes,
                     resumed=c.resumed,
+                    num_prompt_tokens=len(self.requests[c.req_id].prompt_token_ids),
                 )
                 for c in chunks
             ),

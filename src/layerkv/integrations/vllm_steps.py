@@ -151,6 +151,7 @@ class StepTranslator:
                 block_hashes=tuple(request.block_hashes),
                 resumed=resumed,
                 other_block_ids=tuple(b for h, other in enumerate(groups) if h != g for b in other),
+                num_prompt_tokens=request.num_prompt_tokens,
             )
             for g, ids in enumerate(groups)
         )
