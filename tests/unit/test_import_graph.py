@@ -1,6 +1,7 @@
 """The import graph of src/layerkv: no cycle, and no edge from a lower layer up to a higher one
-(STYLE: dependencies one way). Module-level imports only (a function-local import is a lazy,
-optional dependency, e.g. torch or vllm); `if TYPE_CHECKING:` imports count for cycles too."""
+(STYLE: dependencies one way). Every import counts for cycles, function-local ones too (lazy is
+still a dependency); the upward rule reads module-level imports (`if TYPE_CHECKING:` included):
+a function-local import there is a lazy, optional dependency, e.g. torch or vllm."""
 
 from __future__ import annotations
 
@@ -38,29 +39,38 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """layerkv modules `path` imports at module level (TYPE_CHECKING blocks included)."""
+def _imported(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name.startswith("layerkv")}
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("layerkv"):
+        return {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # `from layerkv import worker_jobs`
+    return set()
+
+
+def _imports(path: Path, *, local: bool = False) -> set[str]:
+    """layerkv modules `path` imports at module level (TYPE_CHECKING blocks included); with
+    `local`, inside functions too."""
+    tree = ast.parse(path.read_text())
+    if local:
+        return {m for node in ast.walk(tree) for m in _imported(node)}
     found: set[str] = set()
-    body = list(ast.parse(path.read_text()).body)
+    body = list(tree.body)
     while body:
         node = body.pop(0)
         if isinstance(node, ast.If):  # `if TYPE_CHECKING:` and friends
             body.extend(node.body)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("layerkv")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("layerkv"):
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from layerkv import worker_jobs`
+        found |= _imported(node)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, local: bool = False) -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in SRC.rglob("*.py")}
-    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+    return {name: {m for m in _imports(path, local=local) if m in modules and m != name}
+            for name, path in modules.items()}
 
 
 def test_no_import_cycle() -> None:
-    graph = _graph()
+    graph = _graph(local=True)
     state: dict[str, int] = {}  # 1 on the stack, 2 done
     cycles: list[list[str]] = []
 

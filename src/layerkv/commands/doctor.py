@@ -13,13 +13,13 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from layerkv.commands import add_mooncake_log_flag
+from layerkv.commands.check_result import CheckResult
 from layerkv.config import LayerKVConfig
 from layerkv.errors import LayerKVError
 from layerkv.store import port_owner
@@ -31,16 +31,6 @@ ENTRY_NBYTES = 32 << 10  # K and V per layer
 LAYER_NBYTES = 2 * ENTRY_NBYTES
 OBJECT_NBYTES = HEADER_NBYTES + NUM_LAYERS * LAYER_NBYTES  # 516 KiB
 NUM_KEYS = 4  # probe round trip; throughput writes 2 * NUM_KEYS more objects (~2 MiB per call)
-
-
-@dataclass(frozen=True, slots=True)
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str
-
-    def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'}  {self.name:<22} {self.detail}"
 
 
 def add_parser(subparsers: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from layerkv.commands.doctor import CheckResult
+from layerkv.commands.check_result import CheckResult
 from layerkv.config import LayerKVConfig
 from layerkv.errors import LayerKVError
 

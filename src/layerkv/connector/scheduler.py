@@ -183,11 +183,7 @@ class SchedulerConnector:
         prefix a prefill server promised in the request's kv_transfer_params is not all there
         yet, for up to prefill_wait_s (connector/prefill_wait.py)."""
         self._matched.pop(request.req_id, None)
-        if not self.deployment.role.loads or num_computed_tokens % self._block_size:
-            return 0, False
-        # A full hit keeps at least the last token for the engine to compute.
-        end_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
-        start_block = num_computed_tokens // self._block_size
+        start_block, end_block = self._hit_range(request, num_computed_tokens)
         if start_block >= end_block:
             return 0, False
         promised = min(end_block, promised_tokens(request.kv_transfer_params) // self._block_size)
@@ -212,11 +208,18 @@ class SchedulerConnector:
         """A cheap hint before the lookup: is the request's first block in the pool (one exists
         query of that block)? False for a role that never loads, while the store is down, and for
         a prompt with no full block before its last token."""
-        if not self.deployment.role.loads or self.store.is_down():
-            return False
-        if min((request.num_tokens - 1) // self._block_size, len(request.block_hashes)) < 1:
+        if self.store.is_down() or self._hit_range(request, 0)[1] < 1:
             return False
         return self._lookup.locate(request.block_hashes[:1])[0] >= 0
+
+    def _hit_range(self, request: RequestView, num_computed_tokens: int) -> tuple[int, int]:
+        """The hit rule: the blocks [start, end) a lookup may match: whole blocks after the
+        computed tokens, keeping at least the last token for the engine to compute; (0, 0) for a
+        role that never loads or computed tokens off a block boundary."""
+        if not self.deployment.role.loads or num_computed_tokens % self._block_size:
+            return 0, 0
+        end = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
+        return num_computed_tokens // self._block_size, end
 
     def _hit(self, start_block: int, generations: Sequence[int]) -> _PendingLoad:
         self._stats.hit_blocks += len(generations)
@@ -230,12 +233,11 @@ class SchedulerConnector:
         never read by the group's layers (the engine gives them its null block). Asks one window
         per candidate end, moving the end to the last miss of the window before."""
         self._matched.pop(request.req_id, None)
-        if not self.deployment.role.loads or num_computed_tokens % self._block_size:
-            return 0
-        start_block = num_computed_tokens // self._block_size
-        end_block = min((request.num_tokens - 1) // self._block_size, len(request.block_hashes))
+        start_block, end_block = self._hit_range(request, num_computed_tokens)
         if max_tokens is not None:
             end_block = min(end_block, start_block + max_tokens // self._block_size)
+        if end_block <= start_block:
+            return 0
         window = max(1, self.deployment.window_blocks)
         self._stats.lookups += 1
         lookup_start_s = time.perf_counter()

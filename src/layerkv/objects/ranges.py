@@ -76,10 +76,6 @@ class SegmentTemplate:
     def num_segments(self) -> int:
         return int(self.base_ptrs.shape[0])
 
-    @property
-    def nbytes_per_key(self) -> int:
-        return int(self.nbytes.sum())
-
     def columns(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int64 arrays [len(ids), num_segments]: local addresses, sizes, object offsets."""
         ids = np.asarray(ids)

@@ -196,12 +196,6 @@ class RowSealers:
         return ok
 
 
-def sealer_for(keys: TenantKeys | None, encrypt: bool) -> Sealer:
-    """The sealer of an engine with tenant `keys` (None: unkeyed checksums); `encrypt`
-    (config encrypt_objects, which needs a key) encrypts every layer."""
-    return sealers_for(keys, encrypt)[0]
-
-
 def sealers_for(keys: TenantKeys | None, encrypt: bool) -> tuple[Sealer, ...]:
     """One sealer per key of the key file, in its order (the first writes, all verify); one
     unkeyed sealer without a key."""

@@ -86,10 +86,6 @@ class PendingPuts:
         with self._lock:
             return sum(len(puts) for _, puts in self._steps.values())
 
-    def step_seqs(self) -> list[int]:
-        with self._lock:
-            return sorted(self._steps)
-
 
 @dataclass(slots=True)
 class CommitOutcome:
