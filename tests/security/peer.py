@@ -9,6 +9,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ class Attacker:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         env.pop("LAYERKV_TENANT_KEY_FILE", None)  # it never has the key
         self.timeout_s = timeout_s
+        self._stderr = tempfile.TemporaryFile("w+")  # kept for a failing test's message (stderr_tail)
         self._proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, name="attacker-stdout", daemon=True).start()
         assert self._answer() == {"ready": True}
@@ -40,6 +42,11 @@ class Attacker:
                                  f"(exit code {self._proc.poll()})") from None
         return json.loads(line)
 
+    def health(self, num_chars: int = 2000) -> str:
+        """Its exit code (None: running) and the end of its stderr, for an assertion message."""
+        self._stderr.seek(0)
+        return f"exit code {self._proc.poll()}, stderr ends: {self._stderr.read()[-num_chars:]}"
+
     def ask(self, **cmd: Any) -> dict[str, Any]:
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps(cmd) + "\n")
@@ -55,3 +62,4 @@ class Attacker:
         except (OSError, subprocess.TimeoutExpired):
             self._proc.kill()
             self._proc.wait(10)
+        self._stderr.close()

@@ -244,7 +244,8 @@ def test_a_segment_holder_rewrites_what_lands_in_its_segment(make_oracle, tmp_pa
             obj = bytes.fromhex(data)
             by_id[obj[64 : 64 + int.from_bytes(obj[20:24], "little")].hex()] = (addr, obj)
         key_x, key_y = producer.keys(PRODUCER, blocks=[4, 5])
-        assert {key_x.split("@")[1], key_y.split("@")[1]} <= set(by_id)  # A's objects in the attacker's memory
+        # A's objects in the attacker's memory (a holder that stopped serving its segment: say why)
+        assert {key_x.split("@")[1], key_y.split("@")[1]} <= set(by_id), holder.health()
         (addr_x, x), (_, y) = by_id[key_x.split("@")[1]], by_id[key_y.split("@")[1]]
         forged = forge("recomputed", x, y, key_x)
         assert engine.ask(op="put_bytes", segment=segment, addr=addr_x, data=forged.hex())["rc"] == 0
