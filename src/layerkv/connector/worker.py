@@ -26,6 +26,7 @@ from layerkv.objects.keys import with_store_shards, storage_role
 from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.connector.failed_blocks import FailedBlocks
 from layerkv.connector.handoff import SaveHandoff
 from layerkv.connector.stats import LOAD_WAIT_S, Samples, WorkerStats
 from layerkv.store.checked import CheckedStore
@@ -95,11 +96,9 @@ class WorkerConnector:
         self._save: SaveJob | None = None
         self.samples = Samples()  # per-step observations (connector/stats.py), compute thread; vLLM's histograms
         self._ledger = JobLedger(self._stats, self.samples)  # jobs whose outcomes are not counted yet
-        self._invalid_block_ids, self._reported_steps = set[int](), list[int]()
+        self._failed, self._reported_steps = FailedBlocks(), list[int]()  # load failures for the engine
         self._handoff = SaveHandoff()  # this step's layers handed to its save job
         self._waited = False  # a layer of this step's load was waited for (per-layer hooks ran)
-        self._handed_invalid: set[int] = set()  # load failures of this step already reported
-        self._errors_settled: bool | None = None  # was the load settled at this step's last error report
         self._areas: StagingAreas | None = None  # registered rows, one job at a time (once registered)
         self._closed = False  # compute thread: shutdown() ran
         rank = f"{deployment.pp_rank}-{deployment.tp_rank}" if deployment.pp_size > 1 else str(deployment.tp_rank)
@@ -149,8 +148,7 @@ class WorkerConnector:
         self._plan = meta
         self._handoff.start(None, self._names_per_layer, lambda: None)
         self._waited = False
-        self._handed_invalid = set()
-        self._errors_settled = None
+        self._failed.new_step()
         if meta is not None:
             self._reported_steps.append(meta.step_seq)
 
@@ -168,10 +166,10 @@ class WorkerConnector:
             return
         self._step_start_s, self._step_wait_s = time.perf_counter(), 0.0
         if self._closed:  # after shutdown: no transfers; loads are recomputed
-            self._invalid_block_ids |= plan.load_block_ids()
+            self._failed.add(plan.load_block_ids())
             return
         self._stats.steps += 1
-        self._invalid_block_ids |= plan.reinvalidate  # the engine recomputes them (see StepPlan)
+        self._failed.add(plan.reinvalidate)  # the engine recomputes them (see StepPlan)
         if self.layout is None and (plan.loads or plan.saves):
             raise TransferError("layerkv: start_load_kv before register_kv_caches")
         self.commits.apply(plan.verdicts)
@@ -181,11 +179,11 @@ class WorkerConnector:
             # the store refused our memory (e.g. Mooncake's master is down): no transfers this
             # step; loads are reported failed so the engine recomputes, saves are skipped
             if plan.loads and self.deployment.role.loads:
-                self._invalid_block_ids |= plan.load_block_ids()
+                self._failed.add(plan.load_block_ids())
             return
         if plan.loads and self.deployment.role.loads:
             if self._ledger.stuck(LoadJob):  # an earlier load is still inside the store: recompute, don't queue
-                self._invalid_block_ids |= plan.load_block_ids()
+                self._failed.add(plan.load_block_ids())
                 self._stats.load_skipped_stuck += 1
             else:
                 self._load = self._start_loads(plan.loads, plan.num_tokens)
@@ -256,7 +254,7 @@ class WorkerConnector:
             # recomputed, their saves revoked; asynchronous loads need no wait
             unwaited = plan.load_block_ids(skip_req_ids=plan.async_req_ids)
             self._stats.load_unwaited_steps += bool(unwaited)
-            self._invalid_block_ids |= unwaited
+            self._failed.add(unwaited)
         if save is not None:
             if self.layout is not None and self._handoff.finish(self.layout.num_layers):
                 self._stats.save_after_forward_steps += 1  # no per-layer hook ran: copied from the cache now
@@ -268,7 +266,7 @@ class WorkerConnector:
             elif plan is not None and not self.deployment.role.loads:
                 self.commits.commit_now(plan.step_seq)  # a prefill server's objects: readable once written
         if load is not None:
-            self._invalid_block_ids |= load.failed_block_ids() - self._handed_invalid
+            self._failed.add_unreported(load.failed_block_ids())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads are synchronous; a save never holds the engine's blocks
@@ -278,11 +276,9 @@ class WorkerConnector:
         the draft layers ran and wait_for_save; later failures are reported the next time)."""
         if self._load is not None:
             # settled first: a load settled by now has published every failure read below
-            self._errors_settled = self._load.settled()
-            self._invalid_block_ids |= self._load.failed_block_ids() - self._handed_invalid
-        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
-        self._handed_invalid |= invalid
-        return invalid
+            self._failed.load_settled = self._load.settled()
+            self._failed.add_unreported(self._load.failed_block_ids())
+        return self._failed.take()
 
     def flush(self, timeout_s: float | None = None, *, given_up_loads: bool = False) -> bool:
         """Wait until every transfer this worker started has finished (background writes and
@@ -304,8 +300,7 @@ class WorkerConnector:
         step whose load is still running (vLLM's speculative decoding reports before its draft
         layers loaded) is held back until a later call, so its late failures count for it."""
         # a load that settled after the last error report may have failures that report missed
-        settled = self._errors_settled if self._errors_settled is not None else self._load is None or self._load.settled()
-        self._errors_settled = None
+        settled = self._failed.pop_load_settled(self._load.settled if self._load is not None else None)
         held = self._load is not None and not settled and bool(self._reported_steps)
         steps = self._reported_steps[:-1] if held else self._reported_steps
         self._reported_steps = self._reported_steps[-1:] if held else []
@@ -370,7 +365,7 @@ class WorkerConnector:
         if job is not None:
             self._recv.submit(job)
         else:  # no staging: the step's loads are recomputed
-            self._invalid_block_ids |= {b for spec in specs for b in spec.block_ids}
+            self._failed.add({b for spec in specs for b in spec.block_ids})
         return job
 
     def _start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
