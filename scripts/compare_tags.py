@@ -31,13 +31,21 @@ def _list_of_views(self, layer_idx, block_ids, contexts, sealer):  # type: ignor
 
 def tags_alone() -> None:
     rng = np.random.default_rng(1)
-    segments = [np.lib.stride_tricks.as_strided(rng.integers(0, 256, 200 * SEGMENT_NBYTES * 3, dtype=np.uint8),
-                                                shape=(200, SEGMENT_NBYTES), strides=(3 * SEGMENT_NBYTES, 1)) for _ in range(2)]
+    segments = [
+        np.lib.stride_tricks.as_strided(
+            rng.integers(0, 256, 200 * SEGMENT_NBYTES * 3, dtype=np.uint8),
+            shape=(200, SEGMENT_NBYTES),
+            strides=(3 * SEGMENT_NBYTES, 1),
+        )
+        for _ in range(2)
+    ]
     rows = list(range(3, 3 + BLOCKS))
     contexts = [bytes(range(48))] * BLOCKS
     for sealer in (Sealer(None), Sealer(bytes(range(32)))):
-        ways = {"list of views": lambda: sealer.layer_tags(contexts, 5, [[s[r] for s in segments] for r in rows]),
-                "rows_tags": lambda: sealer.rows_tags(contexts, 5, segments, rows)}
+        ways = {
+            "list of views": lambda: sealer.layer_tags(contexts, 5, [[s[r] for s in segments] for r in rows]),
+            "rows_tags": lambda: sealer.rows_tags(contexts, 5, segments, rows),
+        }
         for name, fn in ways.items():
             best = min(_timed(fn) for _ in range(5))
             print(f"{sealer!r:40} {name:14} {best * 1e3:6.2f} ms per request ({BLOCKS} blocks x {LAYERS} layers)")
@@ -56,7 +64,7 @@ def in_the_engine(runs: int = 8, delay_s: float = 0.00356) -> None:
     got: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     try:
         for i in range(runs):
-            for name in (list(ways) if i % 2 == 0 else list(ways)[::-1]):
+            for name in list(ways) if i % 2 == 0 else list(ways)[::-1]:
                 views.CacheViews.tags = ways[name]  # type: ignore[method-assign]
                 ttft_s, _, _, _, copy_s, _ = rig.ttft_pooled(2, delay_s, False)
                 got[name].append((ttft_s * 1e3, copy_s * 1e3))
@@ -64,8 +72,10 @@ def in_the_engine(runs: int = 8, delay_s: float = 0.00356) -> None:
         views.CacheViews.tags = ways["rows_tags"]  # type: ignore[method-assign]
         rig.close()
     for name, rows in got.items():
-        print(f"engine, {name:14}: TTFT median {statistics.median(r[0] for r in rows):6.1f} ms, "
-              f"verify-and-copy median {statistics.median(r[1] for r in rows):5.1f} ms ({runs} runs)")
+        print(
+            f"engine, {name:14}: TTFT median {statistics.median(r[0] for r in rows):6.1f} ms, "
+            f"verify-and-copy median {statistics.median(r[1] for r in rows):5.1f} ms ({runs} runs)"
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from layerkv.connector import worker
 from layerkv.cli import main as cli
+from layerkv.connector import worker
 from layerkv.engine import Engine, runner
 
 _SPANS: dict[str, list[float]] = {"wait": [], "layer": [], "forward": []}
@@ -52,8 +52,10 @@ def main() -> None:
             layers = self.runner.cfg.num_layers  # the prefill step's: the first spans recorded
             waits = sum(_SPANS["wait"][: layers * len(self.runner.worker_hooks)])
             kind = "pool " if out.num_external_tokens else "local"
-            lines.append(f"{kind} TTFT {out.ttft_s * 1e3:6.1f} ms: forward {_SPANS['forward'][0] * 1e3:5.1f}, "
-                         f"its {layers} layers {sum(_SPANS['layer'][:layers]) * 1e3:5.1f}, of which waits {waits * 1e3:5.1f}")
+            lines.append(
+                f"{kind} TTFT {out.ttft_s * 1e3:6.1f} ms: forward {_SPANS['forward'][0] * 1e3:5.1f}, "
+                f"its {layers} layers {sum(_SPANS['layer'][:layers]) * 1e3:5.1f}, of which waits {waits * 1e3:5.1f}"
+            )
         return outputs
 
     Engine.generate = report  # type: ignore[method-assign]

@@ -21,7 +21,6 @@ import torch
 from layerkv.bench.common import BenchOptions
 from layerkv.bench.overlap import _best, _Rig
 
-
 _RECV_CPU_S: list[float] = []
 
 
@@ -58,16 +57,20 @@ def main() -> None:
         compute = _best(rig.ttft_compute_alone, args.repeats)
         _, transfer0, calls, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
         delay = max(0.0, (compute - transfer0) / calls)
-        print(f"{rig.model.num_layers} layers: compute alone {compute * 1e3:.0f} ms, transfer without delay "
-              f"{transfer0 * 1e3:.1f} ms in {calls} range calls, delay {delay * 1e3:.2f} ms per call")
+        print(
+            f"{rig.model.num_layers} layers: compute alone {compute * 1e3:.0f} ms, transfer without delay "
+            f"{transfer0 * 1e3:.1f} ms in {calls} range calls, delay {delay * 1e3:.2f} ms per call"
+        )
         for _ in range(args.repeats):
             ttft, _, cpu = _pooled(rig, rig.model.num_layers, delay, True)
             print(f"load all, then compute: TTFT {ttft * 1e3:.0f} ms, receive thread CPU {cpu * 1e3:.0f} ms")
         for prefetch in args.prefetch:
             for _ in range(args.repeats):
                 ttft, waited, cpu = _pooled(rig, prefetch, delay, False)
-                print(f"prefetch {prefetch}: TTFT {ttft * 1e3:.0f} ms (compute alone + {(ttft - compute) * 1e3:.0f}), "
-                      f"compute thread waited for layers {waited * 1e3:.0f} ms, receive thread CPU {cpu * 1e3:.0f} ms")
+                print(
+                    f"prefetch {prefetch}: TTFT {ttft * 1e3:.0f} ms (compute alone + {(ttft - compute) * 1e3:.0f}), "
+                    f"compute thread waited for layers {waited * 1e3:.0f} ms, receive thread CPU {cpu * 1e3:.0f} ms"
+                )
     finally:
         rig.close()
 

@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.vllm_model import save_random_llama, tokens
 from vllm_ttft import ttft_ms  # scripts/ is on sys.path when this file runs
+
+from layerkv.bench.vllm_model import save_random_llama, tokens
 
 PLANS: dict[str, dict[str, Any]] = {
     "auto": {},
@@ -37,11 +38,20 @@ def engine(model: Path, role: str, max_len: int, extra: dict[str, Any]) -> Any:
     from vllm import LLM
 
     return LLM(
-        model=str(model), skip_tokenizer_init=True, dtype="bfloat16", block_size=32, enforce_eager=True,
-        max_model_len=max_len, max_num_batched_tokens=max_len, gpu_memory_utilization=0.3, seed=0,
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=32,
+        enforce_eager=True,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        gpu_memory_utilization=0.3,
+        seed=0,
         kv_transfer_config={
-            "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector": "LayerKVConnector",
+            "kv_connector_module_path": "layerkv.integrations.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"backend": "mooncake", "tenant": "plans", "load_timeout_s": 60, **extra},
         },
     )
@@ -53,7 +63,9 @@ def audited_steps(path: Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         entry = json.loads(line)
         if entry.get("event") == "load_plan":
-            steps.append({"plan": entry["plan"], "explored": entry.get("explored", False), "start": entry["ts"], "read_ms": 0.0})
+            steps.append(
+                {"plan": entry["plan"], "explored": entry.get("explored", False), "start": entry["ts"], "read_ms": 0.0}
+            )
         elif steps and entry.get("direction") == "get":
             steps[-1]["read_ms"] = (entry["ts"] - steps[-1]["start"]) * 1000
     return steps
@@ -66,8 +78,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--plans", nargs="+", default=["auto", "groups4", "layers", "whole"], choices=sorted(PLANS))
     args = parser.parse_args()
-    for name, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("MC_TCP_BIND_ADDRESS", "127.0.0.1"), ("VLLM_HOST_IP", "127.0.0.1"),
-                        ("VLLM_NO_USAGE_STATS", "1"), ("HF_HUB_OFFLINE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "0,1")):
+    for name, value in (
+        ("VLLM_CPU_KVCACHE_SPACE", "1"),
+        ("MC_TCP_BIND_ADDRESS", "127.0.0.1"),
+        ("VLLM_HOST_IP", "127.0.0.1"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("VLLM_CPU_OMP_THREADS_BIND", "0,1"),
+    ):
         os.environ.setdefault(name, value)
 
     from layerkv.store.local_master import LocalMaster
@@ -89,7 +107,9 @@ def main() -> int:
             producer.llm_engine.engine_core.shutdown()
             for name in args.plans:
                 audit = Path(tmp) / f"audit-{name}.jsonl"
-                consumer = engine(model, "kv_consumer", max_len, {"range_debug": True, "range_debug_path": str(audit), **PLANS[name]})
+                consumer = engine(
+                    model, "kv_consumer", max_len, {"range_debug": True, "range_debug_path": str(audit), **PLANS[name]}
+                )
                 ttft_ms(consumer, tokens(7, 256))
                 ttft_ms(consumer, prefixes[n] + tokens(4999, args.suffix_tokens))  # untimed first load of this size
                 times = []
@@ -104,15 +124,21 @@ def main() -> int:
                 rows.append((name, times, steps[0]["read_ms"] if len(steps) > n else None, timed, plans))
         finally:
             master.stop()
-    print(f"random-weight Llama 8 x 1024, bf16; {args.prefix_tokens:,} prefix tokens from the pool + "
-          f"{args.suffix_tokens} new; {n} requests per plan after one untimed load")
-    print("| plan | TTFT median (min-max) ms | reads median ms | untimed first load reads ms | plans of the timed steps |")
+    print(
+        f"random-weight Llama 8 x 1024, bf16; {args.prefix_tokens:,} prefix tokens from the pool + "
+        f"{args.suffix_tokens} new; {n} requests per plan after one untimed load"
+    )
+    print(
+        "| plan | TTFT median (min-max) ms | reads median ms | untimed first load reads ms | plans of the timed steps |"
+    )
     print("|---|---:|---:|---:|---|")
     for name, times, first, timed, plans in rows:
         reads = statistics.median(s["read_ms"] for s in timed)
         first_text = f"{first:,.0f}" if first is not None else "-"
-        print(f"| {name} | {statistics.median(times):,.0f} ({min(times):,.0f}-{max(times):,.0f}) | {reads:,.0f} | {first_text} | "
-              + ", ".join(f"{p} x{c}" for p, c in plans.most_common()) + " |")
+        print(
+            f"| {name} | {statistics.median(times):,.0f} ({min(times):,.0f}-{max(times):,.0f}) | {reads:,.0f} | "
+            f"{first_text} | " + ", ".join(f"{p} x{c}" for p, c in plans.most_common()) + " |"
+        )
     return 0
 
 

@@ -32,11 +32,20 @@ def engine(model: Path, kv_role: str, max_len: int, dtype: str) -> Any:
     from vllm import LLM
 
     return LLM(
-        model=str(model), skip_tokenizer_init=True, dtype=dtype, block_size=32, enforce_eager=True,
-        max_model_len=max_len, max_num_batched_tokens=max_len, gpu_memory_utilization=0.3, seed=0,
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype=dtype,
+        block_size=32,
+        enforce_eager=True,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        gpu_memory_utilization=0.3,
+        seed=0,
         kv_transfer_config={
-            "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-            "kv_role": kv_role, "kv_load_failure_policy": "recompute",
+            "kv_connector": "LayerKVConnector",
+            "kv_connector_module_path": "layerkv.integrations.vllm",
+            "kv_role": kv_role,
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"backend": "mooncake", "tenant": f"ttft-{os.getpid()}"},
         },
     )
@@ -75,7 +84,9 @@ def measure(model: Path, lengths: list[int], repeats: int, dtype: str) -> list[d
         close(consumer)
 
 
-def _consume(consumer: Any, saved: dict[int, list[list[int]]], lengths: list[int], repeats: int) -> list[dict[str, Any]]:
+def _consume(
+    consumer: Any, saved: dict[int, list[list[int]]], lengths: list[int], repeats: int
+) -> list[dict[str, Any]]:
     ttft_ms(consumer, tokens(7, 256))  # the first generate of an engine warms up for seconds
     rows = []
     for n in lengths:
@@ -112,8 +123,13 @@ def main() -> int:
     parser.add_argument("--dtype", default=native_dtype(), help="model and KV dtype (default: %(default)s here)")
     parser.add_argument("--json", action="store_true", help="also print the raw timings as JSON")
     args = parser.parse_args()
-    for name, value in (("VLLM_CPU_KVCACHE_SPACE", "2"), ("MC_TCP_BIND_ADDRESS", "127.0.0.1"),
-                        ("VLLM_HOST_IP", "127.0.0.1"), ("VLLM_NO_USAGE_STATS", "1"), ("HF_HUB_OFFLINE", "1")):
+    for name, value in (
+        ("VLLM_CPU_KVCACHE_SPACE", "2"),
+        ("MC_TCP_BIND_ADDRESS", "127.0.0.1"),
+        ("VLLM_HOST_IP", "127.0.0.1"),
+        ("VLLM_NO_USAGE_STATS", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+    ):
         os.environ.setdefault(name, value)
 
     from layerkv.store.local_master import LocalMaster
@@ -132,8 +148,10 @@ def main() -> int:
         finally:
             if deployment is not None:
                 deployment.stop()
-    print(f"random-weight Llama {args.layers} layers x {args.hidden} hidden, {args.dtype}; prefix + {SUFFIX_TOKENS} new "
-          f"tokens; {args.repeats} requests per row")
+    print(
+        f"random-weight Llama {args.layers} layers x {args.hidden} hidden, {args.dtype}; prefix + {SUFFIX_TOKENS} new "
+        f"tokens; {args.repeats} requests per row"
+    )
     print(table(rows))
     if args.json:
         print(json.dumps(rows))

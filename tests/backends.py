@@ -62,8 +62,9 @@ class EmbeddedBackend(Backend):
     def __init__(self, capacity: int = 64 << 20, lease_ttl_s: float = 10.0) -> None:
         super().__init__()
         self._skew_s = 0.0
-        self.root = EmbeddedStore(capacity, lease_ttl_s=lease_ttl_s, clock=lambda: time.monotonic() + self._skew_s,
-                                  strict_buffers=True)
+        self.root = EmbeddedStore(
+            capacity, lease_ttl_s=lease_ttl_s, clock=lambda: time.monotonic() + self._skew_s, strict_buffers=True
+        )
         self._clients: list[EmbeddedStore] = []
 
     def let_time_pass(self, seconds: float) -> None:

@@ -27,8 +27,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if isolated and others:
         raise pytest.UsageError(f"LAYERKV_IN_NETNS=1 but this namespace has interfaces {others} besides lo")
     if os.environ.get("CI", "").lower() in ("1", "true", "yes") and not isolated:
-        raise pytest.UsageError("CI runs the test suite inside scripts/isolated.sh (a network namespace with only "
-                                "loopback: Mooncake listens on all interfaces); `make test` does")
+        raise pytest.UsageError(
+            "CI runs the test suite inside scripts/isolated.sh (a network namespace with only "
+            "loopback: Mooncake listens on all interfaces); `make test` does"
+        )
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -48,8 +50,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # ty
     """Say that the GPU tier did not run where no CUDA device is (it is not in the pass count)."""
     gpu = os.path.join(os.path.dirname(__file__), "gpu")
     asked = [str(a) for a in config.args]
-    covers = any(os.path.abspath(a) in (os.path.dirname(__file__), gpu) or os.path.abspath(a).startswith(gpu + os.sep)
-                 for a in asked)
+    covers = any(
+        os.path.abspath(a) in (os.path.dirname(__file__), gpu) or os.path.abspath(a).startswith(gpu + os.sep)
+        for a in asked
+    )
     if covers:
         from tests.gpu.conftest import NOT_RUN, RUNS
 

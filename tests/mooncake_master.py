@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from layerkv.store.base import Placement
     from layerkv.store.mooncake import MooncakeStore
 
-__all__ = ["start_master", "MasterProcess", "connect_store", "MooncakeHarness", "require_mooncake", "MOONCAKE_PROBLEM_LINE"]
+__all__ = [
+    "start_master",
+    "MasterProcess",
+    "connect_store",
+    "MooncakeHarness",
+    "require_mooncake",
+    "MOONCAKE_PROBLEM_LINE",
+]
 
 SHARED_SEGMENT_BYTES = 64 << 20
 # A Mooncake (glog) ERROR / WARNING / FATAL line as it appears on a terminal: `E1130 19:20:19.914211 ...`
@@ -75,8 +82,12 @@ class MooncakeHarness:
 
     name = "mooncake"
 
-    def __init__(self, master: MasterProcess, segment_bytes: int = SHARED_SEGMENT_BYTES,
-                 shared_store: MooncakeStore | None = None) -> None:
+    def __init__(
+        self,
+        master: MasterProcess,
+        segment_bytes: int = SHARED_SEGMENT_BYTES,
+        shared_store: MooncakeStore | None = None,
+    ) -> None:
         self.master = master
         self.segment_bytes = segment_bytes
         self._store = shared_store  # not closed by this harness

@@ -25,8 +25,10 @@ from tests.chaos.engines import LocalOracle
 from tests.chaos.rig import InProc, Rig
 
 ENGINE = EngineConfig(block_size=16, num_blocks=512, max_num_batched_tokens=512, max_num_seqs=4)
-DEFAULTS = {f: getattr(LayerKVConfig(), f) for f in
-            ("load_timeout_s", "save_timeout_s", "store_call_timeout_s", "store_retry_interval_s")}
+DEFAULTS = {
+    f: getattr(LayerKVConfig(), f)
+    for f in ("load_timeout_s", "save_timeout_s", "store_call_timeout_s", "store_retry_interval_s")
+}
 PREFIX_BLOCKS, QUESTION = 32, 16
 
 
@@ -93,8 +95,11 @@ def main(reps: int) -> None:
             finally:
                 rig.master.signal(signal.SIGCONT)
             rig.check(consumer, outs, 600.0)
-            print("hung master (SIGSTOP), requests in order: TTFT "
-                  + ", ".join(f"{o['ttft_s'] * 1e3:.0f} ms" for o in outs), flush=True)
+            print(
+                "hung master (SIGSTOP), requests in order: TTFT "
+                + ", ".join(f"{o['ttft_s'] * 1e3:.0f} ms" for o in outs),
+                flush=True,
+            )
 
             # a stalled segment holder: the first request whose load and save reach it
             consumer = rig.inproc("stall-consumer", **DEFAULTS, transfer_plan="layers")
@@ -107,9 +112,14 @@ def main(reps: int) -> None:
             finally:
                 rig.holder.signal(signal.SIGCONT)
             rig.check(consumer, outs, 600.0)
-            print("segment holder stopped, requests in order: TTFT "
-                  + ", ".join(f"{o['ttft_s'] * 1e3:.0f} ms" for o in outs)
-                  + " (wall " + ", ".join(f"{o['wall_s']:.1f} s" for o in outs) + ")", flush=True)
+            print(
+                "segment holder stopped, requests in order: TTFT "
+                + ", ".join(f"{o['ttft_s'] * 1e3:.0f} ms" for o in outs)
+                + " (wall "
+                + ", ".join(f"{o['wall_s']:.1f} s" for o in outs)
+                + ")",
+                flush=True,
+            )
 
             # a killed master (connections reset): the first request after it died, and the next
             consumer = rig.inproc("dead-consumer", **DEFAULTS)
@@ -117,8 +127,10 @@ def main(reps: int) -> None:
             rig.kill_master()
             outs = consumer.serve([rig.prompt(rig.prefix(PREFIX_BLOCKS), 1) for _ in range(3)], 2)
             rig.check(consumer, outs, 600.0)
-            print("master killed, requests in order: TTFT " + ", ".join(f"{o['ttft_s'] * 1e3:.0f} ms" for o in outs),
-                  flush=True)
+            print(
+                "master killed, requests in order: TTFT " + ", ".join(f"{o['ttft_s'] * 1e3:.0f} ms" for o in outs),
+                flush=True,
+            )
         finally:
             rig.close()
             oracle.close()

@@ -48,14 +48,17 @@ class LayerKVConfig:
     # protocol, device_name, global_segment_size, local_buffer_size). Default: $MOONCAKE_CONFIG_PATH.
     mooncake_config_path: str | None = field(default=None, metadata=_rule("a path or null", lambda v: True))
     # Master address override (host:port); default: $MOONCAKE_MASTER, else the config file's.
-    mooncake_master: str | None = field(default=None, metadata=_rule("host:port or null", lambda v: v is None or ":" in v, "e.g. 127.0.0.1:50051"))
+    mooncake_master: str | None = field(
+        default=None, metadata=_rule("host:port or null", lambda v: v is None or ":" in v, "e.g. 127.0.0.1:50051")
+    )
     # How a step's loads read: "auto" chooses per step (per layer, layer groups through host
     # staging, or whole objects, and the concurrent calls) from measured transfer and compute
     # times; "layers" reads layer by layer (prefetch_layers ahead; through staging, or straight
     # into the cache with register_kv_cache); "groups" reads read_layers_per_range layers per
     # range through staging; "whole" reads whole objects through staging.
-    transfer_plan: str = field(default=PlanMode.AUTO.value, metadata=_rule(f"one of {', '.join(_PLAN_MODES)}",
-                                                                         lambda v: v in _PLAN_MODES))
+    transfer_plan: str = field(
+        default=PlanMode.AUTO.value, metadata=_rule(f"one of {', '.join(_PLAN_MODES)}", lambda v: v in _PLAN_MODES)
+    )
     # Register the engine's live KV cache with the store for zero-copy per-layer transfers
     # straight into / out of it ("layers" plans). Any peer that reaches the store's transfer
     # ports can then read and write that memory (Mooncake serves every registered byte to any
@@ -66,19 +69,31 @@ class LayerKVConfig:
     # (they stream through it a wave at a time), the rest for saves (a step's new blocks beyond
     # it are not saved), each at most what the KV cache could use; mapped as it is used. The
     # loads' quarter must hold one object (checked at registration, naming the minimum).
-    staging_nbytes: int = field(default=512 * MiB, metadata=_rule("4 KiB <= value <= 1 TiB", lambda v: 4096 <= v <= (1 << 40),
-                                                                  "default is 512 MiB"))
+    staging_nbytes: int = field(
+        default=512 * MiB,
+        metadata=_rule("4 KiB <= value <= 1 TiB", lambda v: 4096 <= v <= (1 << 40), "default is 512 MiB"),
+    )
     # "layers" / "groups" plans: read at most this many layers ahead of compute
     prefetch_layers: int = field(default=2, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64))
     # "groups" plans: layers per range per key into a host staging row, then scattered (layer 0
     # alone first).
-    read_layers_per_range: int = field(default=1, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64, "default is 1"))
+    read_layers_per_range: int = field(
+        default=1, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64, "default is 1")
+    )
     # concurrent range calls per transfer (Mooncake's TCP transport serialises the ranges of one
     # call); 0 = auto (up to 4, at least 8 keys per call)
-    transfer_lanes: int = field(default=0, metadata=_rule("0 <= value <= 8", lambda v: 0 <= v <= 8, "default is 0 (auto)"))
-    max_transfer_blocks: int = field(default=64, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 64"))
-    max_transfer_bytes: int = field(default=16 * MiB, metadata=_rule("4096 <= value <= 4 GiB", lambda v: 4096 <= v <= 4 * GiB, "default is 16 MiB"))
-    exists_window_blocks: int = field(default=32, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 32"))
+    transfer_lanes: int = field(
+        default=0, metadata=_rule("0 <= value <= 8", lambda v: 0 <= v <= 8, "default is 0 (auto)")
+    )
+    max_transfer_blocks: int = field(
+        default=64, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 64")
+    )
+    max_transfer_bytes: int = field(
+        default=16 * MiB, metadata=_rule("4096 <= value <= 4 GiB", lambda v: 4096 <= v <= 4 * GiB, "default is 16 MiB")
+    )
+    exists_window_blocks: int = field(
+        default=32, metadata=_rule("1 <= value <= 65536", lambda v: 1 <= v <= 65536, "default is 32")
+    )
     # Bounds on the compute thread's waits: a layer not read in time is recomputed, a save not
     # written in time is revoked. Never an exception into the engine.
     load_timeout_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
@@ -89,29 +104,41 @@ class LayerKVConfig:
     save_decode_blocks: bool = field(default=True, metadata=_rule("true or false", lambda v: True))
     # A step's written objects wait for the scheduler's verdict (every rank and stage clean) at
     # most this long, then they are revoked (Mooncake discards put starts after 30 s).
-    commit_timeout_s: float = field(default=20.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 20"))
+    commit_timeout_s: float = field(
+        default=20.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 20")
+    )
     # Prefill/decode: a request whose kv_transfer_params name the prefix a prefill server commits
     # (layerkv_prefix_tokens) waits this long for it in the pool (its lookup answers "ask again",
     # the engine serves other requests), then loads what is there and computes the rest. 0: no wait.
-    prefill_wait_s: float = field(default=5.0, metadata=_rule("0 <= value <= 600", lambda v: 0 <= v <= 600, "default is 5"))
+    prefill_wait_s: float = field(
+        default=5.0, metadata=_rule("0 <= value <= 600", lambda v: 0 <= v <= 600, "default is 5")
+    )
     # Objects per block: the KV heads split into this many head ranges (0: one per head group of
     # this server, min(tp_size, num_kv_heads)). Servers of different TP sizes share objects when
     # they split alike: set it on each to the largest TP size among them (e.g. 2 for a TP=2
     # prefill server and a TP=1 decode server). Must divide the KV heads.
-    store_shards: int = field(default=0, metadata=_rule("0 <= value <= 1024", lambda v: 0 <= v <= 1024, "default is 0 (one per head group)"))
+    store_shards: int = field(
+        default=0, metadata=_rule("0 <= value <= 1024", lambda v: 0 <= v <= 1024, "default is 0 (one per head group)")
+    )
     # A load that has held its get sessions this long restarts them (below the store's lease
     # TTL: Mooncake's default_kv_lease_ttl is 10 s, the embedded store's embedded_lease_ttl_s).
-    lease_renew_after_s: float = field(default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 5"))
+    lease_renew_after_s: float = field(
+        default=5.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600, "default is 5")
+    )
     # Bound on every call that talks to the master (metadata, session start / end / revoke);
     # past it the call counts as an outage (Mooncake answers a hung master after ~30 s).
-    store_call_timeout_s: float = field(default=2.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600, "default is 2"))
+    store_call_timeout_s: float = field(
+        default=2.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600, "default is 2")
+    )
     # After the store answers RPC_FAIL / RPC_TIMEOUT (master unreachable or hung), serve without
     # the pool this long before probing it again.
     store_retry_interval_s: float = field(default=5.0, metadata=_rule("0 < value <= 600", lambda v: 0 < v <= 600))
     # Pins the identity of the model weights in the namespace (default: the engine's revision,
     # else a fingerprint of the checkpoint files). Deployments with different values never share.
     model_fingerprint: str = field(default="", metadata=_rule("a string", lambda v: True))
-    tenant: str = field(default="default", metadata=_rule("a non-empty string without '@'", lambda v: bool(v) and "@" not in v))
+    tenant: str = field(
+        default="default", metadata=_rule("a non-empty string without '@'", lambda v: bool(v) and "@" not in v)
+    )
     # The Mooncake tenant this engine's client claims (empty: the `tenant` label). A master
     # started with multi-tenant mode (`layerkv master --tenant NAME=BYTES`) keeps each tenant's
     # objects apart and within its quota; Mooncake does not authenticate it (any client can claim
@@ -138,7 +165,9 @@ class LayerKVConfig:
     preferred_segment: str = field(default="", metadata=_rule("a segment name or ''", lambda v: True))
     prefer_alloc_in_same_node: bool = field(default=False, metadata=_rule("true or false", lambda v: True))
     # Embedded backend.
-    embedded_capacity_bytes: int = field(default=1 * GiB, metadata=_rule("16 MiB <= value <= 1 TiB", lambda v: 16 * MiB <= v <= (1 << 40)))
+    embedded_capacity_bytes: int = field(
+        default=1 * GiB, metadata=_rule("16 MiB <= value <= 1 TiB", lambda v: 16 * MiB <= v <= (1 << 40))
+    )
     embedded_lease_ttl_s: float = field(default=10.0, metadata=_rule("0 < value <= 3600", lambda v: 0 < v <= 3600))
     embedded_put_timeout_s: float = field(default=600.0, metadata=_rule("0 < value <= 86400", lambda v: 0 < v <= 86400))
     # LAYERKV_RANGE_DEBUG: one JSON line per range call / commit / whole-object call.
@@ -154,11 +183,15 @@ class LayerKVConfig:
                 fix = f"; {f.metadata['fix']}" if f.metadata["fix"] else ""
                 raise ConfigError(f"{f.name}={value!r} must be {f.metadata['rule']}{fix}")
         if self.backend == "embedded" and self.lease_renew_after_s >= self.embedded_lease_ttl_s:
-            raise ConfigError(f"lease_renew_after_s={self.lease_renew_after_s!r} must be below embedded_lease_ttl_s="
-                              f"{self.embedded_lease_ttl_s!r}: a load's leases would expire before it renews them")
+            raise ConfigError(
+                f"lease_renew_after_s={self.lease_renew_after_s!r} must be below embedded_lease_ttl_s="
+                f"{self.embedded_lease_ttl_s!r}: a load's leases would expire before it renews them"
+            )
         if self.encrypt_objects and not self.tenant_key_file:
-            raise ConfigError("encrypt_objects=true needs tenant_key_file (the key the objects are encrypted with; "
-                              "`layerkv keygen FILE` writes one)")
+            raise ConfigError(
+                "encrypt_objects=true needs tenant_key_file (the key the objects are encrypted with; "
+                "`layerkv keygen FILE` writes one)"
+            )
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> LayerKVConfig:
@@ -174,8 +207,7 @@ class LayerKVConfig:
         unknown = sorted(set(extra) - names)
         if unknown:
             raise ConfigError(
-                f"unknown layerkv config key(s) {', '.join(map(repr, unknown))}; "
-                f"known keys: {', '.join(sorted(names))}"
+                f"unknown layerkv config key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(names))}"
             )
         values: dict[str, Any] = {}
         if env.get("MOONCAKE_CONFIG_PATH"):

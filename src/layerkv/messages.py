@@ -5,7 +5,8 @@ Plain frozen dataclasses, picklable, no behaviour; built on the engine's schedul
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set as AbstractSet
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -139,4 +140,6 @@ class WorkerReport:
     finished_recving: frozenset[ReqId] = field(default_factory=frozenset)
     invalid_block_ids: frozenset[int] = field(default_factory=frozenset)
     reported_steps: tuple[int, ...] = ()
-    failed_recving: frozenset[ReqId] = field(default_factory=frozenset)  # loads before the request's first step that failed
+    failed_recving: frozenset[ReqId] = field(
+        default_factory=frozenset
+    )  # loads before the request's first step that failed

@@ -103,7 +103,9 @@ class NamedThreads:
                 thread.join(timeout=join_timeout_s)
 
     def _start_thread(self) -> None:  # caller holds _lock
-        thread = threading.Thread(target=self._loop, name=f"{self.name}-{self._first + len(self._threads)}", daemon=True)
+        thread = threading.Thread(
+            target=self._loop, name=f"{self.name}-{self._first + len(self._threads)}", daemon=True
+        )
         self._threads.append(thread)
         thread.start()
 

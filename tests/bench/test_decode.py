@@ -33,7 +33,9 @@ def test_method_timer_counts_calls_once_per_outer_call_and_uninstalls() -> None:
     assert hooks.outer() == 2 and hooks.untimed() == 0
     totals = timer.take()
     assert dict(totals.calls) == {"outer": 1, "inner": 1}
-    assert 0 < totals.method_ns["inner"] <= totals.method_ns["outer"] == totals.ns  # inner is inside outer: not added twice
+    assert (
+        0 < totals.method_ns["inner"] <= totals.method_ns["outer"] == totals.ns
+    )  # inner is inside outer: not added twice
     assert timer.take().ns == 0  # take() resets
     worker = threading.Thread(target=hooks.inner)
     worker.start()
@@ -137,8 +139,11 @@ def test_layerkv_per_layer_hooks_and_store_calls_are_counted(tiny_run) -> None:
             assert row["exists_calls_driver"] >= row["requests"], row
             assert row["store_calls_total"] >= row["store_calls_driver"]
     hooks = result.tables[f"per hook at N={max(size.batch_sizes)}"]
-    idle_layer_hooks = {r["method"]: r["calls_per_step"] for r in hooks
-                        if r["contender"] == decode.LAYERKV_EMBEDDED and r["steps"] == decode.IDLE and r["where"] == "worker connector"}
+    idle_layer_hooks = {
+        r["method"]: r["calls_per_step"]
+        for r in hooks
+        if r["contender"] == decode.LAYERKV_EMBEDDED and r["steps"] == decode.IDLE and r["where"] == "worker connector"
+    }
     assert idle_layer_hooks["wait_for_layer_load"] == idle_layer_hooks["save_kv_layer"] == size.num_layers
     assert idle_layer_hooks["bind_connector_metadata"] == 1
 

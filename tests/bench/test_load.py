@@ -10,9 +10,28 @@ import os
 
 import pytest
 
-from layerkv.bench.load_plan import BLOCK_SIZE, CAPACITY, DECODE, EVICTION, LAYERKV, NONE, SCENARIO_OF, TWO_SERVERS, LoadPlan
-from layerkv.bench.load_probe import (SHUTDOWN_NOISE, LogPhases, Series, gauges, hits_by_source, layerkv_counters,
-                                      put_balance, rss_slope_pct_per_10min, total)
+from layerkv.bench.load_plan import (
+    BLOCK_SIZE,
+    CAPACITY,
+    DECODE,
+    EVICTION,
+    LAYERKV,
+    NONE,
+    SCENARIO_OF,
+    TWO_SERVERS,
+    LoadPlan,
+)
+from layerkv.bench.load_probe import (
+    SHUTDOWN_NOISE,
+    LogPhases,
+    Series,
+    gauges,
+    hits_by_source,
+    layerkv_counters,
+    put_balance,
+    rss_slope_pct_per_10min,
+    total,
+)
 from layerkv.bench.load_report import LoadRecord, errors_by_phase, failed_requests, goals, row, same_outputs
 from layerkv.bench.serve_proc import group_rss_bytes
 from layerkv.commands.bench import duration_s
@@ -24,7 +43,9 @@ def test_plan_sizes_follow_the_working_set():
     assert plan.scenarios == (CAPACITY, EVICTION, TWO_SERVERS) and plan.contenders == (NONE, LAYERKV, "mooncake")
     assert plan.local_blocks(SCENARIO_OF[CAPACITY]) * BLOCK_SIZE == w.working_set_tokens // 4
     assert plan.pool_bytes(SCENARIO_OF[EVICTION]) == w.working_set_tokens // 2 * plan.model.kv_bytes_per_token
-    everything = (w.working_set_tokens + w.num_requests * (w.suffix_tokens + w.output_tokens)) * plan.model.kv_bytes_per_token
+    everything = (
+        w.working_set_tokens + w.num_requests * (w.suffix_tokens + w.output_tokens)
+    ) * plan.model.kv_bytes_per_token
     assert plan.pool_bytes(SCENARIO_OF[CAPACITY]) > everything
     soak = LoadPlan.build(tiny=False, soak_s=3600)  # thousands of requests: room for 256 requests' own blocks
     assert plan.pool_bytes(SCENARIO_OF[CAPACITY]) < soak.pool_bytes(SCENARIO_OF[CAPACITY]) < 2 * everything
@@ -91,8 +112,12 @@ def test_metrics_text_is_read_by_name_and_label():
     assert total(METRICS, "vllm:external_prefix_cache_hits_total") == 1856.0
     assert total(METRICS, "vllm:prompt_tokens_cached_by_source_total", 'source="p2p"') == 1856.0
     assert layerkv_counters(METRICS) == {"load_blocks": 7.0, "committed_keys": 2.0}
-    assert gauges(METRICS) == {"layerkv_pending_puts": 2.0, "layerkv_staging_bytes_in_use": 0.0,
-                               "num_requests_running": 0.0, "num_requests_waiting": 1.0}
+    assert gauges(METRICS) == {
+        "layerkv_pending_puts": 2.0,
+        "layerkv_staging_bytes_in_use": 0.0,
+        "num_requests_running": 0.0,
+        "num_requests_waiting": 1.0,
+    }
 
 
 @pytest.mark.mooncake
@@ -132,10 +157,12 @@ def test_log_phases_count_error_lines_per_phase_and_set_vllm_shutdown_noise_apar
         log.write("Traceback (most recent call last):\n  File x\nValueError\n")
     phases.mark("stop")
     with path.open("a") as log:
-        log.write("(APIServer) ERROR [async_llm.py:906] AsyncLLM output_handler failed.\n"  # before the client stopped
-                  "INFO [core_client.py:777] [shutdown] MPClient: complete\n"
-                  "(APIServer) ERROR [async_llm.py:906] AsyncLLM output_handler failed.\n"
-                  "(APIServer) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: x\n")
+        log.write(
+            "(APIServer) ERROR [async_llm.py:906] AsyncLLM output_handler failed.\n"  # before the client stopped
+            "INFO [core_client.py:777] [shutdown] MPClient: complete\n"
+            "(APIServer) ERROR [async_llm.py:906] AsyncLLM output_handler failed.\n"
+            "(APIServer) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: x\n"
+        )
     found = phases.errors()
     assert [len(found[p]) for p in ("start", "load", "stop", SHUTDOWN_NOISE)] == [1, 1, 1, 2]
     record = LoadRecord("capacity", LAYERKV, {}, log_errors={"layerkv-0": found})
@@ -144,7 +171,7 @@ def test_log_phases_count_error_lines_per_phase_and_set_vllm_shutdown_noise_apar
 
 def test_group_rss_sums_the_process_group_and_the_slope_sees_growth():
     assert group_rss_bytes(os.getpgid(0)) > 10 << 20  # this pytest process at least
-    assert group_rss_bytes(2 ** 22 + 12345) == 0  # no such group
+    assert group_rss_bytes(2**22 + 12345) == 0  # no such group
     flat = Series([float(t) for t in range(0, 600, 10)], [1000 << 20] * 60)
     growing = Series(flat.t_s, [(1000 << 20) + int(t) * (1 << 20) // 60 for t in flat.t_s])  # +10 MiB per 10 min
     assert rss_slope_pct_per_10min(flat, 0, 600) == 0
@@ -153,10 +180,18 @@ def test_group_rss_sums_the_process_group_and_the_slope_sees_growth():
 
 
 def _record(contender: str, texts: list[str], errors: list[str], **client) -> LoadRecord:
-    base = {"completed": len(texts), "failed": sum(bool(e) for e in errors), "generated_texts": texts, "errors": errors,
-            "request_throughput": 1.0, "p99_ttft_ms": 100.0, "total_input_tokens": 1000}
-    return LoadRecord(CAPACITY, contender, {**base, **client}, external_hit_tokens=500.0, exit_codes={"x-0": 0},
-                      idle_s_to_zero=0.5)
+    base = {
+        "completed": len(texts),
+        "failed": sum(bool(e) for e in errors),
+        "generated_texts": texts,
+        "errors": errors,
+        "request_throughput": 1.0,
+        "p99_ttft_ms": 100.0,
+        "total_input_tokens": 1000,
+    }
+    return LoadRecord(
+        CAPACITY, contender, {**base, **client}, external_hit_tokens=500.0, exit_codes={"x-0": 0}, idle_s_to_zero=0.5
+    )
 
 
 def test_outputs_are_compared_request_by_request_where_both_answered():
@@ -175,7 +210,11 @@ def test_goals_name_every_miss_and_compare_throughput_and_p99_ttft():
     peer.idle_s_to_zero, peer.exit_codes = None, {"x-0": 0, "x-1": None}
     records = [none, ours, peer]
     rows = [row(r, none) for r in records]
-    assert rows[1]["pool hit %"] == 50.0 and rows[1]["same outputs as none"] == "1/1" and rows[0]["same outputs as none"] == "-"
+    assert (
+        rows[1]["pool hit %"] == 50.0
+        and rows[1]["same outputs as none"] == "1/1"
+        and rows[0]["same outputs as none"] == "-"
+    )
     lines = goals(records, rows)
     assert "capacity / layerkv: every health goal reached" in lines
     assert "capacity / mooncake: MISSED failed requests, gauges at 0 when idle, clean exit" in lines

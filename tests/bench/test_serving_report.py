@@ -4,9 +4,8 @@ opt-in wiring of the CLI. Times are made up here; nothing is timed."""
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -17,9 +16,25 @@ from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import BenchOptions, SuiteResult
 from layerkv.bench.runner import markdown
 from layerkv.bench.serving_grid import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
-from layerkv.bench.serving_report import (CEILING, CONTENDERS, KEY_CONTENDERS, LAYERKV, LAYERKV_DIRECT, LAYERKV_ENCRYPTED,
-                                          LAYERKV_KEYED, MOONCAKE, RECOMPUTE, LoadRun, Run, cell_report,
-                                          correctness, load_rows, percentile, schedule, suite_rows)
+from layerkv.bench.serving_report import (
+    CEILING,
+    CONTENDERS,
+    KEY_CONTENDERS,
+    LAYERKV,
+    LAYERKV_DIRECT,
+    LAYERKV_ENCRYPTED,
+    LAYERKV_KEYED,
+    MOONCAKE,
+    RECOMPUTE,
+    LoadRun,
+    Run,
+    cell_report,
+    correctness,
+    load_rows,
+    percentile,
+    schedule,
+    suite_rows,
+)
 from layerkv.cli import main
 
 CELL = (2048, 32)
@@ -27,8 +42,17 @@ TOKENS = (7,)
 BITS = ("-0x1.8p-3",)
 
 
-def _run(contender: str, repeat: int, ttft_ms: float, *, cell: tuple[int, int] = CELL, cached: int | None = None,
-         token_ids: tuple[int, ...] = TOKENS, logprobs: tuple[str, ...] = BITS, reference: bool = False) -> Run:
+def _run(
+    contender: str,
+    repeat: int,
+    ttft_ms: float,
+    *,
+    cell: tuple[int, int] = CELL,
+    cached: int | None = None,
+    token_ids: tuple[int, ...] = TOKENS,
+    logprobs: tuple[str, ...] = BITS,
+    reference: bool = False,
+) -> Run:
     if cached is None:
         cached = 0 if contender == RECOMPUTE else cell[0]
     return Run(contender, cell, repeat, ttft_ms, cached, token_ids, logprobs, reference)
@@ -39,11 +63,15 @@ def _cell_runs(cell: tuple[int, int] = CELL) -> list[Run]:
     Mooncake 60-80, and each connector's local-cache reference run (same bits)."""
     runs = []
     for r in range(3):
-        runs += [_run(RECOMPUTE, r, 1000 + 100 * r, cell=cell, logprobs=("-0x1.9p-3",)),  # other numerics: no connector
-                 _run(CEILING, r, 60 - 10 * r, cell=cell),
-                 _run(LAYERKV, r, 110 + 10 * r, cell=cell), _run(LAYERKV_DIRECT, r, 90, cell=cell),
-                 _run(MOONCAKE, r, 80 - 10 * r, cell=cell),
-                 _run(LAYERKV, r, 45, cell=cell, reference=True), _run(MOONCAKE, r, 45, cell=cell, reference=True)]
+        runs += [
+            _run(RECOMPUTE, r, 1000 + 100 * r, cell=cell, logprobs=("-0x1.9p-3",)),  # other numerics: no connector
+            _run(CEILING, r, 60 - 10 * r, cell=cell),
+            _run(LAYERKV, r, 110 + 10 * r, cell=cell),
+            _run(LAYERKV_DIRECT, r, 90, cell=cell),
+            _run(MOONCAKE, r, 80 - 10 * r, cell=cell),
+            _run(LAYERKV, r, 45, cell=cell, reference=True),
+            _run(MOONCAKE, r, 45, cell=cell, reference=True),
+        ]
     return runs
 
 
@@ -54,7 +82,9 @@ def _rows(runs: list[Run]) -> dict[str, dict]:
 def test_schedule_runs_every_contender_once_per_cell_and_repeat_and_rotates_the_order() -> None:
     steps = schedule((512, 2048), (32, 512), 3)
     assert len(steps) == 4 * 3
-    assert Counter((s.cell, s.repeat) for s in steps) == {((p, s), r): 1 for p in (512, 2048) for s in (32, 512) for r in range(3)}
+    assert Counter((s.cell, s.repeat) for s in steps) == {
+        ((p, s), r): 1 for p in (512, 2048) for s in (32, 512) for r in range(3)
+    }
     assert [s.repeat for s in steps] == [0] * 4 + [1] * 4 + [2] * 4  # repeats outermost
     for step in steps:
         assert sorted(step.contenders) == sorted(CONTENDERS)
@@ -100,19 +130,29 @@ def test_correctness_tokens_against_recompute_bits_against_the_connectors_local_
     assert correctness(runs, LAYERKV, CELL) == (True, True)  # recompute's logprob bits differ: not compared
     assert correctness(runs, CEILING, CELL) == (True, None)
     assert correctness(runs, RECOMPUTE, CELL) == (None, None)
-    other_token = [_run(MOONCAKE, 1, 70, token_ids=(8,)) if (r.contender, r.repeat, r.reference) == (MOONCAKE, 1, False) else r
-                   for r in runs]
+    other_token = [
+        _run(MOONCAKE, 1, 70, token_ids=(8,)) if (r.contender, r.repeat, r.reference) == (MOONCAKE, 1, False) else r
+        for r in runs
+    ]
     assert correctness(other_token, MOONCAKE, CELL) == (False, False)
-    other_bits = [_run(LAYERKV, 2, 45, logprobs=("-0x1.8000000000001p-3",), reference=True)
-                  if (r.contender, r.repeat, r.reference) == (LAYERKV, 2, True) else r for r in runs]
+    other_bits = [
+        _run(LAYERKV, 2, 45, logprobs=("-0x1.8000000000001p-3",), reference=True)
+        if (r.contender, r.repeat, r.reference) == (LAYERKV, 2, True)
+        else r
+        for r in runs
+    ]
     assert correctness(other_bits, LAYERKV, CELL) == (True, False)
     assert correctness(other_bits, LAYERKV_DIRECT, CELL) == (True, False)  # same producer, same reference
     assert correctness(other_bits, MOONCAKE, CELL) == (True, True)
 
 
 def test_bits_are_not_compared_when_a_reference_was_not_served_from_the_local_cache() -> None:
-    runs = [_run(LAYERKV, 1, 45, cached=0, reference=True) if (r.contender, r.repeat, r.reference) == (LAYERKV, 1, True) else r
-            for r in _cell_runs()]
+    runs = [
+        _run(LAYERKV, 1, 45, cached=0, reference=True)
+        if (r.contender, r.repeat, r.reference) == (LAYERKV, 1, True)
+        else r
+        for r in _cell_runs()
+    ]
     assert correctness(runs, LAYERKV, CELL) == (True, None)
     missing = [r for r in _cell_runs() if not (r.contender == MOONCAKE and r.reference and r.repeat == 0)]
     assert correctness(missing, MOONCAKE, CELL) == (True, None)
@@ -122,8 +162,11 @@ def test_bits_are_not_compared_when_a_reference_was_not_served_from_the_local_ca
 
 def test_suite_summary_flags_and_wins() -> None:
     cells = [CELL, (512, 512)]
-    fast = [_run(c, r.repeat, r.ttft_ms / 10 if c == LAYERKV else r.ttft_ms, cell=(512, 512), reference=r.reference)
-            for r in _cell_runs((512, 512)) for c in [r.contender]]
+    fast = [
+        _run(c, r.repeat, r.ttft_ms / 10 if c == LAYERKV else r.ttft_ms, cell=(512, 512), reference=r.reference)
+        for r in _cell_runs((512, 512))
+        for c in [r.contender]
+    ]
     rows, summary = suite_rows(_cell_runs() + fast, cells)
     assert [(r["prefix_tokens"], r["suffix_tokens"]) for r in rows] == [CELL] * 5 + [(512, 512)] * 5
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 1.0 and summary["cells"] == 2.0
@@ -131,8 +174,10 @@ def test_suite_summary_flags_and_wins() -> None:
     assert summary["all tokens equal recompute"] == 1.0
     assert summary["all pool runs bit-identical to local-cache runs"] == 1.0
     assert summary["all runs hit the cache as expected"] == 1.0
-    broken = [_run(LAYERKV, 0, 120, token_ids=(9,)) if (r.contender, r.repeat, r.reference) == (LAYERKV, 0, False) else r
-              for r in _cell_runs()]
+    broken = [
+        _run(LAYERKV, 0, 120, token_ids=(9,)) if (r.contender, r.repeat, r.reference) == (LAYERKV, 0, False) else r
+        for r in _cell_runs()
+    ]
     _, summary = suite_rows(broken, [CELL])
     assert summary["all tokens equal recompute"] == 0.0
     assert summary["all pool runs bit-identical to local-cache runs"] == 0.0
@@ -140,13 +185,16 @@ def test_suite_summary_flags_and_wins() -> None:
     assert summary["all pool runs bit-identical to local-cache runs"] == 0.0  # nothing compared is not a pass
     _, summary = suite_rows([r for r in _cell_runs() if r.contender in (RECOMPUTE, CEILING)], [CELL])
     assert summary["all pool runs bit-identical to local-cache runs"] == 0.0  # no pool run at all
-    tie = [_run(LAYERKV, r.repeat, 80 - 10 * r.repeat) if (r.contender, r.reference) == (LAYERKV, False) else r
-           for r in _cell_runs()]
+    tie = [
+        _run(LAYERKV, r.repeat, 80 - 10 * r.repeat) if (r.contender, r.reference) == (LAYERKV, False) else r
+        for r in _cell_runs()
+    ]
     _, summary = suite_rows(tie, [CELL])
     assert summary["p2048 s32 layerkv / MooncakeStoreConnector"] == 1.0
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0  # a tie is no win
-    grouped = [_run(LAYERKV_DIRECT, r.repeat, 50) if (r.contender, r.reference) == (LAYERKV_DIRECT, False) else r
-               for r in tie]
+    grouped = [
+        _run(LAYERKV_DIRECT, r.repeat, 50) if (r.contender, r.reference) == (LAYERKV_DIRECT, False) else r for r in tie
+    ]
     _, summary = suite_rows(grouped, [CELL])
     assert summary["cells where layerkv beats MooncakeStoreConnector"] == 0.0
     assert summary["cells where layerkv or layerkv register_kv_cache beats MooncakeStoreConnector"] == 1.0
@@ -158,30 +206,50 @@ def test_tenant_keys_grid_sets_a_key_and_encryption_beside_no_key(tmp_path: Path
     own producer."""
     grid = Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path, tenant_keys=True))
     assert grid.contenders == KEY_CONTENDERS and grid.load_repeats == 0 and grid.repeats == 1
-    assert grid.engines == ("layerkv-producer", "layerkv", "layerkv-keyed-producer", "layerkv-keyed",
-                            "layerkv-encrypted-producer", "layerkv-encrypted")
+    assert grid.engines == (
+        "layerkv-producer",
+        "layerkv",
+        "layerkv-keyed-producer",
+        "layerkv-keyed",
+        "layerkv-encrypted-producer",
+        "layerkv-encrypted",
+    )
     assert grid.num_producers == 3 and Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path)).num_producers == 2
     runs = []
     for r in range(3):
-        runs += [_run(LAYERKV, r, 100 + r), _run(LAYERKV_KEYED, r, 104 + r), _run(LAYERKV_ENCRYPTED, r, 110 + r),
-                 *(_run(c, r, 45, reference=True) for c in KEY_CONTENDERS)]
+        runs += [
+            _run(LAYERKV, r, 100 + r),
+            _run(LAYERKV_KEYED, r, 104 + r),
+            _run(LAYERKV_ENCRYPTED, r, 110 + r),
+            *(_run(c, r, 45, reference=True) for c in KEY_CONTENDERS),
+        ]
     rows, summary = suite_rows(runs, [CELL])
     assert [r["contender"] for r in rows] == list(KEY_CONTENDERS)
     assert summary["p2048 s32 layerkv tenant key / layerkv"] == pytest.approx(105 / 101)
     assert summary["p2048 s32 layerkv encrypted / layerkv"] == pytest.approx(111 / 101)
     assert summary["all pool runs bit-identical to local-cache runs"] == 1.0
-    assert not any("MooncakeStoreConnector" in k or "recompute" in k for k in summary)  # no peers ran: no flags about them
+    assert not any(
+        "MooncakeStoreConnector" in k or "recompute" in k for k in summary
+    )  # no peers ran: no flags about them
     assert all(math.isnan(r["x_bound"]) for r in rows)  # no ceiling: no bound
-    wrong = [_run(LAYERKV_ENCRYPTED, r.repeat, 45, token_ids=(8,), reference=True)
-             if (r.contender, r.reference) == (LAYERKV_ENCRYPTED, True) else r for r in runs]
+    wrong = [
+        _run(LAYERKV_ENCRYPTED, r.repeat, 45, token_ids=(8,), reference=True)
+        if (r.contender, r.reference) == (LAYERKV_ENCRYPTED, True)
+        else r
+        for r in runs
+    ]
     assert suite_rows(wrong, [CELL])[1]["all pool runs bit-identical to local-cache runs"] == 0.0
 
 
 def test_results_render_as_markdown_and_json(tmp_path: Path) -> None:
     result = SuiteResult("serving", notes=["how"])
     result.rows, result.summary = suite_rows(_cell_runs(), [CELL])
-    doc = {"command": "layerkv bench serving --quick", "machine": {"cpus": 2, "python": "3.11", "platform": "linux"},
-           "total_seconds": 1.0, "suites": {"serving": asdict(result)}}
+    doc = {
+        "command": "layerkv bench serving --quick",
+        "machine": {"cpus": 2, "python": "3.11", "platform": "linux"},
+        "total_seconds": 1.0,
+        "suites": {"serving": asdict(result)},
+    }
     md = markdown(json.loads(json.dumps(doc)))
     assert "| prefix_tokens | suffix_tokens | contender | ttft_ms_median |" in md
     assert "| 2048 | 32 | layerkv | 120 | 110 | 130 | 3 | 3 |" in md
@@ -220,21 +288,45 @@ def test_quick_grid_leaves_out_the_register_kv_cache_engine_and_the_load_batch(t
     assert quick.load_repeats == 0 and quick.repeats == 1 and len(quick.engines) == 5
     full = Grid.for_options(BenchOptions(quick=False, out_dir=tmp_path))
     assert full.contenders == CONTENDERS and "layerkv-direct" in full.engines and full.load_repeats == 2
-    assert all(c in full.contenders for s in schedule(full.prefixes, full.suffixes, full.repeats, full.contenders)
-               for c in s.contenders)
-    assert all(LAYERKV_DIRECT not in s.contenders
-               for s in schedule(quick.prefixes, quick.suffixes, quick.repeats, quick.contenders))
+    assert all(
+        c in full.contenders
+        for s in schedule(full.prefixes, full.suffixes, full.repeats, full.contenders)
+        for c in s.contenders
+    )
+    assert all(
+        LAYERKV_DIRECT not in s.contenders
+        for s in schedule(quick.prefixes, quick.suffixes, quick.repeats, quick.contenders)
+    )
 
 
 def test_serving_is_opt_in_and_checks_the_engine_python(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "serving" in OPT_IN_SUITES and "serving" not in SUITES
-    assert main(["bench", "serving", "--no-progress", "--engine-python", str(tmp_path / "no-python"), "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "serving",
+                "--no-progress",
+                "--engine-python",
+                str(tmp_path / "no-python"),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--engine-python" in err and "no-python" in err and "make test-env" in err
 
 
-def _load(contender: str, repeat: int, wall_ms: float, ttft_ms: tuple[float, ...], tokens: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4)),
-          cached: tuple[int, ...] = (0, 2048)) -> LoadRun:
+def _load(
+    contender: str,
+    repeat: int,
+    wall_ms: float,
+    ttft_ms: tuple[float, ...],
+    tokens: tuple[tuple[int, ...], ...] = ((1, 2), (3, 4)),
+    cached: tuple[int, ...] = (0, 2048),
+) -> LoadRun:
     return LoadRun(contender, repeat, wall_ms, 2, ttft_ms, cached, tokens)
 
 
@@ -244,10 +336,14 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_load_rows_rates_ttft_and_tokens_against_recompute() -> None:
-    runs = [_load(RECOMPUTE, 0, 4000, (100, 300)), _load(RECOMPUTE, 1, 2000, (200, 400)),
-            _load(LAYERKV, 0, 1000, (10, 30)), _load(LAYERKV, 1, 3000, (20, 40), tokens=((1, 2), (3, 5))),
-            _load(LAYERKV, 2, 9000, (50, 60)),  # no recompute run of repeat 2: its tokens are not compared
-            _load(MOONCAKE, 0, 500, (5, 7), cached=(2048, 2048))]
+    runs = [
+        _load(RECOMPUTE, 0, 4000, (100, 300)),
+        _load(RECOMPUTE, 1, 2000, (200, 400)),
+        _load(LAYERKV, 0, 1000, (10, 30)),
+        _load(LAYERKV, 1, 3000, (20, 40), tokens=((1, 2), (3, 5))),
+        _load(LAYERKV, 2, 9000, (50, 60)),  # no recompute run of repeat 2: its tokens are not compared
+        _load(MOONCAKE, 0, 500, (5, 7), cached=(2048, 2048)),
+    ]
     rows = {r["contender"]: r for r in load_rows(runs)}
     assert list(rows) == [RECOMPUTE, LAYERKV, MOONCAKE]  # contenders that ran, in CONTENDERS order
     lk = rows[LAYERKV]
@@ -262,14 +358,20 @@ def test_load_rows_rates_ttft_and_tokens_against_recompute() -> None:
     with_ceiling = runs + [_load(CEILING, 1, 800, (5, 6), tokens=((1, 2), (3, 4)))]
     rows = {r["contender"]: r for r in load_rows(with_ceiling)}
     assert rows[LAYERKV]["requests_tokens_equal_ceiling"] == 1  # repeat 1: (1, 2) equal, (3, 5) not
-    assert rows[RECOMPUTE]["requests_tokens_equal_ceiling"] == 2 and rows[CEILING]["requests_tokens_equal_ceiling"] is None
+    assert (
+        rows[RECOMPUTE]["requests_tokens_equal_ceiling"] == 2 and rows[CEILING]["requests_tokens_equal_ceiling"] is None
+    )
 
 
 def test_extra_tables_render_under_their_title() -> None:
     result = SuiteResult("serving")
     result.tables["Throughput under load"] = load_rows([_load(RECOMPUTE, 0, 4000, (100, 300))])
-    doc = {"command": "", "machine": {"cpus": 2, "python": "3.11", "platform": "linux"}, "total_seconds": 1.0,
-           "suites": {"serving": asdict(result)}}
+    doc = {
+        "command": "",
+        "machine": {"cpus": 2, "python": "3.11", "platform": "linux"},
+        "total_seconds": 1.0,
+        "suites": {"serving": asdict(result)},
+    }
     md = markdown(doc)
     assert "### Throughput under load\n\n| contender | requests | repeats | batch_ms_median |" in md
     assert "| recompute | 2 | 1 | 4000 | 0.5 | 1.00 | 200 | 300 | 1 | - | - | 0 |" in md
@@ -296,8 +398,9 @@ def test_the_bound_is_the_ceiling_or_the_transfer_alone_whichever_is_slower() ->
 
 
 def test_prefix_suffix_and_repeats_replace_the_modes_grid(tmp_path: Path) -> None:
-    options = BenchOptions(quick=True, out_dir=tmp_path, serving_prefixes=(512,), serving_suffixes=(512, 64),
-                           serving_repeats=5)
+    options = BenchOptions(
+        quick=True, out_dir=tmp_path, serving_prefixes=(512,), serving_suffixes=(512, 64), serving_repeats=5
+    )
     grid = Grid.for_options(options)
     assert (grid.prefixes, grid.suffixes, grid.repeats) == ((512,), (512, 64), 5)
     assert grid.contenders == Grid.for_options(BenchOptions(quick=True, out_dir=tmp_path)).contenders  # the mode's
@@ -307,8 +410,9 @@ def test_prefix_suffix_and_repeats_replace_the_modes_grid(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("flag", ["--prefix=0", "--suffix=-32", "--repeats=x"])
-def test_grid_flags_refuse_what_is_not_a_positive_count(flag: str, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_grid_flags_refuse_what_is_not_a_positive_count(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "serving", flag, "--out", str(tmp_path)])
     assert flag.split("=")[0] in capsys.readouterr().err
@@ -322,8 +426,10 @@ class _Engine:
 
     def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, commit: bool = False) -> dict:
         self.calls.append((self.name, len(prompts[0]), reset_prefix_cache))
-        return {"wall_ms": float(len(self.calls)), "outputs": [{"num_cached_tokens": 0, "token_ids": [1],
-                                                                 "logprobs": ["0x0p+0"], "first_token_ms": None}]}
+        return {
+            "wall_ms": float(len(self.calls)),
+            "outputs": [{"num_cached_tokens": 0, "token_ids": [1], "logprobs": ["0x0p+0"], "first_token_ms": None}],
+        }
 
 
 class _Reader:
@@ -342,7 +448,9 @@ def test_every_timed_run_follows_the_same_work_in_its_engine() -> None:
 
     calls: list[tuple[str, int, bool]] = []
     rig = type("Rig", (), {})()
-    rig.engines = {n: _Engine(n, calls) for n in ("plain", "layerkv-producer", "layerkv", "mooncake-producer", "mooncake")}
+    rig.engines = {
+        n: _Engine(n, calls) for n in ("plain", "layerkv-producer", "layerkv", "mooncake-producer", "mooncake")
+    }
     rig.reader, rig.prefix_keys = _Reader(), {}
     contenders = (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
     runs = measure(rig, Step((512, 64), 0, contenders))

@@ -62,7 +62,9 @@ def test_datapath_mooncake_local_and_remote_segment(tmp_path: Path) -> None:
 
 def test_descriptors_lists_identical(tmp_path: Path) -> None:
     result = _run("descriptors", tmp_path)
-    assert {(r["shape"], r["blocks"]) for r in result.rows} == {(s, b) for s in ("gqa kv[2,N,16,8,128]", "mla [N,16,576]") for b in (64, 512)}
+    assert {(r["shape"], r["blocks"]) for r in result.rows} == {
+        (s, b) for s in ("gqa kv[2,N,16,8,128]", "mla [N,16,576]") for b in (64, 512)
+    }
     for row in result.rows:
         assert row["identical"] is True
         assert row["ranges_per_layer"] == row["blocks"] * (2 if row["shape"].startswith("gqa") else 1)
@@ -121,18 +123,23 @@ def test_overlap_rows(tmp_path: Path) -> None:
     deep = "transfer ~ compute, 4 layers"  # the deep model (32 layers; 4 in the tiny configuration)
     saving = [(saves, "saving, defaults (staged images)"), (saves, "saving, register_kv_cache, per-layer writes")]
     assert [(r["condition"], r["variant"]) for r in result.rows] == (
-        [(c, v) for c in conditions for v in variants] + saving + [(deep, v) for v in variants])
+        [(c, v) for c in conditions for v in variants] + saving + [(deep, v) for v in variants]
+    )
     for row in result.rows[:-6] + result.rows[-4:]:
         assert row["ttft_ms"] > 0 and row["transfer_alone_ms"] > 0 and row["compute_alone_ms"] > 0
         assert math.isnan(row["hidden_fraction"]) != row["variant"].startswith("layerwise")
     assert all(row["ttft_ms"] > 0 for row in result.rows[-6:-4])
     assert result.summary["saves.staged_over_no_pool_ttft"] > 0 and result.summary["saves.direct_over_no_pool_ttft"] > 0
     staged = [r for r in result.rows if r["variant"].startswith("layerwise")]
-    assert all(r["staging_copy_ms"] > 0 and r["staging_copy_gb_s"] > 0 for r in staged)  # every read went through staging
+    assert all(
+        r["staging_copy_ms"] > 0 and r["staging_copy_gb_s"] > 0 for r in staged
+    )  # every read went through staging
     assert all(r["compute_wait_ms"] >= 0 for r in staged)
     assert all(math.isnan(r["compute_wait_ms"]) for r in result.rows if not r["variant"].startswith("layerwise"))
-    assert result.summary["transfer_eq_compute_4_layers.best_layerwise_hidden_fraction"] == min(
-        (r for r in result.rows[-2:]), key=lambda r: r["ttft_ms"])["hidden_fraction"]
+    assert (
+        result.summary["transfer_eq_compute_4_layers.best_layerwise_hidden_fraction"]
+        == min((r for r in result.rows[-2:]), key=lambda r: r["ttft_ms"])["hidden_fraction"]
+    )
     assert any("97.0% at 32" in note or "75.0% at 4" in note for note in result.notes)
     _numbers_finite(result.rows, skip=("hidden_fraction", "transfer_alone_ms", "compute_wait_ms"))
     _plots_exist(result, tmp_path)
@@ -149,7 +156,12 @@ def test_scale_rows(tmp_path: Path) -> None:
 
 def test_cli_writes_json_markdown_and_png(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert main(["bench", "descriptors", "lookup", "--quick", "--tiny", "--no-mooncake", "--no-progress", "--out", str(out)]) == 0
+    assert (
+        main(
+            ["bench", "descriptors", "lookup", "--quick", "--tiny", "--no-mooncake", "--no-progress", "--out", str(out)]
+        )
+        == 0
+    )
     doc = json.loads((out / "results.json").read_text())
     assert list(doc["suites"]) == ["descriptors", "lookup"] and doc["quick"] is True
     md = (out / "results.md").read_text()
@@ -172,7 +184,10 @@ def test_plans_rows_compare_every_plan_with_whole_objects(tmp_path: Path) -> Non
         for plan in ("layers", "groups", "whole", "auto"):
             assert (backend, "get", f"layerkv load ({plan})") in paths
         for label in ("tenant key", "encrypted"):
-            assert {(backend, "put", f"layerkv save (auto), {label}"), (backend, "get", f"layerkv load (auto), {label}")} <= paths
+            assert {
+                (backend, "put", f"layerkv save (auto), {label}"),
+                (backend, "get", f"layerkv load (auto), {label}"),
+            } <= paths
     assert all(r["verified"] for r in result.rows if "verified" in r)
     _numbers_finite(result.rows)
 
@@ -187,7 +202,8 @@ def test_network_on_a_namespace_cluster(tmp_path: Path) -> None:
         pytest.fail("suite network cannot run here: " + "; ".join(cluster_problems()), pytrace=False)
     result = _run("network", tmp_path, mooncake=True)
     assert [(r["link"], r["prompt_tokens"]) for r in result.rows] == [
-        (link, n) for link in ("unshaped", "10gbit", "1gbit") for n in (128, 256)]
+        (link, n) for link in ("unshaped", "10gbit", "1gbit") for n in (128, 256)
+    ]
     _numbers_finite(result.rows)
     for row in result.rows:
         assert row["bound_ms"] == max(row["ceiling_ms"], row["transfer_alone_ms"]) and row["pool_mib"] > 0

@@ -38,11 +38,20 @@ def emit(message: dict[str, Any]) -> None:
 
 
 def main(job_path: str) -> int:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"agent {os.getpid()} %(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format=f"agent {os.getpid()} %(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     job = json.loads(Path(job_path).read_text())
-    chaos = ChaosEngine(job["mooncake"], job["layerkv"], announce=emit, model_id=job["model_id"],
-                        model=ModelConfig(**job["model"]), engine=EngineConfig(**job["engine"]))
+    chaos = ChaosEngine(
+        job["mooncake"],
+        job["layerkv"],
+        announce=emit,
+        model_id=job["model_id"],
+        model=ModelConfig(**job["model"]),
+        engine=EngineConfig(**job["engine"]),
+    )
     work: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def serve_loop() -> None:  # one request list at a time, in order

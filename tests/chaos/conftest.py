@@ -41,8 +41,9 @@ def local_oracle() -> Iterator[LocalOracle]:
 
 
 @pytest.fixture
-def make_rig(request: pytest.FixtureRequest, chaos_seed: int, local_oracle: LocalOracle,
-             tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+def make_rig(
+    request: pytest.FixtureRequest, chaos_seed: int, local_oracle: LocalOracle, tmp_path: Path
+) -> Iterator[Callable[..., Rig]]:
     require_mooncake()
     rigs: list[Rig] = []
     name = request.node.name.removeprefix("test_")

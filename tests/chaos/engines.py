@@ -43,8 +43,9 @@ LAYERKV: dict[str, Any] = {
 # commit). Local compute of a chaos request takes < 0.5 s on an idle core; the slack is room
 # for 2 cores shared with other jobs (steps ran 10x slower at a load average of 6).
 COMPUTE_SLACK_S = 6.0
-REQUEST_BOUND_S = (LAYERKV["load_timeout_s"] + LAYERKV["save_timeout_s"] + 2 * LAYERKV["store_call_timeout_s"]
-                   + COMPUTE_SLACK_S)
+REQUEST_BOUND_S = (
+    LAYERKV["load_timeout_s"] + LAYERKV["save_timeout_s"] + 2 * LAYERKV["store_call_timeout_s"] + COMPUTE_SLACK_S
+)
 
 
 def make_config(layerkv: dict[str, Any]) -> LayerKVConfig:
@@ -54,8 +55,10 @@ def make_config(layerkv: dict[str, Any]) -> LayerKVConfig:
 
 
 def checked_store(backend: Any, config: LayerKVConfig) -> CheckedStore:
-    kwargs: dict[str, Any] = {"max_batch_keys": config.max_transfer_blocks,
-                              "retry_interval_s": config.store_retry_interval_s}
+    kwargs: dict[str, Any] = {
+        "max_batch_keys": config.max_transfer_blocks,
+        "retry_interval_s": config.store_retry_interval_s,
+    }
     if "call_timeout_s" in inspect.signature(CheckedStore).parameters:
         kwargs["call_timeout_s"] = config.store_call_timeout_s
     return CheckedStore(backend, **kwargs)
@@ -65,8 +68,15 @@ class ChaosEngine:
     """A pooled engine over its own Mooncake client. `gate` stops a transfer at a chosen call,
     `faults` injects failures and logs every call (put-start keys for the leak check)."""
 
-    def __init__(self, mooncake_config: dict[str, Any], layerkv: dict[str, Any], announce: Announce,
-                 model_id: str, model: ModelConfig = MODEL, engine: EngineConfig = ENGINE) -> None:
+    def __init__(
+        self,
+        mooncake_config: dict[str, Any],
+        layerkv: dict[str, Any],
+        announce: Announce,
+        model_id: str,
+        model: ModelConfig = MODEL,
+        engine: EngineConfig = ENGINE,
+    ) -> None:
         from layerkv.store.mooncake import MooncakeStore
 
         self.client = MooncakeStore.from_mooncake_config(mooncake_config)
@@ -101,17 +111,32 @@ class ChaosEngine:
             "put_keys": sorted(set(self.faults.keys_sent(PUT_START))),
             "get_keys": sorted(set(self.faults.keys_sent(GET_START))),
             # (keys, answers) of every put start that reached Mooncake
-            "put_start_answers": [[list(c.keys), c.result] for c in self.faults.calls(PUT_START) if isinstance(c.result, list)],
-            "outage_answers": sum(1 for c in self.faults.calls() if isinstance(c.result, list)
-                                  and any(code in (-900, -901) for code in c.result)),
-            "put_start_901_calls": sum(1 for c in self.faults.calls(PUT_START) if isinstance(c.result, list) and -901 in c.result),
+            "put_start_answers": [
+                [list(c.keys), c.result] for c in self.faults.calls(PUT_START) if isinstance(c.result, list)
+            ],
+            "outage_answers": sum(
+                1
+                for c in self.faults.calls()
+                if isinstance(c.result, list) and any(code in (-900, -901) for code in c.result)
+            ),
+            "put_start_901_calls": sum(
+                1 for c in self.faults.calls(PUT_START) if isinstance(c.result, list) and -901 in c.result
+            ),
             # keys Mooncake's own client answered -901 for (it gave up; the master may act later)
-            "mooncake_901_keys": sorted({k for c in self.faults.calls() if isinstance(c.result, list)
-                                         for k, code in zip(c.keys, c.result) if code == -901}),
+            "mooncake_901_keys": sorted(
+                {
+                    k
+                    for c in self.faults.calls()
+                    if isinstance(c.result, list)
+                    for k, code in zip(c.keys, c.result)
+                    if code == -901
+                }
+            ),
             "has_work": self.engine.has_work(),
             "slow_calls": list(self.gate.slow_calls),
-            "staging_nbytes": [w._staging.nbytes() if hasattr(getattr(w, "_staging", None), "nbytes") else None
-                               for w in self.workers],
+            "staging_nbytes": [
+                w._staging.nbytes() if hasattr(getattr(w, "_staging", None), "nbytes") else None for w in self.workers
+            ],
         }
 
     def wait_store_up(self, timeout_s: float) -> bool:
@@ -142,8 +167,12 @@ def serve_one(engine: Engine, prompt: Sequence[int], max_tokens: int) -> dict[st
     try:
         out = engine.generate([list(prompt)], max_tokens)[0]
     except Exception as exc:  # noqa: BLE001 - reported: the test asserts there is none
-        return {"prompt": list(prompt), "max_tokens": max_tokens, "error": f"{type(exc).__name__}: {exc}",
-                "wall_s": time.monotonic() - start}
+        return {
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "error": f"{type(exc).__name__}: {exc}",
+            "wall_s": time.monotonic() - start,
+        }
     wall_s = time.monotonic() - start
     return {
         "prompt": list(prompt),
@@ -167,8 +196,12 @@ def encode_logits(logits: Sequence[Any]) -> str:
 
 def computed_chunks(engine: Engine, req_id: str) -> list[list[int]]:
     """(first token, num tokens) computed per kept step of `req_id`."""
-    return [[r.num_computed_tokens, r.num_scheduled_tokens] for s in engine.steps for r in s.requests
-            if r.req_id == req_id and r.req_id not in s.discarded_req_ids]
+    return [
+        [r.num_computed_tokens, r.num_scheduled_tokens]
+        for s in engine.steps
+        for r in s.requests
+        if r.req_id == req_id and r.req_id not in s.discarded_req_ids
+    ]
 
 
 class LocalOracle:

@@ -77,6 +77,14 @@ class Gate:
             if rule.layer_idx is not None and rule.layer_idx != layer_idx:
                 return
             self._rule = None  # fires once
-        self._announce({"event": "gated", "method": method, "layer_idx": layer_idx, "when": when,
-                        "keys": list(keys), "result": result if isinstance(result, (list, int)) else None})
+        self._announce(
+            {
+                "event": "gated",
+                "method": method,
+                "layer_idx": layer_idx,
+                "when": when,
+                "keys": list(keys),
+                "result": result if isinstance(result, (list, int)) else None,
+            }
+        )
         self._opened.wait(600.0)  # the test opens it, or kills the process

@@ -63,8 +63,16 @@ class Child:
         self.name = name
         self.stderr_path = stderr_path
         with open(stderr_path, "wb") as stderr_file:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file,
-                                         text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr_file,
+                text=True,
+                env=env,
+                cwd=REPO_ROOT,
+                start_new_session=True,
+            )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, name=f"chaos-{name}-out", daemon=True)
         self._reader.start()
@@ -129,7 +137,9 @@ class Holder(Child):
 
     def __init__(self, master: MasterProcess, segment_bytes: int, tmp: Path) -> None:
         config = json.dumps(master.config(global_segment_size=segment_bytes))
-        super().__init__("holder", [sys.executable, "-m", "tests.chaos.holder", config], tmp / "holder.stderr", child_env())
+        super().__init__(
+            "holder", [sys.executable, "-m", "tests.chaos.holder", config], tmp / "holder.stderr", child_env()
+        )
         try:
             line = self.lines.get(timeout=60)
         except queue.Empty:
@@ -149,8 +159,9 @@ class Agent(Child):
         self._cond = threading.Condition()
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._ids = iter(range(1, 1 << 30))
-        super().__init__(name, [sys.executable, "-m", "tests.chaos.agent", str(job_path)], tmp / f"{name}.stderr",
-                         child_env(env))
+        super().__init__(
+            name, [sys.executable, "-m", "tests.chaos.agent", str(job_path)], tmp / f"{name}.stderr", child_env(env)
+        )
         self._ready = False  # its first command waits for it (starting takes 2-3 s: overlapped)
 
     def ready(self) -> Agent:
@@ -184,8 +195,10 @@ class Agent(Child):
             while ident not in self._replies:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.alive():
-                    raise AssertionError(f"{self.name}: no answer to command {ident} within {timeout_s:.0f} s "
-                                         f"(alive: {self.alive()})\n{self.stderr_tail()}")
+                    raise AssertionError(
+                        f"{self.name}: no answer to command {ident} within {timeout_s:.0f} s "
+                        f"(alive: {self.alive()})\n{self.stderr_tail()}"
+                    )
                 self._cond.wait(min(left, 0.5))
             return self._replies.pop(ident)
 
@@ -220,7 +233,9 @@ class Agent(Child):
             try:
                 event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"{self.name}: no {kind!r} event within {timeout_s:.0f} s\n{self.stderr_tail()}") from None
+                raise AssertionError(
+                    f"{self.name}: no {kind!r} event within {timeout_s:.0f} s\n{self.stderr_tail()}"
+                ) from None
             if event["event"] == kind:
                 return event
 

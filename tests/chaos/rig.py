@@ -33,12 +33,20 @@ log = logging.getLogger(__name__)
 class InProc:
     """An engine in the test process, with the Agent's serving interface."""
 
-    def __init__(self, name: str, mooncake_config: dict[str, Any], layerkv: dict[str, Any], model_id: str,
-                 model: ModelConfig, engine: EngineConfig) -> None:
+    def __init__(
+        self,
+        name: str,
+        mooncake_config: dict[str, Any],
+        layerkv: dict[str, Any],
+        model_id: str,
+        model: ModelConfig,
+        engine: EngineConfig,
+    ) -> None:
         self.name = name
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.chaos = ChaosEngine(mooncake_config, layerkv, announce=self.events.put, model_id=model_id,
-                                 model=model, engine=engine)
+        self.chaos = ChaosEngine(
+            mooncake_config, layerkv, announce=self.events.put, model_id=model_id, model=model, engine=engine
+        )
         self._threads: list[threading.Thread] = []
 
     def serve(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[Output]:
@@ -46,8 +54,9 @@ class InProc:
 
     def serve_later(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> threading.Thread:
         box: list[list[Output]] = []
-        thread = threading.Thread(target=lambda: box.append(self.serve(prompts, max_tokens)),
-                                  name=f"chaos-{self.name}-serve", daemon=True)
+        thread = threading.Thread(
+            target=lambda: box.append(self.serve(prompts, max_tokens)), name=f"chaos-{self.name}-serve", daemon=True
+        )
         thread.box = box  # type: ignore[attr-defined]
         thread.start()
         self._threads.append(thread)
@@ -75,9 +84,19 @@ class InProc:
 class Rig:
     """One round's deployment: a fresh master, the segment holder, a probe client, engines."""
 
-    def __init__(self, name: str, seed: int, tmp: Path, oracle: LocalOracle, *, lease_ttl_ms: int | None = None,
-                 segment_bytes: int = MIN_SEGMENT_BYTES, master_args: Sequence[str] = (),
-                 model: ModelConfig = MODEL, engine: EngineConfig = ENGINE) -> None:
+    def __init__(
+        self,
+        name: str,
+        seed: int,
+        tmp: Path,
+        oracle: LocalOracle,
+        *,
+        lease_ttl_ms: int | None = None,
+        segment_bytes: int = MIN_SEGMENT_BYTES,
+        master_args: Sequence[str] = (),
+        model: ModelConfig = MODEL,
+        engine: EngineConfig = ENGINE,
+    ) -> None:
         from tests.mooncake_master import connect_store
 
         self.name = name
@@ -103,16 +122,26 @@ class Rig:
 
     # ---- engines -----------------------------------------------------------------------------
     def agent(self, name: str, env: dict[str, str] | None = None, **layerkv: Any) -> Agent:
-        job = {"mooncake": self.master.config(global_segment_size=0), "layerkv": {**LAYERKV, **layerkv},
-               "model_id": self.model_id, "model": dataclasses.asdict(self.model),
-               "engine": dataclasses.asdict(self.engine)}
+        job = {
+            "mooncake": self.master.config(global_segment_size=0),
+            "layerkv": {**LAYERKV, **layerkv},
+            "model_id": self.model_id,
+            "model": dataclasses.asdict(self.model),
+            "engine": dataclasses.asdict(self.engine),
+        }
         agent = Agent(name, job, self.tmp, env)
         self.engines.append(agent)
         return agent
 
     def inproc(self, name: str, **layerkv: Any) -> InProc:
-        engine = InProc(name, self.master.config(global_segment_size=0), {**LAYERKV, **layerkv}, self.model_id,
-                        self.model, self.engine)
+        engine = InProc(
+            name,
+            self.master.config(global_segment_size=0),
+            {**LAYERKV, **layerkv},
+            self.model_id,
+            self.model,
+            self.engine,
+        )
         self.engines.append(engine)
         return engine
 
@@ -157,7 +186,9 @@ class Rig:
             assert out["tokens"] == want["tokens"], f"{where}: tokens {out['tokens']} != local {want['tokens']}"
             if out["logits"] != want["logits"]:
                 got, ref = (np.frombuffer(base64.b64decode(x["logits"]), dtype=np.float32) for x in (out, want))
-                raise AssertionError(f"{where}: logits differ from local compute (max abs {np.abs(got - ref).max():.3g})")
+                raise AssertionError(
+                    f"{where}: logits differ from local compute (max abs {np.abs(got - ref).max():.3g})"
+                )
             assert out["wall_s"] <= bound_s, f"{where} took {out['wall_s']:.2f} s > bound {bound_s:.1f} s"
             self.outputs.append((engine.name, out))
 
@@ -168,7 +199,9 @@ class Rig:
         where = f"round {self.name} seed {self.seed}"
         for name, status in statuses.items():
             assert not status["has_work"], f"{where}: {name} still has work"
-            assert all(idle is not False for idle in status["idle"]), f"{where}: {name} sessions left: {status['open_sessions']}"
+            assert all(idle is not False for idle in status["idle"]), (
+                f"{where}: {name} sessions left: {status['open_sessions']}"
+            )
         keys = sorted({k for s in statuses.values() for k in s["put_keys"]} - set(ignore))
         stuck = processing_keys(self.probe, keys)
         assert not stuck, f"{where}: {len(stuck)} objects left PROCESSING: {stuck[:3]}"
@@ -176,8 +209,10 @@ class Rig:
 
     def summary(self) -> str:
         walls = [o["wall_s"] for _, o in self.outputs]
-        return (f"chaos round {self.name} seed {self.seed}: {len(walls)} requests equal to local compute, "
-                f"max {max(walls, default=0):.2f} s, {sum(o['external'] for _, o in self.outputs)} tokens from the pool")
+        return (
+            f"chaos round {self.name} seed {self.seed}: {len(walls)} requests equal to local compute, "
+            f"max {max(walls, default=0):.2f} s, {sum(o['external'] for _, o in self.outputs)} tokens from the pool"
+        )
 
     def close(self) -> None:
         """Stop every engine, the probe, the holder and the master, whatever state they are in."""
@@ -185,6 +220,7 @@ class Rig:
         self.master.signal(signal.SIGCONT)  # a stopped master or holder would hang every goodbye
         if self.holder is not None:
             self.holder.signal(signal.SIGCONT)
+
         def close(engine: Agent | InProc) -> None:
             try:
                 engine.close()
@@ -206,4 +242,3 @@ class Rig:
         self.master.kill()
         if errors:
             log.warning("chaos: closing round %s: %s", self.name, "; ".join(errors))
-

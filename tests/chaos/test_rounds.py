@@ -197,7 +197,9 @@ def test_segment_holder_stalled(make_rig) -> None:
     rig.check(consumer, outs, REQUEST_BOUND_S)
     rig.check(producer, writes, REQUEST_BOUND_S)
     assert stats_of(consumer)["load_timeouts"] >= 1, "the consumer's read never met the stall"
-    assert during["committed_keys"] == before["committed_keys"], "objects committed while their segment's holder was stopped"
+    assert during["committed_keys"] == before["committed_keys"], (
+        "objects committed while their segment's holder was stopped"
+    )
     rig.check_no_leaks()
 
 
@@ -213,7 +215,9 @@ def test_eviction_under_a_small_segment(make_rig) -> None:
     buf = np.zeros(256 << 10, dtype=np.uint8)
     rig.probe.register_buffer(buf.ctypes.data, buf.nbytes)
     try:
-        assert rig.probe.batch_put_from(ballast, [buf.ctypes.data] * len(ballast), [buf.nbytes] * len(ballast)) == [0] * len(ballast)
+        assert rig.probe.batch_put_from(ballast, [buf.ctypes.data] * len(ballast), [buf.nbytes] * len(ballast)) == [
+            0
+        ] * len(ballast)
     finally:
         rig.probe.unregister_buffer(buf.ctypes.data)
     assert rig.probe.batch_get_session_start(ballast) == [0] * len(ballast)  # leased: never evicted

@@ -8,7 +8,8 @@ when `hold`.
 
 `gate` {"method", "layer_idx", "when": "before" | "after"}: the first such store call prints
 "@@gate" and waits for a line on stdin before (or after) it runs, so the test can cut a link at
-that point (fault injection on top of the real client). `check_keys`: reported as `present` (batch_is_exist) and `processing` (still PROCESSING,
+that point (fault injection on top of the real client). `check_keys`: reported as `present` (batch_is_exist) and
+`processing` (still PROCESSING,
 polled for up to `settle_s`, default 0: `processing_s` is when none was left) after the probes.
 `probes` {"prompts", "hit", "writes"?, "interval_s"?}: after the prompts, "@@gate" again (the
 test heals the link), then, every `interval_s` (default 1), one probe: with `writes`, its write
@@ -119,9 +120,15 @@ def main(job_path: str) -> int:
     config = LayerKVConfig.from_dict({"backend": "mooncake", **job.get("layerkv", {})}, env={})
 
     def make(role: KVRole) -> Any:
-        return pooled_engine(ModelConfig(**job["model"]), EngineConfig(**job["engine"]), config, role=role,
-                             store_factory=lambda: CheckedStore(outer, max_batch_keys=config.max_transfer_blocks,
-                                                                call_timeout_s=config.store_call_timeout_s))
+        return pooled_engine(
+            ModelConfig(**job["model"]),
+            EngineConfig(**job["engine"]),
+            config,
+            role=role,
+            store_factory=lambda: CheckedStore(
+                outer, max_batch_keys=config.max_transfer_blocks, call_timeout_s=config.store_call_timeout_s
+            ),
+        )
 
     role = KVRole(job.get("role", KVRole.BOTH.value))
     engine = make(role)
@@ -143,10 +150,23 @@ def main(job_path: str) -> int:
         torch.save(outputs, job["out"])
     check = job.get("check_keys") or []
     processing, processing_s = _processing(store, check, job.get("settle_s", 0.0)) if check else ([], 0.0)
-    print("@@" + json.dumps({"stats": stats, "idle": idle, "put_keys": faulty.keys_sent(PUT_START),
-                             "hit_tokens": [o.num_external_tokens for o in outputs], "seconds": seconds, "recovery": recovery,
-                             "processing": processing, "processing_s": processing_s,
-                             "present": list(store.batch_is_exist(check)) if check else []}), flush=True)
+    print(
+        "@@"
+        + json.dumps(
+            {
+                "stats": stats,
+                "idle": idle,
+                "put_keys": faulty.keys_sent(PUT_START),
+                "hit_tokens": [o.num_external_tokens for o in outputs],
+                "seconds": seconds,
+                "recovery": recovery,
+                "processing": processing,
+                "processing_s": processing_s,
+                "present": list(store.batch_is_exist(check)) if check else [],
+            }
+        ),
+        flush=True,
+    )
     if job.get("hold"):
         sys.stdin.read()  # hold the client until the test is done
     store.close()

@@ -32,7 +32,9 @@ class Pool(ClusterPool):
 
 
 @contextmanager
-def started_pool(tmp: Path, hosts: Sequence[str] = HOSTS, storage: Sequence[str] = ("store1", "store2")) -> Iterator[Pool]:
+def started_pool(
+    tmp: Path, hosts: Sequence[str] = HOSTS, storage: Sequence[str] = ("store1", "store2")
+) -> Iterator[Pool]:
     problems = cluster_problems()
     if problems:
         pytest.fail("the cluster tier cannot run: " + "; ".join(problems), pytrace=False)

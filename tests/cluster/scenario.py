@@ -41,13 +41,21 @@ def make_prompts(seed: int, num: int = 2, num_probes: int = 0) -> Prompts:
 
 def job(tag: str, prompts: Sequence[Sequence[int]], **extra: Any) -> dict[str, Any]:
     engine = dataclasses.replace(small_engine(), model_id=f"cluster/{tag}")
-    return {"model": dataclasses.asdict(MODEL), "engine": dataclasses.asdict(engine), "prompts": [list(p) for p in prompts],
-            "max_tokens": MAX_TOKENS, **extra}
+    return {
+        "model": dataclasses.asdict(MODEL),
+        "engine": dataclasses.asdict(engine),
+        "prompts": [list(p) for p in prompts],
+        "max_tokens": MAX_TOKENS,
+        **extra,
+    }
 
 
 def _identical(a: RequestOutput, b: RequestOutput) -> bool:
-    return a.token_ids == b.token_ids and len(a.logits) == len(b.logits) and all(
-        torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    return (
+        a.token_ids == b.token_ids
+        and len(a.logits) == len(b.logits)
+        and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    )
 
 
 def assert_local(tag: str, got: Sequence[RequestOutput], prompts: Prompts, prefer: str = "loaded") -> list[str]:
@@ -64,7 +72,9 @@ def assert_local(tag: str, got: Sequence[RequestOutput], prompts: Prompts, prefe
         if matches:
             kinds.append(prefer if prefer in matches else matches[0])
         else:
-            raise AssertionError(f"{g.req_id}: equals neither the local run with the pool's prefix nor a fresh local run")
+            raise AssertionError(
+                f"{g.req_id}: equals neither the local run with the pool's prefix nor a fresh local run"
+            )
     return kinds
 
 

@@ -25,16 +25,26 @@ def test_the_consumers_link_to_its_storage_host_goes_down_mid_load_and_comes_bac
     the consumer never computed hit the pool again."""
     prompts = make_prompts(seed=101, num_probes=12)
     placement = {"preferred_segment": pool.segment_names["store1"]}
-    producer = pool.engine("producer", job("linkcut", prompts.producer + prompts.probe_writes, layerkv=placement, hold=True),
-                           "producer")
+    producer = pool.engine(
+        "producer", job("linkcut", prompts.producer + prompts.probe_writes, layerkv=placement, hold=True), "producer"
+    )
     out = pool.tmp / "linkcut.pt"
     try:
         made = pool.report(producer)
         assert made["idle"] and made["stats"][0]["committed_keys"] > 0 and made["stats"][0]["save_failed_keys"] == 0
-        consumer = pool.engine("consumer", job("linkcut", prompts.consumer, out=str(out), role=KVRole.CONSUMER.value,
-                                                layerkv={"transfer_plan": "layers", **FAST_FAILURE},
-                                                gate={"method": GET_RANGES, "layer_idx": 1, "when": "before"},
-                                                probes={"prompts": prompts.probes, "hit": HIT_TOKENS}), "consumer")
+        consumer = pool.engine(
+            "consumer",
+            job(
+                "linkcut",
+                prompts.consumer,
+                out=str(out),
+                role=KVRole.CONSUMER.value,
+                layerkv={"transfer_plan": "layers", **FAST_FAILURE},
+                gate={"method": GET_RANGES, "layer_idx": 1, "when": "before"},
+                probes={"prompts": prompts.probes, "hit": HIT_TOKENS},
+            ),
+            "consumer",
+        )
         try:
             seen = cut_at_gate(pool, consumer, "store1")  # cut once layer 0 is read; healed after both requests
         finally:
@@ -43,8 +53,10 @@ def test_the_consumers_link_to_its_storage_host_goes_down_mid_load_and_comes_bac
         assert producer.stop() == 0
     kinds = assert_local("linkcut", torch.load(out, weights_only=False), prompts)
     stats = seen["stats"][0]
-    print(f"link to store1 cut mid-load: {kinds}, load failures {stats['load_failed_blocks']} blocks, "
-          f"requests {seen['seconds']} s; after the link returned: {seen['recovery']}")
+    print(
+        f"link to store1 cut mid-load: {kinds}, load failures {stats['load_failed_blocks']} blocks, "
+        f"requests {seen['seconds']} s; after the link returned: {seen['recovery']}"
+    )
     # the first request's later layers failed (its 5 blocks recomputed); the second found that
     # load still inside the store call and recomputed at once instead of queueing behind it
     assert stats["load_failed_blocks"] >= 5 and stats["load_failed_blocks"] + 5 * stats["load_skipped_stuck"] >= 10
@@ -52,12 +64,15 @@ def test_the_consumers_link_to_its_storage_host_goes_down_mid_load_and_comes_bac
     assert seen["idle"]
 
 
-def _consume(pool: Pool, tag: str, prompts: Prompts, prefer: str = "loaded", **extra: Any) -> tuple[dict[str, Any], list[str]]:
+def _consume(
+    pool: Pool, tag: str, prompts: Prompts, prefer: str = "loaded", **extra: Any
+) -> tuple[dict[str, Any], list[str]]:
     """A fresh consumer engine on the consumer host serves the consumer prompts: its report and
     which local run each output equals."""
     out = pool.tmp / f"{tag}.pt"
-    consumer = pool.engine("consumer", job(tag.partition("-")[0], prompts.consumer, out=str(out),
-                                           role=KVRole.CONSUMER.value, **extra), tag)
+    consumer = pool.engine(
+        "consumer", job(tag.partition("-")[0], prompts.consumer, out=str(out), role=KVRole.CONSUMER.value, **extra), tag
+    )
     try:
         seen = pool.report(consumer)
     finally:
@@ -91,17 +106,29 @@ def test_a_storage_host_is_lost_for_good(pool: Pool, replicas: int) -> None:
         # its client (in one CI run a consumer closed under that call died of SIGSEGV at exit)
         during, during_kinds = _consume(pool, f"{tag}-during", prompts, layerkv=FAST_FAILURE, idle_wait_s=90.0)
         dropped_s = pool.wait_unmounted("store2")
-        after, after_kinds = _consume(pool, f"{tag}-after", prompts, "loaded" if replicas == 2 else "recomputed",
-                                      layerkv=FAST_FAILURE, check_keys=made["put_keys"])
+        after, after_kinds = _consume(
+            pool,
+            f"{tag}-after",
+            prompts,
+            "loaded" if replicas == 2 else "recomputed",
+            layerkv=FAST_FAILURE,
+            check_keys=made["put_keys"],
+        )
     finally:
         assert producer.stop() == 0
         pool.cluster.heal("store2")
         pool.segments["store2"].stop()
         pool.start_segment("store2")
-    for name, seen, kinds in (("before", before, before_kinds), ("during", during, during_kinds), ("after", after, after_kinds)):
+    for name, seen, kinds in (
+        ("before", before, before_kinds),
+        ("during", during, during_kinds),
+        ("after", after, after_kinds),
+    ):
         stats = seen["stats"][0]
-        print(f"store2 lost, replica_num={replicas}, {name}: {kinds}, hit tokens {seen['hit_tokens']}, load timeouts "
-              f"{stats['load_timeouts']}, failed blocks {stats['load_failed_blocks']}, requests {seen['seconds']} s")
+        print(
+            f"store2 lost, replica_num={replicas}, {name}: {kinds}, hit tokens {seen['hit_tokens']}, load timeouts "
+            f"{stats['load_timeouts']}, failed blocks {stats['load_failed_blocks']}, requests {seen['seconds']} s"
+        )
     print(f"the master dropped store2 {dropped_s} s after the consumer's 'during' run")
     assert before_kinds == ["loaded", "loaded"] and before["hit_tokens"] == [HIT_TOKENS, HIT_TOKENS] and before["idle"]
     assert max(during["seconds"]) < 2 * FAST_FAILURE["load_timeout_s"] + 5  # bounded, no hang
@@ -126,8 +153,9 @@ def test_a_rate_limited_link_between_consumer_and_storage(pool: Pool) -> None:
     try:
         made = pool.report(producer)
         assert made["idle"] and made["stats"][0]["save_failed_keys"] == 0
-        consumer = pool.engine("consumer", job("ratelimit", prompts.consumer, out=str(out), role=KVRole.CONSUMER.value),
-                               "consumer")
+        consumer = pool.engine(
+            "consumer", job("ratelimit", prompts.consumer, out=str(out), role=KVRole.CONSUMER.value), "consumer"
+        )
         try:
             seen = pool.report(consumer)
         finally:
@@ -138,7 +166,9 @@ def test_a_rate_limited_link_between_consumer_and_storage(pool: Pool) -> None:
     kinds = assert_local("ratelimit", torch.load(out, weights_only=False), prompts)
     stats = seen["stats"][0]
     plans = {k.removeprefix("load_plans_"): v for k, v in stats.items() if k.startswith("load_plans_") and v}
-    print(f"consumer link at 1 Gbit/s: {kinds}, hit tokens {seen['hit_tokens']}, requests {seen['seconds']} s, "
-          f"planner chose {plans}, load wait {stats.get('load_wait_s', '-')} s")
+    print(
+        f"consumer link at 1 Gbit/s: {kinds}, hit tokens {seen['hit_tokens']}, requests {seen['seconds']} s, "
+        f"planner chose {plans}, load wait {stats.get('load_wait_s', '-')} s"
+    )
     assert kinds == ["loaded"] * 4 and seen["hit_tokens"] == [HIT_TOKENS] * 4
     assert stats["load_failed_blocks"] == 0 and seen["idle"]

@@ -31,8 +31,9 @@ def test_the_master_host_is_partitioned_during_lookups(pool: Pool, hold_s: float
     after the link returned hit."""
     tag = f"lookups-{int(hold_s)}"
     prompts = make_prompts(seed=201 + int(hold_s), num_probes=20)
-    producer = pool.engine("producer", job(tag, prompts.producer + ([] if hold_s else prompts.probe_writes), hold=True),
-                           "producer")
+    producer = pool.engine(
+        "producer", job(tag, prompts.producer + ([] if hold_s else prompts.probe_writes), hold=True), "producer"
+    )
     out = pool.tmp / f"{tag}.pt"
     probes = {"prompts": prompts.probes, "hit": HIT_TOKENS, "interval_s": 1.0}
     if hold_s:
@@ -40,9 +41,19 @@ def test_the_master_host_is_partitioned_during_lookups(pool: Pool, hold_s: float
     try:
         made = pool.report(producer)
         assert made["idle"] and made["stats"][0]["committed_keys"] > 0
-        consumer = pool.engine("consumer", job(tag, prompts.consumer, out=str(out), role=KVRole.CONSUMER.value,
-                                               layerkv=MASTER_FAILURE, gate={"method": IS_EXIST}, probes=probes),
-                               "consumer")
+        consumer = pool.engine(
+            "consumer",
+            job(
+                tag,
+                prompts.consumer,
+                out=str(out),
+                role=KVRole.CONSUMER.value,
+                layerkv=MASTER_FAILURE,
+                gate={"method": IS_EXIST},
+                probes=probes,
+            ),
+            "consumer",
+        )
         try:
             seen = cut_at_gate(pool, consumer, "master", hold_s)
         finally:
@@ -50,8 +61,10 @@ def test_the_master_host_is_partitioned_during_lookups(pool: Pool, hold_s: float
     finally:
         assert producer.stop() == 0
     kinds = assert_local(tag, torch.load(out, weights_only=False), prompts)
-    print(f"master cut during lookups ({hold_s:.0f} s past the requests): {kinds}, hit tokens {seen['hit_tokens']}, "
-          f"requests {seen['seconds']} s; after the link returned: {seen['recovery']}")
+    print(
+        f"master cut during lookups ({hold_s:.0f} s past the requests): {kinds}, hit tokens {seen['hit_tokens']}, "
+        f"requests {seen['seconds']} s; after the link returned: {seen['recovery']}"
+    )
     assert seen["hit_tokens"] == [0, 0]  # no lookup answered: computed locally
     assert max(seen["seconds"]) < 3 * MASTER_FAILURE["store_call_timeout_s"]  # bounded, no hang
     assert seen["recovery"]["recovery_s"] is not None, seen["recovery"]
@@ -65,8 +78,11 @@ SAVE_CUTS = {
     # the default save path writes whole objects after the forward: cut before their put end
     "producer-before-put-end": ({"method": PUT_RANGES, "when": "after"}, "producer", {}),
     # the per-layer path (a registered host cache): layer 0 written, layer 1 not yet
-    "producer-between-layers": ({"method": PUT_RANGES, "layer_idx": 1}, "producer",
-                                {"transfer_plan": "layers", "register_kv_cache": True, "encrypt_objects": False}),
+    "producer-between-layers": (
+        {"method": PUT_RANGES, "layer_idx": 1},
+        "producer",
+        {"transfer_plan": "layers", "register_kv_cache": True, "encrypt_objects": False},
+    ),
 }
 
 
@@ -82,27 +98,41 @@ def test_a_partition_while_the_producer_saves(pool: Pool, where: str) -> None:
     tag = f"save-{where}"
     gate, host, layerkv = SAVE_CUTS[where]
     prompts = make_prompts(seed=401 + 10 * list(SAVE_CUTS).index(where), num_probes=20)
-    producer = pool.engine("producer", job(tag, prompts.producer, layerkv={**MASTER_FAILURE, **layerkv}, gate=gate,
-                                           probes={"prompts": prompts.probes, "writes": prompts.probe_writes,
-                                                   "hit": HIT_TOKENS}), "producer")
+    producer = pool.engine(
+        "producer",
+        job(
+            tag,
+            prompts.producer,
+            layerkv={**MASTER_FAILURE, **layerkv},
+            gate=gate,
+            probes={"prompts": prompts.probes, "writes": prompts.probe_writes, "hit": HIT_TOKENS},
+        ),
+        "producer",
+    )
     try:
         made = cut_at_gate(pool, producer, host)
     finally:
         assert producer.stop() == 0
     keys = sorted(set(made["put_keys"]))
     out = pool.tmp / f"{tag}.pt"
-    consumer = pool.engine("consumer", job(tag, prompts.consumer, out=str(out), role=KVRole.CONSUMER.value,
-                                           check_keys=keys, settle_s=60.0), "consumer")
+    consumer = pool.engine(
+        "consumer",
+        job(tag, prompts.consumer, out=str(out), role=KVRole.CONSUMER.value, check_keys=keys, settle_s=60.0),
+        "consumer",
+    )
     try:
         seen = pool.report(consumer)
     finally:
         assert consumer.stop() == 0
     kinds = assert_local(tag, torch.load(out, weights_only=False), prompts)
     stats = made["stats"][0]
-    print(f"{host} cut at the producer's save ({where}): save failures {stats['save_failed_keys']} keys, commit failures "
-          f"{stats.get('commit_failed', '-')}, requests {made['seconds']} s; after the link returned: {made['recovery']}; "
-          f"consumer: {kinds}, hit tokens {seen['hit_tokens']}; PROCESSING left {len(seen['processing'])} "
-          f"of {len(keys)} keys after {seen['processing_s']} s")
+    print(
+        f"{host} cut at the producer's save ({where}): save failures {stats['save_failed_keys']} keys, commit failures "
+        f"{stats.get('commit_failed', '-')}, requests {made['seconds']} s; after the link returned: "
+        f"{made['recovery']}; "
+        f"consumer: {kinds}, hit tokens {seen['hit_tokens']}; PROCESSING left {len(seen['processing'])} "
+        f"of {len(keys)} keys after {seen['processing_s']} s"
+    )
     assert max(made["seconds"]) < 3 * MASTER_FAILURE["store_call_timeout_s"] + 5  # bounded, no hang
     assert made["recovery"]["recovery_s"] is not None, made["recovery"]
     assert seen["processing"] == [], seen["processing"]

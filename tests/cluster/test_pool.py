@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from layerkv.engine import Engine
 from tests.cluster.pool import Pool
 from tests.e2e.harness import MODEL, assert_identical, local_oracle, prompts_with_prefix, random_tokens, small_engine
-from layerkv.engine import Engine
 
 pytestmark = pytest.mark.mooncake
 MAX_TOKENS = 3
@@ -20,8 +20,13 @@ MAX_TOKENS = 3
 
 def _job(tag: str, prompts: list[list[int]], **extra: Any) -> dict[str, Any]:
     engine = dataclasses.replace(small_engine(), model_id=f"cluster/{tag}")
-    return {"model": dataclasses.asdict(MODEL), "engine": dataclasses.asdict(engine), "prompts": prompts,
-            "max_tokens": MAX_TOKENS, **extra}
+    return {
+        "model": dataclasses.asdict(MODEL),
+        "engine": dataclasses.asdict(engine),
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+        **extra,
+    }
 
 
 def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -137,8 +137,11 @@ class ReleasingMaster(MasterProcess):
 
     def argv(self, binary: Path) -> list[str]:
         # Mooncake requires the discard timeout (a put start of another client takes over) below it
-        return [*MasterProcess.argv(self, binary), f"--put_start_release_timeout_sec={self.put_release_s}",
-                f"--put_start_discard_timeout_sec={self.put_release_s - 1}"]
+        return [
+            *MasterProcess.argv(self, binary),
+            f"--put_start_release_timeout_sec={self.put_release_s}",
+            f"--put_start_discard_timeout_sec={self.put_release_s - 1}",
+        ]
 
 
 class MooncakeContractHarness(StoreHarness):
@@ -148,8 +151,14 @@ class MooncakeContractHarness(StoreHarness):
 
     name = "mooncake"
 
-    def __init__(self, inner: Any, prefix: str, lease_ttl_s: float = 10.0, store: KVStore | None = None,
-                 master: MasterProcess | None = None) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        prefix: str,
+        lease_ttl_s: float = 10.0,
+        store: KVStore | None = None,
+        master: MasterProcess | None = None,
+    ) -> None:
         super().__init__()
         self._inner = inner  # tests.mooncake_master.MooncakeHarness
         self._prefix = prefix
@@ -191,7 +200,9 @@ class MooncakeContractHarness(StoreHarness):
                 self._master.stop()
 
     def make_store(self, capacity_bytes: int = 64 * MiB, lease_ttl_s: float = 10.0) -> StoreHarness:
-        child = MooncakeContractHarness(self._inner, self._prefix, lease_ttl_s, self._inner.make_store(capacity_bytes, lease_ttl_s))
+        child = MooncakeContractHarness(
+            self._inner, self._prefix, lease_ttl_s, self._inner.make_store(capacity_bytes, lease_ttl_s)
+        )
         self._children.append(child)
         return child
 

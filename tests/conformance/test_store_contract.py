@@ -4,10 +4,9 @@ Sizes respect Mooncake's limits (segments >= 16 MiB); lease tests use a ~1 s lea
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
-
-from typing import TYPE_CHECKING
 
 from layerkv.store.base import Code, KVStore
 
@@ -43,7 +42,9 @@ def _put(h: StoreHarness, store: KVStore, keys: list[str], nbytes: int, seed: in
     buf[:] = data.reshape(-1)
     assert store.batch_put_session_start(keys, [nbytes] * len(keys)) == [OK] * len(keys)
     ptrs = [[ptr + i * nbytes] for i in range(len(keys))]
-    assert store.batch_put_from_multi_buffer_ranges(keys, ptrs, [[nbytes]] * len(keys), [[0]] * len(keys)) == [nbytes] * len(keys)
+    assert store.batch_put_from_multi_buffer_ranges(keys, ptrs, [[nbytes]] * len(keys), [[0]] * len(keys)) == [
+        nbytes
+    ] * len(keys)
     assert store.batch_put_session_end(keys) == [OK] * len(keys)
     return data
 
@@ -73,7 +74,10 @@ def test_ranges_round_trip_across_many_keys_and_layers(harness: StoreHarness) ->
     object_nbytes = num_layers * num_entries * block_nbytes
     # object layout: [layer][entry(K,V)][block_nbytes]
     rng = np.random.default_rng(1)
-    caches = [[rng.integers(0, 256, (num_blocks, block_nbytes), dtype=np.uint8) for _ in range(num_entries)] for _ in range(num_layers)]
+    caches = [
+        [rng.integers(0, 256, (num_blocks, block_nbytes), dtype=np.uint8) for _ in range(num_entries)]
+        for _ in range(num_layers)
+    ]
     keys = _keys("rt", num_blocks)
     assert store.batch_put_session_start(keys, [object_nbytes] * num_blocks) == [OK] * num_blocks
     for layer_idx, layer in enumerate(caches):
@@ -278,13 +282,22 @@ def test_eviction_never_removes_a_leased_object(harness: StoreHarness) -> None:
 def test_one_failing_key_does_not_fail_the_others(harness: StoreHarness) -> None:
     store = harness.store
     _put(harness, store, ["exists"], 4096)
-    assert store.batch_put_session_start(["a", "exists", "zero", "b"], [4096, 4096, 0, 4096]) == [OK, EXISTS, INVALID, OK]
+    assert store.batch_put_session_start(["a", "exists", "zero", "b"], [4096, 4096, 0, 4096]) == [
+        OK,
+        EXISTS,
+        INVALID,
+        OK,
+    ]
     _, ptr = harness.alloc(8192)
-    got = store.batch_put_from_multi_buffer_ranges(["a", "b", "zero"], [[ptr], [ptr], [ptr]], [[4096], [8192], [4096]], [[0], [0], [0]])
+    got = store.batch_put_from_multi_buffer_ranges(
+        ["a", "b", "zero"], [[ptr], [ptr], [ptr]], [[4096], [8192], [4096]], [[0], [0], [0]]
+    )
     assert got == [4096, INVALID, INVALID]
     assert store.batch_put_session_end(["a", "zero", "b"]) == [OK, INVALID, OK]
     assert store.batch_get_session_start(["a", "missing", "exists"]) == [OK, NOT_FOUND, OK]
-    got = store.batch_get_into_multi_buffer_ranges(["a", "b", "exists"], [[ptr]] * 3, [[4096], [4096], [4096]], [[0], [0], [1]])
+    got = store.batch_get_into_multi_buffer_ranges(
+        ["a", "b", "exists"], [[ptr]] * 3, [[4096], [4096], [4096]], [[0], [0], [1]]
+    )
     assert got == [4096, INVALID, INVALID]
     assert store.batch_get_session_end(["a", "exists"]) == OK
 

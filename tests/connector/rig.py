@@ -14,8 +14,8 @@ import torch
 
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
-from layerkv.objects.keys import block_keys
 from layerkv.messages import Deployment, KVRole, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
+from layerkv.objects.keys import block_keys
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_END, GET_RANGES, GET_START, FaultyStore
 
@@ -56,9 +56,21 @@ class Req:
 class Rig:
     """One scheduler connector and `tp_size` worker connectors over one test backend."""
 
-    def __init__(self, backend: Any, *, num_layers: int = 3, num_blocks: int = 64, num_kv_heads: int = 2,
-                 head_dim: int = 8, tp_size: int = 1, role: KVRole = KVRole.BOTH, call_save: bool = True,
-                 first_layer: int = 0, window_blocks: int = 0, **config: Any) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        num_layers: int = 3,
+        num_blocks: int = 64,
+        num_kv_heads: int = 2,
+        head_dim: int = 8,
+        tp_size: int = 1,
+        role: KVRole = KVRole.BOTH,
+        call_save: bool = True,
+        first_layer: int = 0,
+        window_blocks: int = 0,
+        **config: Any,
+    ) -> None:
         # first_layer / window_blocks: this rig is one KV cache group of a hybrid model (its
         # layers are the model's first_layer.., a sliding-window group when window_blocks > 0)
         self.first_layer = first_layer
@@ -66,15 +78,29 @@ class Rig:
         # (straight into a registered cache: register_kv_cache, unless a test asks for staging)
         plan = "groups" if config.get("read_layers_per_range", 1) > 1 else "layers"
         direct = config.get("transfer_plan", plan) == "layers"
-        self.config = LayerKVConfig.from_dict({"load_timeout_s": 5.0, "save_timeout_s": 5.0, "transfer_plan": plan,
-                                               "register_kv_cache": direct, **config}, env={})
+        self.config = LayerKVConfig.from_dict(
+            {
+                "load_timeout_s": 5.0,
+                "save_timeout_s": 5.0,
+                "transfer_plan": plan,
+                "register_kv_cache": direct,
+                **config,
+            },
+            env={},
+        )
         self.backend = backend
         self.num_layers, self.num_blocks, self.tp_size, self.call_save = num_layers, num_blocks, tp_size, call_save
         heads_per_rank = max(1, num_kv_heads // tp_size)
         self.deployment = Deployment(
-            model_id=f"test/rig-{backend.tag}", kv_dtype="float32", block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads,
-            tp_size=tp_size, role=role, kv_signature=f"rig:{num_layers}x[2,{BLOCK_SIZE},{heads_per_rank},{head_dim}]f32"
-            + (f"@{first_layer}" if first_layer else ""), window_blocks=window_blocks,
+            model_id=f"test/rig-{backend.tag}",
+            kv_dtype="float32",
+            block_size=BLOCK_SIZE,
+            num_kv_heads=num_kv_heads,
+            tp_size=tp_size,
+            role=role,
+            kv_signature=f"rig:{num_layers}x[2,{BLOCK_SIZE},{heads_per_rank},{head_dim}]f32"
+            + (f"@{first_layer}" if first_layer else ""),
+            window_blocks=window_blocks,
         )
         self.sched_faults = FaultyStore(backend.client())
         self.scheduler = SchedulerConnector(self.config, self.deployment, self._checked(self.sched_faults))
@@ -86,8 +112,10 @@ class Rig:
             faulty = FaultyStore(backend.client())
             checked = self._checked(faulty)
             worker = WorkerConnector(self.config, dataclasses.replace(self.deployment, tp_rank=rank), checked)
-            caches = {self.layer_name(l): torch.zeros(2, num_blocks, BLOCK_SIZE, heads_per_rank, head_dim)
-                      for l in range(num_layers)}  # [2, num_blocks, block_size, heads, head_dim]
+            caches = {
+                self.layer_name(li): torch.zeros(2, num_blocks, BLOCK_SIZE, heads_per_rank, head_dim)
+                for li in range(num_layers)
+            }  # [2, num_blocks, block_size, heads, head_dim]
             worker.register_kv_caches(caches, num_blocks)
             self.faults.append(faulty)
             self.checked.append(checked)
@@ -99,9 +127,12 @@ class Rig:
 
     def _checked(self, faulty: FaultyStore) -> CheckedStore:
         """As layerkv opens its store: chunked, bounded metadata calls, outage short-circuit."""
-        return CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks,
-                            retry_interval_s=self.config.store_retry_interval_s,
-                            call_timeout_s=self.config.store_call_timeout_s)
+        return CheckedStore(
+            faulty,
+            max_batch_keys=self.config.max_transfer_blocks,
+            retry_interval_s=self.config.store_retry_interval_s,
+            call_timeout_s=self.config.store_call_timeout_s,
+        )
 
     def layer_name(self, layer_idx: int) -> str:
         return f"model.layers.{self.first_layer + layer_idx}.self_attn.attn"
@@ -133,7 +164,9 @@ class Rig:
         n = remaining if budget is None else min(budget, remaining)
         return ScheduledRequest(req.req_id, tuple(req.block_ids), req.num_computed, n, req.hashes, resumed)
 
-    def worker_step(self, scheduled: list[ScheduledRequest], *, deferred: bool = False) -> tuple[set[int], tuple[int, ...]]:
+    def worker_step(
+        self, scheduled: list[ScheduledRequest], *, deferred: bool = False
+    ) -> tuple[set[int], tuple[int, ...]]:
         """One step of rank 0 in vLLM's hook order; `deferred`: the order vLLM uses with
         speculative decoding (load errors and the step report before wait_for_save). Returns
         (invalid blocks, reported steps); the scheduler side gets them as vLLM would pass them."""
@@ -154,8 +187,14 @@ class Rig:
         self.scheduler.update_connector_output(WorkerReport(invalid_block_ids=frozenset(invalid), reported_steps=steps))
         return invalid, steps
 
-    def step(self, scheduled: list[ScheduledRequest], *, finished: frozenset[str] = frozenset(),
-             preempted: frozenset[str] = frozenset(), layers: int | None = None) -> set[int]:
+    def step(
+        self,
+        scheduled: list[ScheduledRequest],
+        *,
+        finished: frozenset[str] = frozenset(),
+        preempted: frozenset[str] = frozenset(),
+        layers: int | None = None,
+    ) -> set[int]:
         """Run one engine step; returns the invalid block ids the workers reported. Requests
         with invalid blocks are rewound to their first invalid block (vLLM's recompute)."""
         plan = self.scheduler.build_connector_meta(self.step_of(scheduled, finished, preempted))
@@ -171,8 +210,11 @@ class Rig:
         return self.end_step(scheduled, finished)
 
     @staticmethod
-    def step_of(scheduled: list[ScheduledRequest], finished: frozenset[str] = frozenset(),
-                preempted: frozenset[str] = frozenset()) -> SchedulerStep:
+    def step_of(
+        scheduled: list[ScheduledRequest],
+        finished: frozenset[str] = frozenset(),
+        preempted: frozenset[str] = frozenset(),
+    ) -> SchedulerStep:
         return SchedulerStep(tuple(scheduled), finished_req_ids=finished, preempted_req_ids=preempted)
 
     def end_step(self, scheduled: list[ScheduledRequest], finished: frozenset[str] = frozenset()) -> set[int]:
@@ -184,7 +226,9 @@ class Rig:
             invalid |= worker.get_block_ids_with_load_errors()
             reported.extend(worker.report_steps())
             worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(WorkerReport(invalid_block_ids=frozenset(invalid), reported_steps=tuple(reported)))
+        self.scheduler.update_connector_output(
+            WorkerReport(invalid_block_ids=frozenset(invalid), reported_steps=tuple(reported))
+        )
         for s in scheduled:
             req = self.reqs[s.req_id]
             req.num_computed = s.num_computed_tokens + s.num_scheduled_tokens
@@ -246,8 +290,12 @@ class Rig:
         hashes = req.hashes
         return [
             (rank, layer, i)
-            for rank in range(self.tp_size) for layer in range(self.num_layers) for i in blocks
-            if not bool((self.block_values(rank, layer, req.block_ids[i]) == self.expected_block(rank, layer, hashes[i])).all())
+            for rank in range(self.tp_size)
+            for layer in range(self.num_layers)
+            for i in blocks
+            if not bool(
+                (self.block_values(rank, layer, req.block_ids[i]) == self.expected_block(rank, layer, hashes[i])).all()
+            )
         ]
 
     def poison(self, req: Req) -> None:

@@ -35,8 +35,12 @@ class LaggingStream:
         self.compute_waits = 0
         self.errors: list[BaseException] = []
         self._queues: dict[bool, queue.Queue[Any]] = {save: queue.Queue() for save in (False, True)}
-        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"lagging-{'save' if save else 'load'}-stream",
-                                          daemon=True) for save, q in self._queues.items()]
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(q,), name=f"lagging-{'save' if save else 'load'}-stream", daemon=True
+            )
+            for save, q in self._queues.items()
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -94,7 +98,9 @@ def lagging(monkeypatch) -> Iterator[Callable[..., Any]]:
         stream = LaggingStream(lag_s)
         streams.append(stream)
         with monkeypatch.context() as patch:
-            patch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False, copies=stream))
+            patch.setattr(
+                layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False, copies=stream)
+            )
             rig = make_rig(**kwargs)
         assert rig.workers[0]._jobs.caches.views.copies is stream
         return rig, stream
@@ -110,17 +116,30 @@ def _tokens(num_blocks: int, base: int = 0) -> list[int]:
 
 
 def _layer_wrong(rig: Any, req: Req, layer_idx: int, blocks: range) -> list[int]:
-    return [i for i in blocks if not bool((rig.block_values(0, layer_idx, req.block_ids[i])
-                                            == rig.expected_block(0, layer_idx, req.hashes[i])).all())]
+    return [
+        i
+        for i in blocks
+        if not bool(
+            (rig.block_values(0, layer_idx, req.block_ids[i]) == rig.expected_block(0, layer_idx, req.hashes[i])).all()
+        )
+    ]
 
 
 @pytest.mark.parametrize("read_layers_per_range", [1, 2])
-def test_a_loaded_layer_is_in_the_cache_when_wait_for_layer_load_returns(make_rig, lagging, read_layers_per_range) -> None:
+def test_a_loaded_layer_is_in_the_cache_when_wait_for_layer_load_returns(
+    make_rig, lagging, read_layers_per_range
+) -> None:
     producer = make_rig(num_layers=4, transfer_plan="groups")
     tokens = _tokens(4)
     producer.run(Req("p", tokens))
-    rig, stream = lagging(make_rig, 0.05, num_layers=4, role=KVRole.CONSUMER, transfer_plan="groups",
-                          read_layers_per_range=read_layers_per_range)
+    rig, stream = lagging(
+        make_rig,
+        0.05,
+        num_layers=4,
+        role=KVRole.CONSUMER,
+        transfer_plan="groups",
+        read_layers_per_range=read_layers_per_range,
+    )
     a = Req("a", list(tokens))
     ext, s = rig.admit(a)
     assert ext == 4 * BLOCK_SIZE
@@ -153,8 +172,15 @@ def test_a_load_that_gave_up_lets_no_queued_copy_land_afterwards(make_rig, backe
     producer.run(Req("p", tokens))
     object_nbytes = producer.workers[0].layout.object_nbytes
     # 2 staging rows for loads: the 6 keys of layer 0 pass in 3 waves; the last one stalls
-    rig, stream = lagging(make_rig, 0.3, num_layers=2, role=KVRole.CONSUMER, transfer_plan="groups",
-                          staging_nbytes=4 * 2 * object_nbytes, load_timeout_s=0.2)
+    rig, stream = lagging(
+        make_rig,
+        0.3,
+        num_layers=2,
+        role=KVRole.CONSUMER,
+        transfer_plan="groups",
+        staging_nbytes=4 * 2 * object_nbytes,
+        load_timeout_s=0.2,
+    )
     a = Req("a", list(tokens))
     _, s = rig.admit(a)
     stalled = rig.keys(a)[4]
@@ -166,7 +192,8 @@ def test_a_load_that_gave_up_lets_no_queued_copy_land_afterwards(make_rig, backe
     for cache in rig.caches[0].values():  # the engine reuses the blocks at once
         cache[:, a.block_ids[:6]] = -7.0
     time.sleep(0.8)  # past every queued copy
-    assert {float(v) for l in range(2) for i in range(6) for v in rig.block_values(0, l, a.block_ids[i]).flatten()} == {-7.0}
+    values = (rig.block_values(0, li, a.block_ids[i]).flatten() for li in range(2) for i in range(6))
+    assert {float(v) for block in values for v in block} == {-7.0}
     assert rig.end_step([s]) == set(a.block_ids[:6])
     rig.faults[0].release()
     assert worker.is_idle(5.0)

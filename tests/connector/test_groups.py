@@ -27,11 +27,17 @@ class Hybrid:
         self.swa = make_rig(num_layers=2, first_layer=3, window_blocks=WINDOW, **config)
         self.full.next_block, self.swa.next_block = 1, 33
         self.rigs = (self.full, self.swa)
-        self.scheduler = GroupedScheduler([self.full.scheduler, self.swa.scheduler], skip_block_ids=frozenset({NULL}),
-                                          windows=[0, WINDOW], load_async=load_async)
-        self.worker = GroupedWorker([self.full.workers[0], self.swa.workers[0]],
-                                    [[rig.layer_name(l) for l in range(rig.num_layers)] for rig in self.rigs],
-                                    load_async=load_async)
+        self.scheduler = GroupedScheduler(
+            [self.full.scheduler, self.swa.scheduler],
+            skip_block_ids=frozenset({NULL}),
+            windows=[0, WINDOW],
+            load_async=load_async,
+        )
+        self.worker = GroupedWorker(
+            [self.full.workers[0], self.swa.workers[0]],
+            [[rig.layer_name(li) for li in range(rig.num_layers)] for rig in self.rigs],
+            load_async=load_async,
+        )
         self.load_async = load_async
         self.reqs: dict[str, tuple[Req, Req]] = {}
 
@@ -61,9 +67,16 @@ class Hybrid:
             pair = self.reqs[req_id]
             for g, req in enumerate(pair):
                 other = tuple(b for r in pair if r is not req for b in r.block_ids)
-                per_group[g].append(ScheduledRequest(req_id, tuple(req.block_ids), req.num_computed,
-                                                     len(req.tokens) - req.num_computed, req.hashes,
-                                                     other_block_ids=other))
+                per_group[g].append(
+                    ScheduledRequest(
+                        req_id,
+                        tuple(req.block_ids),
+                        req.num_computed,
+                        len(req.tokens) - req.num_computed,
+                        req.hashes,
+                        other_block_ids=other,
+                    )
+                )
         plan = self.scheduler.build_connector_meta([SchedulerStep(tuple(s)) for s in per_group])
         self.worker.bind_connector_metadata(plan)
         self.worker.start_load_kv()
@@ -99,9 +112,14 @@ class Hybrid:
             invalid = self.worker.get_block_ids_with_load_errors()
         steps = self.worker.report_steps()
         self.worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(WorkerReport(
-            finished_recving=frozenset(finished), invalid_block_ids=frozenset(invalid), reported_steps=steps,
-            failed_recving=frozenset(failed)))
+        self.scheduler.update_connector_output(
+            WorkerReport(
+                finished_recving=frozenset(finished),
+                invalid_block_ids=frozenset(invalid),
+                reported_steps=steps,
+                failed_recving=frozenset(failed),
+            )
+        )
         return finished, failed, invalid
 
     def settle(self) -> None:
@@ -130,12 +148,17 @@ def test_a_hit_needs_every_full_group_block_and_only_the_window_of_a_sliding_gro
     assert consumer.full.wrong_blocks(full_c, range(8)) == []
     assert consumer.swa.wrong_blocks(swa_c, range(6, 8)) == []  # the window, loaded
     assert swa_c.block_ids[:6] == [NULL] * 6
-    assert all(bool((consumer.swa.block_values(0, l, NULL) == 0).all()) for l in range(2))  # the null block: never written
+    assert all(
+        bool((consumer.swa.block_values(0, li, NULL) == 0).all()) for li in range(2)
+    )  # the null block: never written
     assert isinstance(consumer.last_plan, GroupedPlan)
     assert [len(p.loads[0]) for p in consumer.last_plan.plans] == [8, WINDOW]
 
     assert backend.remove(consumer.swa.keys(swa, blocks=[6])) == [0]
-    assert consumer.scheduler.get_num_new_matched_tokens(Req("d", tokens).view(), 0) == (6 * BLOCK_SIZE, False)  # window 4-5
+    assert consumer.scheduler.get_num_new_matched_tokens(Req("d", tokens).view(), 0) == (
+        6 * BLOCK_SIZE,
+        False,
+    )  # window 4-5
     assert backend.remove(consumer.full.keys(full, blocks=[5])) == [0]
     # the full group ends the hit at 5, where the window (3-4) misses 3; so do 2, 1 and 0's windows
     assert consumer.scheduler.get_num_new_matched_tokens(Req("e", tokens).view(), 0) == (0, False)
@@ -184,8 +207,10 @@ def test_a_step_is_reported_once_every_group_ran_it(make_rig, backend) -> None:
     consumer.full.faults[0].delay(GET_RANGES, 1.0, layer_idx=2, times=1)
     consumer.admit("c", _tokens(3))
     full, swa = consumer.reqs["c"]
-    scheduled = [ScheduledRequest("c", tuple(r.block_ids), r.num_computed, len(r.tokens) - r.num_computed, r.hashes)
-                 for r in (full, swa)]
+    scheduled = [
+        ScheduledRequest("c", tuple(r.block_ids), r.num_computed, len(r.tokens) - r.num_computed, r.hashes)
+        for r in (full, swa)
+    ]
     plan = consumer.scheduler.build_connector_meta([SchedulerStep((s,)) for s in scheduled])
     consumer.worker.bind_connector_metadata(plan)
     consumer.worker.start_load_kv()
@@ -223,7 +248,12 @@ def test_async_loads_report_a_failed_group_as_a_failed_request_never_as_blocks(m
     assert consumer.scheduler.get_num_new_matched_tokens(Req("bad", tokens).view(), 0) == (0, False)
     assert consumer.scheduler.get_num_new_matched_tokens(Req("other", tokens).view(), 0) == (6 * BLOCK_SIZE, True)
 
-    consumer.full.faults[0].fail(GET_RANGES, consumer.full.keys(Req("x", tokens), blocks=[2])[0],
-                                 code=int(Code.TRANSFER_FAIL), layer_idx=0, times=1)
+    consumer.full.faults[0].fail(
+        GET_RANGES,
+        consumer.full.keys(Req("x", tokens), blocks=[2])[0],
+        code=int(Code.TRANSFER_FAIL),
+        layer_idx=0,
+        times=1,
+    )
     assert consumer.admit("bad2", tokens) == 6 * BLOCK_SIZE
     assert consumer.load_step(errors_first=True) == ({"bad2"}, {"bad2"}, set())  # never as blocks, whatever the order

@@ -78,9 +78,9 @@ def test_pipeline_parallel_hit_needs_every_stage() -> None:
     import dataclasses
 
     from layerkv.config import LayerKVConfig
-    from layerkv.objects.keys import block_keys, namespace_for
-    from layerkv.messages import Deployment, RequestView
     from layerkv.connector.scheduler import SchedulerConnector
+    from layerkv.messages import Deployment, RequestView
+    from layerkv.objects.keys import block_keys, namespace_for
     from layerkv.store.checked import CheckedStore
     from layerkv.store.embedded import EmbeddedStore
 
@@ -91,7 +91,9 @@ def test_pipeline_parallel_hit_needs_every_stage() -> None:
     view = RequestView("r", 13, 13, hashes)
 
     def commit(stage: int, blocks: range) -> None:
-        keys = block_keys(namespace_for(dataclasses.replace(base, pp_rank=stage), "default"), [hashes[b] for b in blocks], 0)
+        keys = block_keys(
+            namespace_for(dataclasses.replace(base, pp_rank=stage), "default"), [hashes[b] for b in blocks], 0
+        )
         assert store.batch_put_session_start(keys, [64] * len(keys)) == [0] * len(keys)
         assert store.batch_put_session_end(keys) == [0] * len(keys)
 

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from layerkv.config import LayerKVConfig
+from layerkv.connector.worker import WorkerConnector
 from layerkv.errors import ConfigError, LayoutError
-from layerkv.objects.layout import CacheLayout
 from layerkv.messages import Deployment
+from layerkv.objects.layout import CacheLayout
 from layerkv.objects.seal import Sealer, context
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
 from layerkv.transfer.views import CacheViews
-from layerkv.connector.worker import WorkerConnector
 from tests.backends import Backend, EmbeddedBackend, MooncakeBackend
 from tests.connector.rig import BLOCK_SIZE, Req, Rig
 
@@ -118,8 +118,14 @@ def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend_name:
     else:
         harness = request.getfixturevalue("mooncake_harness")
         store_backend = MooncakeBackend.of(harness.make_store(64 << 20, lease_ttl_s=1.0))
-    rig = Rig(store_backend, num_layers=4, prefetch_layers=1, load_timeout_s=5.0, lease_renew_after_s=renew_after_s,
-              embedded_lease_ttl_s=1000.0)  # the config's TTL; the backend above expires leases after 1 s
+    rig = Rig(
+        store_backend,
+        num_layers=4,
+        prefetch_layers=1,
+        load_timeout_s=5.0,
+        lease_renew_after_s=renew_after_s,
+        embedded_lease_ttl_s=1000.0,
+    )  # the config's TTL; the backend above expires leases after 1 s
     try:
         tokens = _tokens(4)
         rig.run(Req("a", tokens))
@@ -141,16 +147,20 @@ def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend_name:
 
 
 def test_device_code_path_fans_out_with_torch_copies() -> None:
-    caches = {f"model.layers.{l}.attn": torch.randn(2, 8, BLOCK_SIZE, 2, 4) for l in range(2)}
+    caches = {f"model.layers.{li}.attn": torch.randn(2, 8, BLOCK_SIZE, 2, 4) for li in range(2)}
     layout = CacheLayout.from_caches(caches, 8, max_transfer_bytes=1 << 20)
     device_like = CacheViews(layout, caches, on_host=False)  # torch views, as on an accelerator
     host = CacheViews(layout, caches)
     device_like.copy_blocks(1, np.array([2, 2]), np.array([5, 6]))
-    assert not torch.equal(caches["model.layers.0.attn"][:, 5], caches["model.layers.0.attn"][:, 2])  # other layer untouched
+    assert not torch.equal(
+        caches["model.layers.0.attn"][:, 5], caches["model.layers.0.attn"][:, 2]
+    )  # other layer untouched
     assert torch.equal(caches["model.layers.1.attn"][:, 5], caches["model.layers.1.attn"][:, 2])
     assert torch.equal(caches["model.layers.1.attn"][:, 6], caches["model.layers.1.attn"][:, 2])
     ctx = [context("k", bytes(16))]
-    assert np.array_equal(host.tags(1, np.array([2]), ctx, Sealer(None)), host.tags(1, np.array([5]), ctx, Sealer(None)))
+    assert np.array_equal(
+        host.tags(1, np.array([2]), ctx, Sealer(None)), host.tags(1, np.array([5]), ctx, Sealer(None))
+    )
 
 
 def test_bad_setups_are_rejected_with_the_key_named() -> None:
@@ -171,11 +181,17 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
         with pytest.raises(ConfigError, match=r"num_blocks=0 must be a positive int"):
             worker.register_kv_caches(caches, 0)
         on_device = {"model.layers.0.attn": torch.zeros(2, 8, 16, 2, 8, device="meta")}  # not host memory
-        direct = WorkerConnector(LayerKVConfig.from_dict({"register_kv_cache": True}, env={}), deployment,
-                                 CheckedStore(root.client(), max_batch_keys=64))
+        direct = WorkerConnector(
+            LayerKVConfig.from_dict({"register_kv_cache": True}, env={}),
+            deployment,
+            CheckedStore(root.client(), max_batch_keys=64),
+        )
         try:  # the live cache of a device is never handed to the store: device KV goes through staging
-            with pytest.raises(ConfigError, match=r"register_kv_cache: true, but the KV caches live on meta: .*"
-                               r"Set register_kv_cache: false"):
+            with pytest.raises(
+                ConfigError,
+                match=r"register_kv_cache: true, but the KV caches live on meta: .*"
+                r"Set register_kv_cache: false",
+            ):
                 direct.register_kv_caches(on_device, 8)
         finally:
             direct.shutdown()
@@ -184,9 +200,12 @@ def test_bad_setups_are_rejected_with_the_key_named() -> None:
     small = config.replace(staging_nbytes=1 << 20)
     worker = WorkerConnector(small, deployment, CheckedStore(root.client(), max_batch_keys=64))
     try:  # staging is bounded: it must hold one object per side
-        big = {f"model.layers.{l}.attn": torch.zeros(2, 4, 16, 8, 128) for l in range(9)}  # 64 KiB per layer-block
-        with pytest.raises(ConfigError, match=r"staging_nbytes=1048576 must be >= 4720128 for this layout \(a quarter "
-                                              r"of it, the loads' side, must hold one 1180032-byte object\); default is 512 MiB"):
+        big = {f"model.layers.{li}.attn": torch.zeros(2, 4, 16, 8, 128) for li in range(9)}  # 64 KiB per layer-block
+        with pytest.raises(
+            ConfigError,
+            match=r"staging_nbytes=1048576 must be >= 4720128 for this layout \(a quarter "
+            r"of it, the loads' side, must hold one 1180032-byte object\); default is 512 MiB",
+        ):
             worker.register_kv_caches(big, 4)
     finally:
         worker.shutdown()

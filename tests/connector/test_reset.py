@@ -51,7 +51,9 @@ def test_a_request_running_across_a_reset_saves_nothing_more(make_rig) -> None:
     rig.settle()
     ext, _ = rig.admit(Req("b", tokens))
     assert ext == 0
-    assert rig.scheduler.stats().save_skipped_reset == 2  # its 2 chunks after the reset that complete blocks (not the last token)
+    assert (
+        rig.scheduler.stats().save_skipped_reset == 2
+    )  # its 2 chunks after the reset that complete blocks (not the last token)
     rig.finish(a)
     rig.run(Req("d", tokens))  # a request that starts after the reset saves
     assert rig.admit(Req("e", tokens))[0] == NUM_BLOCKS * BLOCK_SIZE

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from layerkv.messages import KVRole
 from layerkv.store.base import Code
-from layerkv.store.faults import PUT_END, PUT_RANGES, PUT_REVOKE, PUT_START, GET_RANGES
+from layerkv.store.faults import GET_RANGES, PUT_END, PUT_RANGES, PUT_REVOKE, PUT_START
 from tests.connector.rig import BLOCK_SIZE, Req
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from layerkv.objects.header import Header
 from layerkv.messages import KVRole
+from layerkv.objects.header import Header
 from layerkv.store.faults import GET_RANGES, GET_START
 from layerkv.transfer.costs import Costs
 from layerkv.transfer.views import layer_groups
@@ -47,8 +47,9 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
     loaded = {}
     bound = 4 * max_rows * producer.workers[0].layout.object_nbytes  # a quarter for loads
     for name, layers_per_range in (("direct", 1), ("staged", k)):
-        rig = make_pattern_rig(num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range,
-                               staging_nbytes=bound)
+        rig = make_pattern_rig(
+            num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range, staging_nbytes=bound
+        )
         a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
         (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
         assert ext_a == ext_b == 6 * BLOCK_SIZE
@@ -57,8 +58,12 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
         assert rig.step([sa, sb]) == set()
         assert rig.wrong_blocks(a, range(6)) == [] and rig.wrong_blocks(b, range(6)) == []
         assert rig.workers[0].stats().load_failed_blocks == 0
-        loaded[name] = [rig.block_values(0, l, req.block_ids[i]).clone()
-                        for l in range(num_layers) for req in (a, b) for i in range(6)]
+        loaded[name] = [
+            rig.block_values(0, li, req.block_ids[i]).clone()
+            for li in range(num_layers)
+            for req in (a, b)
+            for i in range(6)
+        ]
         assert_get_sessions_well_formed(rig.faults[0])
         if layers_per_range > 1:
             rows = rig.workers[0]._areas.loads.num_rows
@@ -83,7 +88,11 @@ def test_each_group_is_one_range_per_key(make_rig) -> None:
         assert rig.step([s]) == set()
         assert rig.wrong_blocks(b, range(8)) == []
         calls = rig.faults[0].calls(GET_RANGES)
-        counts[k] = ([c.layer_idx for c in calls], sum(c.num_ranges for c in calls), rig.workers[0].stats().load_range_calls)
+        counts[k] = (
+            [c.layer_idx for c in calls],
+            sum(c.num_ranges for c in calls),
+            rig.workers[0].stats().load_range_calls,
+        )
     # direct: per key 1 header + K and V of 5 layers; staged: groups [0] [1..3] [4], one range each
     assert counts[1] == ([0, 1, 2, 3, 4], 8 * (1 + 2 * 5), 5)
     assert counts[3] == ([0, 1, 4], 8 * 3, 3)
@@ -121,8 +130,9 @@ def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     layout = worker.layout
     header = Header(worker.namespace.digest, layout.digest, layout.num_layers, layout.object_nbytes)
     planted = np.zeros((1, layout.object_nbytes), dtype=np.uint8)
-    header.encode_into(planted, np.arange(1), [worker.namespace.block_id(hashes[3])], [keys[2]],
-                       np.zeros((1, 16), np.uint8), None)
+    header.encode_into(
+        planted, np.arange(1), [worker.namespace.block_id(hashes[3])], [keys[2]], np.zeros((1, 16), np.uint8), None
+    )
     client = backend.client()
     client.register_buffer(planted.ctypes.data, planted.nbytes)
     try:
@@ -295,8 +305,9 @@ class _RacingPeer:
 
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["host-caches", "device-path"])
-def test_save_tags_cover_the_computed_bytes_not_what_a_peer_writes_into_staging(make_pattern_rig, monkeypatch,
-                                                                              on_host: bool) -> None:
+def test_save_tags_cover_the_computed_bytes_not_what_a_peer_writes_into_staging(
+    make_pattern_rig, monkeypatch, on_host: bool
+) -> None:
     """A peer rewrites a layer in save staging while its tags are computed, then (second
     producer) once the layer is staged: the tags cover the cache's bytes (device path: the
     private pinned copy), so a consumer either loads exactly what compute wrote (the first write

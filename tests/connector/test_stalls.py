@@ -8,7 +8,17 @@ import time
 
 from layerkv.store.base import Code
 from layerkv.store.faults import (
-    GET_END, GET_INTO, GET_RANGES, GET_START, IS_EXIST, PUT_END, PUT_FROM, PUT_RANGES, PUT_REVOKE, PUT_START, REMOVE,
+    GET_END,
+    GET_INTO,
+    GET_RANGES,
+    GET_START,
+    IS_EXIST,
+    PUT_END,
+    PUT_FROM,
+    PUT_RANGES,
+    PUT_REVOKE,
+    PUT_START,
+    REMOVE,
 )
 from tests.connector.rig import BLOCK_SIZE, Req
 

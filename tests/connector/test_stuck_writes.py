@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from layerkv.store.faults import PUT_RANGES
 from layerkv.connector.worker import MAX_SAVES_IN_FLIGHT
+from layerkv.store.faults import PUT_RANGES
 from tests.connector.rig import BLOCK_SIZE, Req
 
 

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from layerkv.config import LayerKVConfig
+from layerkv.connector.worker import WorkerConnector
 from layerkv.engine import Engine, EngineConfig, ModelConfig, RequestOutput, StepRecord
 from layerkv.engine.pooled import pooled_engine
-from layerkv.objects.keys import block_keys
 from layerkv.messages import KVRole
+from layerkv.objects.keys import block_keys
 from layerkv.store.base import KVStore, ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_RANGES, PUT_START, FaultyStore
-from layerkv.connector.worker import WorkerConnector
 from tests.backends import Backend
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=5)
@@ -34,7 +34,9 @@ def small_engine(**changes: int) -> EngineConfig:
     return EngineConfig(**{"block_size": BLOCK_SIZE, "num_blocks": 64, "max_num_batched_tokens": 64, **changes})
 
 
-def prompts_with_prefix(prefix: Sequence[int], num_tails: int, tail_tokens: int, seed: int, vocab: int = 256) -> list[list[int]]:
+def prompts_with_prefix(
+    prefix: Sequence[int], num_tails: int, tail_tokens: int, seed: int, vocab: int = 256
+) -> list[list[int]]:
     """`num_tails` prompts: `prefix` + a different random tail each."""
     rng = random.Random(seed)
     return [[*prefix, *(rng.randrange(vocab) for _ in range(tail_tokens))] for _ in range(num_tails)]
@@ -74,7 +76,9 @@ class PooledRun:
     def namespace(self) -> str:
         return self.workers[0].namespace.name
 
-    def keys(self, prompt: Sequence[int], storage_rank: int = 0, blocks: Sequence[int] | None = None) -> list[ObjectKey]:
+    def keys(
+        self, prompt: Sequence[int], storage_rank: int = 0, blocks: Sequence[int] | None = None
+    ) -> list[ObjectKey]:
         """Object keys of `prompt`'s full blocks (or of `blocks`) on `storage_rank`."""
         from layerkv.engine import block_hashes
 
@@ -93,8 +97,9 @@ class PooledRun:
 class Oracle:
     """Builds the engines of one test over `backend`."""
 
-    def __init__(self, backend: Backend, model: ModelConfig = MODEL, engine_config: EngineConfig | None = None,
-                 **layerkv: Any) -> None:
+    def __init__(
+        self, backend: Backend, model: ModelConfig = MODEL, engine_config: EngineConfig | None = None, **layerkv: Any
+    ) -> None:
         self.backend = backend
         self.model = model
         base = engine_config or small_engine()
@@ -102,8 +107,15 @@ class Oracle:
         self.engine_config = dataclasses.replace(base, model_id=f"e2e/{backend.tag}")
         plan = "groups" if layerkv.get("read_layers_per_range", 1) > 1 else "layers"  # fault tests pin per-layer reads
         self.config = LayerKVConfig.from_dict(
-            {"load_timeout_s": 10.0, "save_timeout_s": 10.0, "store_call_timeout_s": 10.0, "transfer_plan": plan, **layerkv},
-            env={})
+            {
+                "load_timeout_s": 10.0,
+                "save_timeout_s": 10.0,
+                "store_call_timeout_s": 10.0,
+                "transfer_plan": plan,
+                **layerkv,
+            },
+            env={},
+        )
         self.runs: list[PooledRun] = []
         self.locals: list[Engine] = []
 
@@ -114,9 +126,14 @@ class Oracle:
         def store_factory() -> KVStore:  # called for the scheduler, then for ranks 0, 1, ...
             faulty = FaultyStore(self.backend.client(max(0, len(faults) - 1)))
             faults.append(faulty)
-            checked.append(CheckedStore(faulty, max_batch_keys=self.config.max_transfer_blocks,
-                                        retry_interval_s=self.config.store_retry_interval_s,
-                                        call_timeout_s=self.config.store_call_timeout_s))
+            checked.append(
+                CheckedStore(
+                    faulty,
+                    max_batch_keys=self.config.max_transfer_blocks,
+                    retry_interval_s=self.config.store_retry_interval_s,
+                    call_timeout_s=self.config.store_call_timeout_s,
+                )
+            )
             return checked[-1]
 
         engine_config = dataclasses.replace(self.engine_config, **engine_changes)
@@ -164,15 +181,24 @@ class Oracle:
 # ---- serving and comparing -----------------------------------------------------------------
 
 
-def serve(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, *, batched: bool = False) -> list[RequestOutput]:
+def serve(
+    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, *, batched: bool = False
+) -> list[RequestOutput]:
     """One at a time (each prompt its own generate call) or all in one call (one batch)."""
     if batched:
         return engine.generate(prompts, max_tokens)
     return [engine.generate([p], max_tokens)[0] for p in prompts]
 
 
-def local_oracle(engine: Engine, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]], max_tokens: int,
-                 *, producer_batched: bool = False, consumer_batched: bool = False) -> list[RequestOutput]:
+def local_oracle(
+    engine: Engine,
+    producer: Sequence[Sequence[int]],
+    consumer: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    producer_batched: bool = False,
+    consumer_batched: bool = False,
+) -> list[RequestOutput]:
     """The local run: the producer prompts with the producer's schedule first (so the prefix KV
     is computed in the same chunks, hence the same bits), then the consumer prompts."""
     serve(engine, producer, max_tokens, batched=producer_batched)
@@ -186,7 +212,9 @@ def assert_identical(got: Sequence[RequestOutput], want: Sequence[RequestOutput]
         assert g.token_ids == w.token_ids, f"{g.req_id}: tokens {g.token_ids} != local {w.token_ids}"
         assert len(g.logits) == len(w.logits)
         for i, (a, b) in enumerate(zip(g.logits, w.logits)):
-            assert torch.equal(a, b), f"{g.req_id}: logits of token {i} differ (max abs {float((a - b).abs().max()):.3g})"
+            assert torch.equal(a, b), (
+                f"{g.req_id}: logits of token {i} differ (max abs {float((a - b).abs().max()):.3g})"
+            )
         assert len(g.draft_logits) == len(w.draft_logits)
         for i, (a, b) in enumerate(zip(g.draft_logits, w.draft_logits)):
             assert torch.equal(a, b), f"{g.req_id}: draft logits of token {i} differ"
@@ -245,8 +273,14 @@ def produce_and_consume(
     consumer = oracle.pooled()
     got = serve(consumer.engine, consumer_prompts, MAX_TOKENS, batched=consumer_batched)
     local = oracle.local()
-    want = local_oracle(local, producer_prompts, consumer_prompts, MAX_TOKENS,
-                        producer_batched=producer_batched, consumer_batched=consumer_batched)
+    want = local_oracle(
+        local,
+        producer_prompts,
+        consumer_prompts,
+        MAX_TOKENS,
+        producer_batched=producer_batched,
+        consumer_batched=consumer_batched,
+    )
     assert_identical(got, want)
     # the local run hit its prefix cache exactly where the consumer hit the pool (or its own cache)
     assert [w.num_local_cached_tokens for w in want] == [g.num_local_cached_tokens + g.num_external_tokens for g in got]
@@ -265,10 +299,18 @@ def assert_loaded(consumer: PooledRun, got: Sequence[RequestOutput], hit_tokens:
     assert consumer.range_reads() > 0
 
 
-MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=8,
-                        mla_latent_dim=24, index_dim=8, num_mtp_layers=1)
-
-
+MLA_MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    seed=8,
+    mla_latent_dim=24,
+    index_dim=8,
+    num_mtp_layers=1,
+)
 
 
 def oracles(backend: Backend) -> Iterator[Callable[..., Oracle]]:

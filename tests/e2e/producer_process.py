@@ -25,8 +25,12 @@ def main(job_path: str) -> int:
     store = MooncakeStore.from_mooncake_config(job["mooncake"])
     faulty = FaultyStore(store)  # no rules: only its call log (the keys this process started)
     config = LayerKVConfig.from_dict({"backend": "mooncake"}, env={})
-    engine = pooled_engine(ModelConfig(**job["model"]), EngineConfig(**job["engine"]), config,
-                           store_factory=lambda: CheckedStore(faulty, max_batch_keys=config.max_transfer_blocks))
+    engine = pooled_engine(
+        ModelConfig(**job["model"]),
+        EngineConfig(**job["engine"]),
+        config,
+        store_factory=lambda: CheckedStore(faulty, max_batch_keys=config.max_transfer_blocks),
+    )
     try:
         for prompt in job["prompts"]:
             engine.generate([prompt], job["max_tokens"])
@@ -34,8 +38,10 @@ def main(job_path: str) -> int:
         trackers_empty = all(w.is_idle(5.0) for w in engine.runner.worker_hooks)  # type: ignore[attr-defined]
     finally:
         engine.shutdown()
-    print("@@" + json.dumps({"put_keys": faulty.keys_sent(PUT_START), "stats": stats, "trackers_empty": trackers_empty}),
-          flush=True)
+    print(
+        "@@" + json.dumps({"put_keys": faulty.keys_sent(PUT_START), "stats": stats, "trackers_empty": trackers_empty}),
+        flush=True,
+    )
     sys.stdin.read()  # hold the client (and its segment) until the test is done
     store.close()
     return 0

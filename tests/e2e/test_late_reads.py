@@ -24,14 +24,28 @@ HELD_S = 120.0  # the read is held until released (bounded: the fault gives up a
 
 
 @BOTH_BACKENDS
-@pytest.mark.parametrize("register_kv_cache", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "register_kv_cache: a read straight into the cache that returns after its load gave up "
-        "writes into blocks the engine has reused (docs/data-safety.md)"))),
-])
-def test_a_read_that_returns_after_its_load_gave_up_lands_in_staging_only(make_oracle, backend,  # type: ignore[no-untyped-def]
-                                                                          register_kv_cache: bool) -> None:
+@pytest.mark.parametrize(
+    "register_kv_cache",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=AssertionError,
+                reason=(
+                    "register_kv_cache: a read straight into the cache that returns after its load gave up "
+                    "writes into blocks the engine has reused (docs/data-safety.md)"
+                ),
+            ),
+        ),
+    ],
+)
+def test_a_read_that_returns_after_its_load_gave_up_lands_in_staging_only(
+    make_oracle,
+    backend,  # type: ignore[no-untyped-def]
+    register_kv_cache: bool,
+) -> None:
     oracle = make_oracle(engine_config=ENGINE, load_timeout_s=1.0, register_kv_cache=register_kv_cache)
     producer = oracle.pooled()
     serve(producer.engine, [PROMPT_A], MAX_TOKENS)
@@ -47,8 +61,9 @@ def test_a_read_that_returns_after_its_load_gave_up_lands_in_staging_only(make_o
         faults.release()  # the link is back: the held read lands now
     assert consumer.workers[0].is_idle(10.0)  # the held read has returned and its job ended
     assert faults.fired(held) == 1
-    assert all(isinstance(c.result, list) and min(c.result) >= 0 for c in faults.calls(GET_RANGES)), \
+    assert all(isinstance(c.result, list) and min(c.result) >= 0 for c in faults.calls(GET_RANGES)), (
         "the held read did not move its bytes (a lease ran out?): the test would prove nothing"
+    )
     got_b2 = serve(consumer.engine, [PROMPT_B2], MAX_TOKENS)[0]  # B's blocks from the engine's prefix cache
 
     engine = oracle.local()

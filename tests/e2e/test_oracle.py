@@ -26,6 +26,7 @@ from tests.e2e.harness import (
     two_docs,
 )
 
+
 @BOTH_BACKENDS
 def test_tp1_consumer_equals_local(make_oracle) -> None:
     oracle = make_oracle()
@@ -97,8 +98,9 @@ def test_concurrent_requests_share_prefix_keys(make_oracle) -> None:
     oracle = make_oracle()
     producer_prompts = prompts_with_prefix(PREFIX, 2, 6, seed=12)
     consumer_prompts = prompts_with_prefix(PREFIX, 3, 9, seed=13)
-    producer, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts,
-                                                  producer_batched=True, consumer_batched=True)
+    producer, consumer, got = produce_and_consume(
+        oracle, producer_prompts, consumer_prompts, producer_batched=True, consumer_batched=True
+    )
     assert_loaded(consumer, got, HIT_TOKENS)
     # the producer computed the shared blocks twice in one step but saved each once
     saved = producer.put_start_keys(0)
@@ -130,8 +132,10 @@ def test_partial_hit_when_later_keys_are_gone(make_oracle, backend) -> None:
     consumer_prompts = prompts_with_prefix(PREFIX, 1, 9, seed=16)
     producer = oracle.pooled()
     serve(producer.engine, [producer_prompt], MAX_TOKENS)
-    backend.remove(producer.keys(PREFIX, storage_rank=1, blocks=[2]) + [
-        k for r in range(2) for k in producer.keys(PREFIX, storage_rank=r, blocks=[4])])
+    backend.remove(
+        producer.keys(PREFIX, storage_rank=1, blocks=[2])
+        + [k for r in range(2) for k in producer.keys(PREFIX, storage_rank=r, blocks=[4])]
+    )
     consumer = oracle.pooled()
     got = serve(consumer.engine, consumer_prompts, MAX_TOKENS)
     # the local run: blocks 0-1 computed in the producer's first chunk [0, 8), nothing else cached
@@ -140,7 +144,9 @@ def test_partial_hit_when_later_keys_are_gone(make_oracle, backend) -> None:
     assert_identical(got, want)
     assert_loaded(consumer, got, 8)
     for rank in range(2):
-        assert consumer.rank_faults(rank).keys_sent(GET_START) == producer.keys(PREFIX, storage_rank=rank, blocks=[0, 1])
+        assert consumer.rank_faults(rank).keys_sent(GET_START) == producer.keys(
+            PREFIX, storage_rank=rank, blocks=[0, 1]
+        )
 
 
 @BOTH_BACKENDS

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.backends import BOTH_BACKENDS
-from tests.e2e.harness import small_engine
-from tests.e2e.harness import HIT_TOKENS, MLA_MODEL, MODEL, produce_and_consume, two_docs
+from tests.e2e.harness import HIT_TOKENS, MLA_MODEL, MODEL, produce_and_consume, small_engine, two_docs
 
 TOPOLOGIES = {"tp1": (MODEL, 1), "tp2": (MODEL, 2), "mla-tp2": (MLA_MODEL, 2)}
 
@@ -19,9 +18,15 @@ TOPOLOGIES = {"tp1": (MODEL, 1), "tp2": (MODEL, 2), "mla-tp2": (MLA_MODEL, 2)}
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_every_plan_equals_local_compute(make_oracle, plan: str, topology: str) -> None:
     model, tp_size = TOPOLOGIES[topology]
-    extra = {"read_layers_per_range": 2} if plan == "groups" else {"register_kv_cache": True} if plan == "direct" else {}
-    oracle = make_oracle(model=model, engine_config=small_engine(tp_size=tp_size),
-                         transfer_plan="layers" if plan == "direct" else plan, **extra)
+    extra = (
+        {"read_layers_per_range": 2} if plan == "groups" else {"register_kv_cache": True} if plan == "direct" else {}
+    )
+    oracle = make_oracle(
+        model=model,
+        engine_config=small_engine(tp_size=tp_size),
+        transfer_plan="layers" if plan == "direct" else plan,
+        **extra,
+    )
     producer_prompts, consumer_prompts = two_docs(seed=60)
     _, consumer, got = produce_and_consume(oracle, producer_prompts, consumer_prompts)
     assert [o.num_external_tokens for o in got] == [HIT_TOKENS] * len(got)

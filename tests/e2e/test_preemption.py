@@ -61,7 +61,9 @@ def test_preemption_mid_prefill_with_a_load_only_consumer_is_bit_identical(make_
     finds in its own prefix cache: every request has the local run's schedule."""
     consumer, got, local, want = run(make_oracle, KVRole.CONSUMER)
     for g, w in zip(got, want):
-        assert [(s, n) for s, n, _ in chunks_of(consumer, g.req_id)] == [(s, n) for s, n, _ in chunks_of(local, w.req_id)]
+        assert [(s, n) for s, n, _ in chunks_of(consumer, g.req_id)] == [
+            (s, n) for s, n, _ in chunks_of(local, w.req_id)
+        ]
     assert_identical(got, want)
 
 

@@ -34,7 +34,9 @@ def _prefill(engine: Engine, prompt: list[int]) -> RequestOutput:
     raise AssertionError("the prefill request did not finish in 50 steps")
 
 
-def _decode(decode: Engine, prefill: Engine | None, reqs: list[str], timeout_s: float = 30.0) -> dict[str, RequestOutput]:
+def _decode(
+    decode: Engine, prefill: Engine | None, reqs: list[str], timeout_s: float = 30.0
+) -> dict[str, RequestOutput]:
     """Both engines step in turn until `reqs` finished on `decode` (bounded in time)."""
     deadline = time.monotonic() + timeout_s
     while any(decode.output(r) is None for r in reqs):
@@ -69,7 +71,10 @@ def test_a_decode_request_sent_at_the_prefill_response_loads_the_whole_prefix(ma
     assert made.kv_transfer_params == {PREFIX_TOKENS: PREFIX}
     view = prefill.engine.scheduler.requests[made.req_id].view()
     plain = dataclasses.replace(view, req_id="probe", kv_transfer_params=None)
-    assert decode.engine.scheduler.hooks.get_num_new_matched_tokens(plain, 0) == (0, False)  # the race, without the wait
+    assert decode.engine.scheduler.hooks.get_num_new_matched_tokens(plain, 0) == (
+        0,
+        False,
+    )  # the race, without the wait
     req = decode.engine.add_request(prompt, MAX_TOKENS, kv_transfer_params=made.kv_transfer_params)
     got = _decode(decode.engine, prefill.engine, [req])[req]
     assert got.num_external_tokens == PREFIX and got.num_local_cached_tokens == 0
@@ -163,7 +168,9 @@ def test_a_write_failing_on_one_prefill_rank_leaves_its_block_out_of_every_hit(m
     made = _prefill(prefill.engine, prompt)
     assert all(w.is_idle(10.0) for w in prefill.workers)
     assert prefill.workers[1].stats().save_failed_keys == 1 and prefill.workers[0].stats().save_failed_keys == 0
-    assert oracle.backend.exists(prefill.keys(prompt, storage_rank=0)) == [1] * (PREFIX // BLOCK_SIZE)  # rank 0 committed all
+    assert oracle.backend.exists(prefill.keys(prompt, storage_rank=0)) == [1] * (
+        PREFIX // BLOCK_SIZE
+    )  # rank 0 committed all
     assert oracle.backend.exists([bad]) == [0]
     decode = oracle.pooled(KVRole.CONSUMER, tp_size=2)
     req = decode.engine.add_request(prompt, MAX_TOKENS, kv_transfer_params=made.kv_transfer_params)

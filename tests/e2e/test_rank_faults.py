@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 from layerkv.engine import ModelConfig, block_hashes
+from layerkv.messages import KVRole
 from layerkv.objects.header import NONCE_OFFSET
 from layerkv.objects.keys import block_keys
-from layerkv.messages import KVRole
 from layerkv.store.base import Code, KVStore
 from layerkv.store.faults import GET_RANGES, GET_START, FaultyStore
 from tests.backends import BOTH_BACKENDS, EmbeddedBackend
@@ -54,8 +54,9 @@ PREFIX = random_tokens(22, seed=71)
 PRODUCER_PROMPT = PREFIX + random_tokens(2, seed=72)  # 24 tokens, chunks [0,12) [12,24)
 CONSUMER_PROMPT = PREFIX + random_tokens(18, seed=73)  # 40 tokens, 5 blocks shared
 MAX_TOKENS = 3
-MLA_MODEL = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=9,
-                        mla_latent_dim=24)
+MLA_MODEL = ModelConfig(
+    num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=9, mla_latent_dim=24
+)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,11 @@ def _pool_objects(client: KVStore, run, prompts) -> dict[str, bytes]:  # type: i
     nonce, and the header MAC and tags that depend on it, differ between writes)."""
     found: dict[str, bytes] = {}
     for worker in run.workers:
-        keys = [k for prompt in prompts for k in block_keys(worker.namespace, _hashes(prompt), worker.storage_role.storage_rank)]
+        keys = [
+            k
+            for prompt in prompts
+            for k in block_keys(worker.namespace, _hashes(prompt), worker.storage_role.storage_rank)
+        ]
         objects = _objects(client, sorted(set(keys) - set(found)), worker.layout.object_nbytes)
         found.update({k: content(v, worker.layout.header_nbytes) for k, v in objects.items()})
     return found
@@ -154,7 +159,11 @@ def _clean_pool(tag: str, topology: Topology, resume: int, **layerkv: Any) -> di
         serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
         produced = _pool_objects(backend.client(), producer, [PRODUCER_PROMPT])
         # block ids as the keys name them (keyed: each stage namespace's keyed hash, not the engine's)
-        late = {w.namespace.block_id(h).hex() for w in producer.workers for h in _hashes(PRODUCER_PROMPT)[resume // BLOCK_SIZE :]}
+        late = {
+            w.namespace.block_id(h).hex()
+            for w in producer.workers
+            for h in _hashes(PRODUCER_PROMPT)[resume // BLOCK_SIZE :]
+        }
         backend.remove([k for k in produced if k.split("@")[1] in late])
         consumer = oracle.pooled()
         serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)
@@ -170,8 +179,9 @@ def _clean_pool(tag: str, topology: Topology, resume: int, **layerkv: Any) -> di
 @pytest.mark.parametrize("keyed", [False, True], ids=["no key", "tenant key"])
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_one_workers_load_fault_poisons_nothing(make_oracle, backend, topology: str, fault: str, keyed: bool,
-                                                tmp_path: Path) -> None:
+def test_one_workers_load_fault_poisons_nothing(
+    make_oracle, backend, topology: str, fault: str, keyed: bool, tmp_path: Path
+) -> None:
     if keyed and backend.name != "embedded":
         pytest.skip("the keyed variant runs on the embedded store (the same code path; the suite's time)")
     topo = TOPOLOGIES[topology]
@@ -214,7 +224,9 @@ def test_one_workers_load_fault_poisons_nothing(make_oracle, backend, topology: 
     # every object left in the pool is what a clean run with this schedule writes
     pool = _pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
     clean = _clean_pool(backend.tag, topo, resume, **key)
-    assert set(pool) == set(clean), f"objects only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
+    assert set(pool) == set(clean), (
+        f"objects only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
+    )
     poisoned = [k for k in pool if pool[k] != clean[k]]
     assert not poisoned, f"{len(poisoned)} objects differ from a clean run's: {poisoned[:2]}"
     verifier = oracle.pooled(role=KVRole.CONSUMER)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from tests.backends import BOTH_BACKENDS
-from tests.e2e.harness import MODEL
-from tests.e2e.harness import HIT_TOKENS, assert_loaded, produce_and_consume, two_docs
+from tests.e2e.harness import HIT_TOKENS, MODEL, assert_loaded, produce_and_consume, two_docs
 
 
 @BOTH_BACKENDS

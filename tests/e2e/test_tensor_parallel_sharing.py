@@ -30,16 +30,19 @@ def _heads_of(producer: Engine, tp_size: int, rank: int) -> dict[str, torch.Tens
     for name in ranks[0]:
         whole = torch.cat([caches[name] for caches in ranks], dim=HEADS_DIM)
         per = whole.shape[HEADS_DIM] // tp_size
-        out[name] = whole[:, :, :, rank * per:(rank + 1) * per]
+        out[name] = whole[:, :, :, rank * per : (rank + 1) * per]
     return out
 
 
 def _given_producer_kv(oracle, producer: Engine, tp_size: int, prompt: list[int]):  # type: ignore[no-untyped-def]
     """The consumer's engine (TP `tp_size`) with the prefix KV copied from the producer."""
     workers = [CopyWorker(_heads_of(producer, tp_size, r)) for r in range(tp_size)]
-    engine = Engine(oracle.model, oracle.engine_config.__class__(**{**_fields(oracle.engine_config), "tp_size": tp_size,
-                                                                   "kv_layout": "HND"}),
-                    CopyScheduler(producer, BLOCK_SIZE), workers)
+    engine = Engine(
+        oracle.model,
+        oracle.engine_config.__class__(**{**_fields(oracle.engine_config), "tp_size": tp_size, "kv_layout": "HND"}),
+        CopyScheduler(producer, BLOCK_SIZE),
+        workers,
+    )
     oracle.locals.append(engine)
     return engine.generate([prompt], MAX_TOKENS)[0]
 
@@ -50,8 +53,9 @@ def _fields(config) -> dict:  # type: ignore[no-untyped-def]
 
 @BOTH_BACKENDS
 @pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(2, 1), (1, 2)])
-def test_servers_of_different_tp_sizes_share_the_prefix_bit_identical(make_oracle, producer_tp: int,
-                                                                      consumer_tp: int) -> None:
+def test_servers_of_different_tp_sizes_share_the_prefix_bit_identical(
+    make_oracle, producer_tp: int, consumer_tp: int
+) -> None:
     oracle = make_oracle(store_shards=2)  # MODEL has 2 KV heads: one object per head
     prompt = random_tokens(PROMPT_TOKENS, seed=811)
     producer = oracle.pooled(KVRole.PRODUCER, tp_size=producer_tp, kv_layout="HND")

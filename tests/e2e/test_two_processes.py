@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 import layerkv
-from tests.e2e.harness import MODEL, small_engine, assert_identical, local_oracle, prompts_with_prefix, random_tokens, serve
+from tests.e2e.harness import (
+    MODEL,
+    assert_identical,
+    local_oracle,
+    prompts_with_prefix,
+    random_tokens,
+    serve,
+    small_engine,
+)
 
 pytestmark = pytest.mark.mooncake
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,11 +44,20 @@ def test_producer_and_consumer_in_two_processes(make_oracle, backend, mooncake_m
         "max_tokens": MAX_TOKENS,
     }
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1",
-               PYTHONPATH=os.pathsep.join([str(Path(layerkv.__file__).parents[1]), str(REPO_ROOT)]))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.producer_process", str(tmp_path / "job.json")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env, cwd=REPO_ROOT)
+    env = dict(
+        os.environ,
+        MC_TCP_BIND_ADDRESS="127.0.0.1",
+        PYTHONPATH=os.pathsep.join([str(Path(layerkv.__file__).parents[1]), str(REPO_ROOT)]),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.e2e.producer_process", str(tmp_path / "job.json")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_read_lines, args=(proc, lines), name="layerkv-test-producer-out", daemon=True)
     reader.start()

@@ -20,7 +20,9 @@ class RecordingScheduler(NullScheduler):
         self.calls.append(("sched", "get_num_new_matched_tokens", (request.req_id, num_computed_tokens)))
         return 0, False
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int
+    ) -> None:
         self.calls.append(("sched", "update_state_after_alloc", (request.req_id, num_external_tokens)))
 
     def build_connector_meta(self, step: SchedulerStep) -> Any:
@@ -106,7 +108,9 @@ class CopyScheduler(NullScheduler):
         self._offers[request.req_id] = (first, src)
         return len(src) * self.block_size, False
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int
+    ) -> None:
         first, src = self._offers.pop(request.req_id)  # external blocks follow the local hit
         num_ext_blocks = num_external_tokens // self.block_size
         self._pending.extend(zip(src[:num_ext_blocks], block_ids[first : first + num_ext_blocks]))
@@ -145,7 +149,9 @@ class CopyWorker(NullWorker):
     def wait_for_layer_load(self, layer_name):  # type: ignore[no-untyped-def]
         assert self.plan is not None
         fail = self.fail_copy_idx if (self.plan.copies and not self.failed_once) else frozenset()
-        names = [n for n in self.caches if n == layer_name or n == layer_name.removesuffix(".attn") + ".indexer.k_cache"]
+        names = [
+            n for n in self.caches if n == layer_name or n == layer_name.removesuffix(".attn") + ".indexer.k_cache"
+        ]
         for idx, (src, dst) in enumerate(self.plan.copies):
             for name in names:
                 dst_block, src_block = _block(self.caches[name], dst), _block(self.source[name], src)

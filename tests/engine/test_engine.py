@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.engine_doubles import CopyScheduler, CopyWorker, RecordingScheduler, RecordingWorker
 
 from layerkv.engine import Engine, EngineConfig, ModelConfig, block_hashes
 from layerkv.errors import ConfigError
+from tests.engine.engine_doubles import CopyScheduler, CopyWorker, RecordingScheduler, RecordingWorker
 
 BS = 4
 CFG = ModelConfig(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256, seed=3)
@@ -39,7 +39,11 @@ def test_hook_call_order_matches_vllm() -> None:
 
     def tail(finished: frozenset) -> list:
         return [
-            *[c for r in ("w0", "w1") for c in ((r, "wait_for_save"), (r, "get_finished", finished), (r, "get_block_ids_with_load_errors"))],
+            *[
+                c
+                for r in ("w0", "w1")
+                for c in ((r, "wait_for_save"), (r, "get_finished", finished), (r, "get_block_ids_with_load_errors"))
+            ],
             ("w0", "clear_connector_metadata"),
             ("w1", "clear_connector_metadata"),
             ("sched", "update_connector_output"),
@@ -52,7 +56,12 @@ def test_hook_call_order_matches_vllm() -> None:
         ("sched", "update_state_after_alloc", (rid, 0)),
         ("sched", "build_connector_meta"),
         *[(r, name) for r in ("w0", "w1") for name in ("bind_connector_metadata", "start_load_kv")],
-        *[(r, op, layer) for layer in (l0, l1) for r in ("w0", "w1") for op in ("wait_for_layer_load", "save_kv_layer")],
+        *[
+            (r, op, layer)
+            for layer in (l0, l1)
+            for r in ("w0", "w1")
+            for op in ("wait_for_layer_load", "save_kv_layer")
+        ],
         *tail(frozenset()),
         ("sched", "request_finished", rid),
         # vLLM runs one more (forward-less) step to tell the workers which requests finished
@@ -152,8 +161,8 @@ def test_tp1_and_tp2_give_the_same_tokens() -> None:
 def test_outputs_report_timings_and_float32_logits() -> None:
     out = Engine(CFG, engine_config()).generate([P1], max_tokens=3)[0]
     assert len(out.token_ids) == 3 and out.arrival_time_s <= out.first_token_time_s <= out.finish_time_s
-    assert out.ttft_s >= 0 and all(l.dtype == torch.float32 and l.shape == (256,) for l in out.logits)
-    assert out.token_ids == tuple(int(torch.argmax(l)) for l in out.logits)
+    assert out.ttft_s >= 0 and all(logit.dtype == torch.float32 and logit.shape == (256,) for logit in out.logits)
+    assert out.token_ids == tuple(int(torch.argmax(logit)) for logit in out.logits)
 
 
 def test_wrong_number_of_worker_hooks_is_rejected() -> None:
@@ -167,7 +176,15 @@ def test_tp_size_that_does_not_divide_heads_is_rejected() -> None:
 
 
 VARIANT_CFG = ModelConfig(
-    num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, seed=9, mla_latent_dim=24, index_dim=8, num_mtp_layers=1
+    num_layers=3,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    seed=9,
+    mla_latent_dim=24,
+    index_dim=8,
+    num_mtp_layers=1,
 )
 
 

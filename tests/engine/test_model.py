@@ -123,7 +123,10 @@ def test_causal_attention_ignores_future_keys() -> None:
     assert torch.equal(changed[0], out[0]) and not torch.equal(changed[1], out[1])
     allowed = torch.arange(6)[None, :] <= pos[:, None]  # [n, T]
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=allowed
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=allowed,
     )  # [hq, n, d]
     torch.testing.assert_close(out, ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
@@ -160,7 +163,7 @@ def test_import_layerkv_does_not_import_torch() -> None:
 
 
 def test_hf_checkpoint_round_trip_gives_the_same_logits(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from layerkv.engine import Engine, EngineConfig
+    from layerkv.engine import Engine
     from layerkv.engine.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 
     cfg = ModelConfig(**{**_fields(CFG), "rope_theta": 500000.0, "rms_eps": 1e-5})

@@ -23,7 +23,13 @@ def test_chunked_prefill_gives_the_same_tokens_as_unchunked() -> None:
     chunked_engine, chunked = run([PROMPT], 6, max_num_batched_tokens=5)
     assert chunked[0].token_ids == whole[0].token_ids
     prefill = [s.requests[0] for s in chunked_engine.steps[:5]]
-    assert [(r.num_computed_tokens, r.num_scheduled_tokens) for r in prefill] == [(0, 5), (5, 5), (10, 5), (15, 5), (20, 3)]
+    assert [(r.num_computed_tokens, r.num_scheduled_tokens) for r in prefill] == [
+        (0, 5),
+        (5, 5),
+        (10, 5),
+        (15, 5),
+        (20, 3),
+    ]
     assert [s.finished_req_ids for s in chunked_engine.steps].count(frozenset({chunked[0].req_id})) == 1
 
 

@@ -28,8 +28,8 @@ collect_ignore_glob = [] if RUNS else ["test_*.py"]
 @pytest.fixture
 def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dry run: the connector takes its device path on host tensors (on CUDA it does anyway)."""
-    from layerkv.transfer.views import CacheViews
     import layerkv.connector.worker
+    from layerkv.transfer.views import CacheViews
 
     if DEVICE == "cpu":
         monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False))

@@ -19,12 +19,29 @@ import torch
 
 from layerkv.engine import EngineConfig, ModelConfig
 from layerkv.store.faults import GET_RANGES
-from tests.e2e.harness import assert_identical, assert_loaded, computed_chunks, local_oracle, prompts_with_prefix, random_tokens, serve
+from tests.e2e.harness import (
+    assert_identical,
+    assert_loaded,
+    computed_chunks,
+    local_oracle,
+    prompts_with_prefix,
+    random_tokens,
+    serve,
+)
 from tests.gpu.conftest import DEVICE
 
 BLOCK = 16
-MODEL = ModelConfig(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=1024,
-                    vocab_size=2048, seed=11, dtype="bfloat16")
+MODEL = ModelConfig(
+    num_layers=8,
+    hidden_size=512,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=1024,
+    vocab_size=2048,
+    seed=11,
+    dtype="bfloat16",
+)
 PREFIX = random_tokens(6 * BLOCK + 5, seed=3, vocab=MODEL.vocab_size)  # 6 full blocks + 5 tokens
 HIT = 6 * BLOCK
 MAX_TOKENS = 3
@@ -32,8 +49,16 @@ POOL = {"transfer_plan": "groups", "read_layers_per_range": 1, "load_timeout_s":
 
 
 def engine(**changes: Any) -> EngineConfig:
-    return EngineConfig(**{"block_size": BLOCK, "num_blocks": 128, "max_num_batched_tokens": 256, "max_num_seqs": 8,
-                           "device": DEVICE, **changes})
+    return EngineConfig(
+        **{
+            "block_size": BLOCK,
+            "num_blocks": 128,
+            "max_num_batched_tokens": 256,
+            "max_num_seqs": 8,
+            "device": DEVICE,
+            **changes,
+        }
+    )
 
 
 def docs(seed: int, n: int = 1) -> tuple[list[list[int]], list[list[int]]]:
@@ -51,7 +76,9 @@ def run_oracle(make_oracle: Any, engine_config: EngineConfig, *, consumer_batche
     return oracle, consumer, producer_prompts, consumer_prompts, consumer_batched
 
 
-def check(oracle: Any, consumer: Any, producer_prompts: Any, consumer_prompts: Any, batched: bool, *, loaded: bool = True) -> Any:
+def check(
+    oracle: Any, consumer: Any, producer_prompts: Any, consumer_prompts: Any, batched: bool, *, loaded: bool = True
+) -> Any:
     got = serve(consumer.engine, consumer_prompts, MAX_TOKENS, batched=batched)
     want = local_oracle(oracle.local(), producer_prompts, consumer_prompts, MAX_TOKENS, consumer_batched=batched)
     assert_identical(got, want)
@@ -139,10 +166,19 @@ def test_the_demo_on_the_device_serves_identical_outputs(device_path) -> None:
     from layerkv.config import LayerKVConfig
     from layerkv.demos.demo import run_demo
 
-    model = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128,
-                        dtype="bfloat16")
-    result = run_demo(LayerKVConfig.from_dict({}, env={}), progress=False, model=model, num_docs=2, prefix_tokens=48,
-                      question_tokens=8, max_tokens=3, device=DEVICE)
+    model = ModelConfig(
+        num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, dtype="bfloat16"
+    )
+    result = run_demo(
+        LayerKVConfig.from_dict({}, env={}),
+        progress=False,
+        model=model,
+        num_docs=2,
+        prefix_tokens=48,
+        question_tokens=8,
+        max_tokens=3,
+        device=DEVICE,
+    )
     assert result.identical, result.mismatch
     assert all(row.loaded_tokens > 0 for row in result.rows)
 
@@ -172,15 +208,22 @@ def test_ttft_of_recompute_local_cache_and_pool(make_oracle) -> None:
     serve(ceiling, [prefix + [1]], 1)
     consumers = [oracle.pooled() for _ in range(repeats)]  # a fresh one per repeat: every hit from the pool
     figures: dict[str, Any] = {
-        "recompute_ms": _ttft_ms([lambda i=i: recompute.generate([random_tokens(len(prefix) + 1, seed=100 + i,
-                                                                                vocab=MODEL.vocab_size)], 1)
-                                  for i in range(repeats)]),
+        "recompute_ms": _ttft_ms(
+            [
+                lambda i=i: recompute.generate(
+                    [random_tokens(len(prefix) + 1, seed=100 + i, vocab=MODEL.vocab_size)], 1
+                )
+                for i in range(repeats)
+            ]
+        ),
         "local_cache_ms": _ttft_ms([lambda i=i: ceiling.generate([prefix + [2 + i]], 1) for i in range(repeats)]),
-        "pool_ms": _ttft_ms([lambda run=run, i=i: run.engine.generate([prefix + [20 + i]], 1)
-                             for i, run in enumerate(consumers)]),
+        "pool_ms": _ttft_ms(
+            [lambda run=run, i=i: run.engine.generate([prefix + [20 + i]], 1) for i, run in enumerate(consumers)]
+        ),
     }
-    assert all(run.workers[0].stats().load_failed_blocks == 0 and run.workers[0].stats().loaded_bytes > 0
-               for run in consumers)
+    assert all(
+        run.workers[0].stats().load_failed_blocks == 0 and run.workers[0].stats().loaded_bytes > 0 for run in consumers
+    )
     figures.update(device=DEVICE, tokens=len(prefix) + 1, layers=MODEL.num_layers, dtype=MODEL.dtype)
     print("ttft", json.dumps(figures))
     if os.environ.get("LAYERKV_GPU_REPORT"):
@@ -206,7 +249,9 @@ def test_decode_step_time_with_and_without_the_connector(make_oracle) -> None:
 
     for run in engines.values():
         serve(run, [random_tokens(8, seed=2, vocab=MODEL.vocab_size)], 2)  # warm-up
-    figures: dict[str, Any] = {f"itl_{name}_ms": itl_ms(run, 500 + 100 * i) for i, (name, run) in enumerate(engines.items())}
+    figures: dict[str, Any] = {
+        f"itl_{name}_ms": itl_ms(run, 500 + 100 * i) for i, (name, run) in enumerate(engines.items())
+    }
     figures.update(device=DEVICE, batch=batch, new_tokens=new_tokens, layers=MODEL.num_layers, dtype=MODEL.dtype)
     assert all(value > 0 for key, value in figures.items() if key.startswith("itl_"))
     print("itl", json.dumps(figures))

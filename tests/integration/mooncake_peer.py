@@ -45,7 +45,9 @@ class Peer:
             self.buffers[key] = array
         return self.buffers[key]
 
-    def ranges(self, req: dict[str, Any], layer_idx: int, seeded: bool) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    def ranges(
+        self, req: dict[str, Any], layer_idx: int, seeded: bool
+    ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         entries = layer_entries(req["header_nbytes"], req["entry_nbytes"], layer_idx)
         ptrs, sizes, offsets = [], [], []
         for i, key in enumerate(req["keys"]):
@@ -60,8 +62,10 @@ class Peer:
         if op == "put_start":
             return {"codes": self.store.batch_put_session_start(keys, [req["nbytes"]] * len(keys))}
         if op == "put_layers":
-            codes = [self.store.batch_put_from_multi_buffer_ranges(keys, *self.ranges(req, layer_idx, True))
-                     for layer_idx in range(req["num_layers"])]
+            codes = [
+                self.store.batch_put_from_multi_buffer_ranges(keys, *self.ranges(req, layer_idx, True))
+                for layer_idx in range(req["num_layers"])
+            ]
             return {"codes": codes}
         if op == "put_end":
             return {"codes": self.store.batch_put_session_end(keys)}
@@ -69,8 +73,10 @@ class Peer:
             return {"codes": self.store.batch_get_session_start(keys)}
         if op == "read":
             start = self.store.batch_get_session_start(keys)
-            codes = [self.store.batch_get_into_multi_buffer_ranges(keys, *self.ranges(req, layer_idx, False))
-                     for layer_idx in range(req["num_layers"])]
+            codes = [
+                self.store.batch_get_into_multi_buffer_ranges(keys, *self.ranges(req, layer_idx, False))
+                for layer_idx in range(req["num_layers"])
+            ]
             end = self.store.batch_get_session_end(keys)
             for i, key in enumerate(keys):
                 Path(req["out_dir"], f"{i}.bin").write_bytes(self.buffers[key].tobytes())

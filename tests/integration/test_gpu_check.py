@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_gpu_check_dry_run_passes_every_gpu_test_and_reports_ttft_and_decode_itl(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "LAYERKV_GPU_DEVICE": "cpu", "OUT": str(tmp_path)}
-    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     summary = [line for line in lines if line.startswith("gpu_check: pytest exit 0")]

@@ -39,8 +39,13 @@ class MasterCommand:
     """A `layerkv master` child; `config` is the JSON line it printed (None if it printed none)."""
 
     def __init__(self, *argv: str, startup_timeout_s: float = 60.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "layerkv.cli", "master", "--segment-size", "32MB", *argv],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "layerkv.cli", "master", "--segment-size", "32MB", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, name="layerkv-test-master-stdout", daemon=True)
         self._reader.start()
@@ -84,8 +89,9 @@ def _fails_on_taken_port(second: MasterCommand, port: int, flag: str, holder_pid
     code, stderr = second.finish()
     assert second.config is None  # never a config for a master it does not own
     assert code == 1, stderr
-    assert re.search(rf"port {port} \(.*\) on 127\.0\.0\.1 is already in use by pid {holder_pid} \(mooncake_master\)",
-                     stderr), stderr
+    assert re.search(
+        rf"port {port} \(.*\) on 127\.0\.0\.1 is already in use by pid {holder_pid} \(mooncake_master\)", stderr
+    ), stderr
     assert f"{flag} <port>" in stderr and "--port 0 --http-port 0" in stderr, stderr
 
 
@@ -96,8 +102,9 @@ def test_second_master_on_the_same_ports_fails_naming_the_port_and_the_fix() -> 
         assert first.config is not None
         http_port = int(first.config["metadata_server"].split(":")[2].split("/")[0])
         pid = first.master_pid()
-        _fails_on_taken_port(MasterCommand("--port", str(first.rpc_port), "--http-port", str(http_port)),
-                             first.rpc_port, "--port", pid)
+        _fails_on_taken_port(
+            MasterCommand("--port", str(first.rpc_port), "--http-port", str(http_port)), first.rpc_port, "--port", pid
+        )
         _fails_on_taken_port(MasterCommand("--port", "0", "--http-port", str(http_port)), http_port, "--http-port", pid)
         assert first.proc.poll() is None and first.master_pid() == pid  # the first one is untouched
     finally:
@@ -119,8 +126,11 @@ def test_second_master_with_default_ports_never_claims_the_first() -> None:
         second = MasterCommand()
         code, stderr = second.finish()
         assert second.config is None and code == 1, stderr
-        assert re.search(rf"port ({DEFAULT_RPC_PORT}|{DEFAULT_HTTP_PORT}) \(.*\) on 127\.0\.0\.1 is already in use by "
-                         rf"{re.escape(holders[0].holder())}", stderr), stderr
+        assert re.search(
+            rf"port ({DEFAULT_RPC_PORT}|{DEFAULT_HTTP_PORT}) \(.*\) on 127\.0\.0\.1 is already in use by "
+            rf"{re.escape(holders[0].holder())}",
+            stderr,
+        ), stderr
         assert "--port 0 --http-port 0" in stderr
     finally:
         if first is not None:
@@ -138,8 +148,9 @@ def test_master_killed_after_start_ends_the_command_with_its_log_tail() -> None:
         if command.proc.poll() is None:
             command.stop()
     assert code == 1, stderr
-    assert re.search(rf"mooncake_master pid {pid} \(127\.0\.0\.1:{command.rpc_port}\) was killed by SIGKILL after start",
-                     stderr), stderr
+    assert re.search(
+        rf"mooncake_master pid {pid} \(127\.0\.0\.1:{command.rpc_port}\) was killed by SIGKILL after start", stderr
+    ), stderr
     log_path = re.search(r"log (\S+mooncake_master-\S+\.log) \(last lines\):", stderr)
     assert log_path is not None and Path(log_path.group(1)).is_file(), stderr
     assert "Master service started on port" in stderr.split("(last lines):")[1]  # the tail itself
@@ -194,7 +205,9 @@ def test_master_with_tenants_runs_mooncake_in_multi_tenant_mode(tmp_path: Path) 
     clients: list[MooncakeStore] = []
     try:
         assert command.config is not None
-        a, b, c = (MooncakeStore.from_mooncake_config(command.config, tenant_id=t) for t in ("tenant-a", "tenant-b", "nobody"))
+        a, b, c = (
+            MooncakeStore.from_mooncake_config(command.config, tenant_id=t) for t in ("tenant-a", "tenant-b", "nobody")
+        )
         clients += [a, b, c]
         buf = bytearray(4096)
         ptr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
@@ -208,18 +221,33 @@ def test_master_with_tenants_runs_mooncake_in_multi_tenant_mode(tmp_path: Path) 
             client.close()
         code, stderr = command.stop()
     assert code == 0, stderr
-    bad = subprocess.run([sys.executable, "-m", "layerkv.cli", "master", "--tenant", "no-size"], capture_output=True,
-                         text=True, env=_env(), timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "layerkv.cli", "master", "--tenant", "no-size"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--tenant 'no-size' must be NAME=SIZE" in bad.stderr
 
 
 def test_master_host_must_be_an_address_of_this_host() -> None:
     """`--host` names the address other hosts dial: not an IPv4 address is a usage error (2), an
     address no interface of this host has fails before mooncake_master starts (1), naming it."""
-    bad = subprocess.run([sys.executable, "-m", "layerkv.cli", "master", "--host", "master.local"], capture_output=True,
-                         text=True, env=_env(), timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "layerkv.cli", "master", "--host", "master.local"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert bad.returncode == 2 and "'master.local' is not an IPv4 address" in bad.stderr
-    absent = subprocess.run([sys.executable, "-m", "layerkv.cli", "master", "--host", "192.0.2.7", "--port", "0",
-                             "--http-port", "0"], capture_output=True, text=True, env=_env(), timeout=60)
+    absent = subprocess.run(
+        [sys.executable, "-m", "layerkv.cli", "master", "--host", "192.0.2.7", "--port", "0", "--http-port", "0"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert absent.returncode == 1, absent.stderr
     assert "host '192.0.2.7' is not an address of this host" in absent.stderr and absent.stdout == ""

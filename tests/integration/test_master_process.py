@@ -36,23 +36,33 @@ def held_port() -> Iterator[int]:
 
 
 def test_a_given_port_held_by_another_process_is_an_error_naming_it(held_port: int) -> None:
-    with pytest.raises(PortInUseError, match=rf"port {held_port} \(HTTP metadata\) on 127\.0\.0\.1 is already in use "
-                                             rf"by pid {os.getpid()} "):
+    with pytest.raises(
+        PortInUseError,
+        match=rf"port {held_port} \(HTTP metadata\) on 127\.0\.0\.1 is already in use "
+        rf"by pid {os.getpid()} ",
+    ):
         start_master(http_port=held_port)
 
 
-def test_a_master_whose_ports_another_master_serves_is_never_ready(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_a_master_whose_ports_another_master_serves_is_never_ready(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Without the pre-start check (a port taken after it), readiness still asks who listens:
     the first master answers on those ports, but the second never becomes "started"."""
     require_mooncake()
     first = start_master()
     monkeypatch.setattr(MasterProcess, "_check_ports_free", lambda self: None)
-    second = MasterProcess(MasterPorts(first.ports.rpc_port, first.ports.http_port, MasterPorts.pick().metrics_port),
-                           None, tmp_path / "second.log")
+    second = MasterProcess(
+        MasterPorts(first.ports.rpc_port, first.ports.http_port, MasterPorts.pick().metrics_port),
+        None,
+        tmp_path / "second.log",
+    )
     try:
-        with pytest.raises(PortInUseError, match=rf"port {first.ports.rpc_port} \(master RPC\) is held by "
-                                                 rf"pid {first.pid} \(mooncake_master\)"):
+        with pytest.raises(
+            PortInUseError,
+            match=rf"port {first.ports.rpc_port} \(master RPC\) is held by "
+            rf"pid {first.pid} \(mooncake_master\)",
+        ):
             second.start(timeout_s=20)
         assert not second.running()  # stopped, not left behind
         assert first.running() and first.owns_ports()
@@ -94,7 +104,9 @@ def test_local_master_whose_master_dies_is_an_error_with_the_tail() -> None:
         assert listener.pid is not None
         os.kill(listener.pid, signal.SIGKILL)
         master._proc.wait(timeout=30)  # `layerkv master` notices and exits
-        with pytest.raises(StoreError, match=rf"(?s)exited with code 1 while in use.*pid {listener.pid} .*killed by SIGKILL"):
+        with pytest.raises(
+            StoreError, match=rf"(?s)exited with code 1 while in use.*pid {listener.pid} .*killed by SIGKILL"
+        ):
             master.check_alive()
 
 
@@ -105,8 +117,13 @@ def test_demo_on_mooncake_prints_no_mooncake_error_or_warning() -> None:
     env = dict(os.environ, PYTHONPATH=str(Path(layerkv.__file__).parents[1]), MC_TCP_BIND_ADDRESS="127.0.0.1")
     for name in ("LAYERKV_MOONCAKE_LOG", "MC_LOG_LEVEL", "MOONCAKE_CONFIG_PATH"):
         env.pop(name, None)
-    result = subprocess.run([sys.executable, "-m", "layerkv.cli", "demo", "--store", "mooncake", "--tiny"],
-                            capture_output=True, text=True, timeout=240, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "layerkv.cli", "demo", "--store", "mooncake", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "outputs identical to local compute: yes" in result.stdout
     assert not MOONCAKE_PROBLEM_LINE.search(result.stdout + result.stderr), result.stderr[-3000:]

@@ -35,10 +35,19 @@ class PeerProcess:
     """A mooncake_peer.py child; `call` sends one request and waits (with a timeout) for its answer."""
 
     def __init__(self, config_path: Path, name: str) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(layerkv.__file__).parents[1]), str(REPO_ROOT)]),
-                   MC_TCP_BIND_ADDRESS="127.0.0.1")
-        self.proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), str(config_path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(Path(layerkv.__file__).parents[1]), str(REPO_ROOT)]),
+            MC_TCP_BIND_ADDRESS="127.0.0.1",
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER_SCRIPT), str(config_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
         self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.reader = threading.Thread(target=self._read, name=f"layerkv-test-peer-{name}", daemon=True)
         self.reader.start()
@@ -78,8 +87,13 @@ def test_layerwise_write_in_one_process_read_in_another(mooncake_master: MasterP
     config_path = tmp_path / "mooncake.json"
     config_path.write_text(json.dumps(mooncake_master.config(global_segment_size="32MB")))
     keys = [f"test@xproc-{time.monotonic_ns()}-{i}@0" for i in range(3)]
-    layout = {"nbytes": OBJECT_NBYTES, "header_nbytes": HEADER_NBYTES, "entry_nbytes": ENTRY_NBYTES,
-              "num_layers": NUM_LAYERS, "seed": 100}
+    layout = {
+        "nbytes": OBJECT_NBYTES,
+        "header_nbytes": HEADER_NBYTES,
+        "entry_nbytes": ENTRY_NBYTES,
+        "num_layers": NUM_LAYERS,
+        "seed": 100,
+    }
     writer, reader = PeerProcess(config_path, "writer"), PeerProcess(config_path, "reader")
     try:
         assert writer.call("put_start", keys=keys, nbytes=OBJECT_NBYTES)["codes"] == [0, 0, 0]
@@ -98,7 +112,7 @@ def test_layerwise_write_in_one_process_read_in_another(mooncake_master: MasterP
             want = object_bytes(100 + i, OBJECT_NBYTES)
             for layer_idx in range(NUM_LAYERS):
                 for offset, nbytes in layer_entries(HEADER_NBYTES, ENTRY_NBYTES, layer_idx):
-                    assert np.array_equal(got[offset:offset + nbytes], want[offset:offset + nbytes]), (i, layer_idx)
+                    assert np.array_equal(got[offset : offset + nbytes], want[offset : offset + nbytes]), (i, layer_idx)
             assert not got[:HEADER_NBYTES].any()  # the header range was never written or read
         assert writer.call("remove", keys=keys)["codes"] == [0, 0, 0]
     finally:

@@ -37,7 +37,9 @@ class Buffers:
         rng = np.random.default_rng(seed)
         self.store = store
         self.arrays = [
-            rng.integers(0, 256, OBJECT_NBYTES, dtype=np.uint8) if seed is not None else np.zeros(OBJECT_NBYTES, np.uint8)
+            rng.integers(0, 256, OBJECT_NBYTES, dtype=np.uint8)
+            if seed is not None
+            else np.zeros(OBJECT_NBYTES, np.uint8)
             for _ in range(num_keys)
         ]  # each: [OBJECT_NBYTES] uint8
         for array in self.arrays:
@@ -197,7 +199,9 @@ def test_setup_against_stopped_master_fails_fast() -> None:
 
 
 def test_segment_below_16_mib_fails_with_rc(mooncake_master: Any) -> None:
-    with pytest.raises(StoreError, match=rf"against master {mooncake_master.address} failed: rc=INVALID_PARAMS\(-600\).*16 MiB"):
+    with pytest.raises(
+        StoreError, match=rf"against master {mooncake_master.address} failed: rc=INVALID_PARAMS\(-600\).*16 MiB"
+    ):
         connect_store(mooncake_master, 8 << 20)
 
 
@@ -234,8 +238,16 @@ def test_config_parsing() -> None:
         parse_size("lots", "global_segment_size")
     with pytest.raises(ConfigError, match=r"lacks required key\(s\) metadata_server, master_server_address"):
         setup_args({"local_hostname": "127.0.0.1"})
-    args = setup_args({"local_hostname": "h", "metadata_server": "P2PHANDSHAKE", "master_server_address": "m:1",
-                       "device_name": "mlx5_0", "global_segment_size": "1GB"}, master_address="n:2")
+    args = setup_args(
+        {
+            "local_hostname": "h",
+            "metadata_server": "P2PHANDSHAKE",
+            "master_server_address": "m:1",
+            "device_name": "mlx5_0",
+            "global_segment_size": "1GB",
+        },
+        master_address="n:2",
+    )
     assert (args["master_server_addr"], args["rdma_devices"], args["global_segment_size"]) == ("n:2", "mlx5_0", 1 << 30)
     assert args["tenant_id"] == "default"
     base = {"local_hostname": "h", "metadata_server": "P2PHANDSHAKE", "master_server_address": "m:1"}

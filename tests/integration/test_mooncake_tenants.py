@@ -23,8 +23,9 @@ MiB = 1 << 20
 
 
 def _client(config_path: Path, **layerkv: str) -> MooncakeStore:
-    return MooncakeStore.from_config(LayerKVConfig.from_dict(
-        {"backend": "mooncake", "mooncake_config_path": str(config_path), **layerkv}, env={}))
+    return MooncakeStore.from_config(
+        LayerKVConfig.from_dict({"backend": "mooncake", "mooncake_config_path": str(config_path), **layerkv}, env={})
+    )
 
 
 def test_tenants_keep_their_objects_apart_and_within_their_quota(tmp_path: Path) -> None:
@@ -32,7 +33,9 @@ def test_tenants_keep_their_objects_apart_and_within_their_quota(tmp_path: Path)
     master = start_master(tenant_quotas={"tenant-a": 8 * MiB, "tenant-b": 2 * MiB})
     clients: list[MooncakeStore] = []
     try:
-        clients.append(MooncakeStore.from_mooncake_config(master.config(global_segment_size=64 * MiB), tenant_id="tenant-a"))
+        clients.append(
+            MooncakeStore.from_mooncake_config(master.config(global_segment_size=64 * MiB), tenant_id="tenant-a")
+        )
         config_path = tmp_path / "mooncake.json"
         config_path.write_text(json.dumps(master.config(global_segment_size=0)))
         a = _client(config_path, tenant="tenant-a")  # the tenant label is the Mooncake tenant
@@ -59,7 +62,10 @@ def test_tenants_keep_their_objects_apart_and_within_their_quota(tmp_path: Path)
 
 def test_tenant_quota_files_refuse_bad_names_and_sizes(tmp_path: Path) -> None:
     path = write_tenant_quotas(tmp_path / "q.yaml", {"a": 1, "b-2": 5 * MiB})
-    assert json.loads(path.read_text()) == {"version": 1, "tenants": [{"name": "a", "quota": 1}, {"name": "b-2", "quota": 5 * MiB}]}
+    assert json.loads(path.read_text()) == {
+        "version": 1,
+        "tenants": [{"name": "a", "quota": 1}, {"name": "b-2", "quota": 5 * MiB}],
+    }
     for bad in ({"": 1}, {"_x": 1}, {"a\n": 1}, {"a": 0}, {"a": True}):
         with pytest.raises(ConfigError, match="tenant"):
             write_tenant_quotas(tmp_path / "bad.yaml", bad)  # type: ignore[arg-type]

@@ -49,9 +49,25 @@ class Pool:
 
     def pool(self, *argv: str, stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, PYTHONPATH=SRC, MC_TCP_BIND_ADDRESS="127.0.0.1")
-        return subprocess.run([sys.executable, "-m", "layerkv.cli", "pool", "--master-info", str(self.master.info_path),
-                               "--config", str(self.master.config_path), *argv],
-                              check=False, stdin=stdin, capture_output=True, text=True, env=env, timeout=120)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "layerkv.cli",
+                "pool",
+                "--master-info",
+                str(self.master.info_path),
+                "--config",
+                str(self.master.config_path),
+                *argv,
+            ],
+            check=False,
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
 
     def listing(self) -> dict[str, Any]:
         done = self.pool("--json")
@@ -107,10 +123,20 @@ def test_the_listing_names_each_namespace_and_the_capacity(pool: Pool) -> None:
     rows = _rows(listing)
     assert set(rows) == {pool.a.name, pool.b.name, "(not layerkv)"}
     a, b, other = rows[pool.a.name], rows[pool.b.name], rows["(not layerkv)"]
-    assert (a["model"], a["tenant"], a["digest"], a["num_objects"], a["nbytes"]) == \
-        ("org/model-a", "team-a", pool.a.digest.hex(), 5, pool.a_bytes)
-    assert (b["model"], b["tenant"], b["digest"], b["num_objects"], b["nbytes"]) == \
-        ("org/model-b", "team-b", pool.b.digest.hex(), 3, pool.b_bytes)
+    assert (a["model"], a["tenant"], a["digest"], a["num_objects"], a["nbytes"]) == (
+        "org/model-a",
+        "team-a",
+        pool.a.digest.hex(),
+        5,
+        pool.a_bytes,
+    )
+    assert (b["model"], b["tenant"], b["digest"], b["num_objects"], b["nbytes"]) == (
+        "org/model-b",
+        "team-b",
+        pool.b.digest.hex(),
+        3,
+        pool.b_bytes,
+    )
     assert b["settings"]["block_size"] == 32 and b["settings"]["store_shards"] == 2 and b["settings"]["tp_size"] == 2
     assert (other["model"], other["num_objects"], other["nbytes"]) == (None, 1, FOREIGN_BYTES)
     assert listing["capacity_bytes"] == SEGMENT_BYTES and listing["num_keys"] == 9
@@ -122,8 +148,22 @@ def test_the_listing_names_each_namespace_and_the_capacity(pool: Pool) -> None:
     text = done.stdout
     assert "of 64.0 MiB used" in text and "9 objects" in text
     line_a = next(line for line in text.splitlines() if line.startswith(pool.a.name))
-    assert line_a.split() == [pool.a.name, "org/model-a", "team-a", "block", "16,", "float16,", "1", "shard,", "tp",
-                              "1", pool.a.digest.hex(), "5", f"{pool.a_bytes / 1024:.1f}", "KiB"]
+    assert line_a.split() == [
+        pool.a.name,
+        "org/model-a",
+        "team-a",
+        "block",
+        "16,",
+        "float16,",
+        "1",
+        "shard,",
+        "tp",
+        "1",
+        pool.a.digest.hex(),
+        "5",
+        f"{pool.a_bytes / 1024:.1f}",
+        "KiB",
+    ]
     line_b = next(line for line in text.splitlines() if line.startswith(pool.b.name))
     assert "org/model-b  team-b  block 32, bfloat16, 2 shards, tp 2" in line_b
 
@@ -131,8 +171,10 @@ def test_the_listing_names_each_namespace_and_the_capacity(pool: Pool) -> None:
 def test_purge_with_yes_removes_that_namespace_only(pool: Pool) -> None:
     done = pool.pool("--purge", pool.b.name, "--yes")
     assert done.returncode == 0, done.stderr
-    assert f"removed 3 of 3 objects ({pool.b_bytes / 1024:.1f} KiB) of namespace {pool.b.name} " \
-           "(model org/model-b, tenant team-b)" in done.stdout
+    assert (
+        f"removed 3 of 3 objects ({pool.b_bytes / 1024:.1f} KiB) of namespace {pool.b.name} "
+        "(model org/model-b, tenant team-b)" in done.stdout
+    )
     rows = _rows(pool.listing())
     assert set(rows) == {pool.a.name, "(not layerkv)"} and rows[pool.a.name]["num_objects"] == 5
     assert pool.store.batch_is_exist([manifest_key(pool.b), manifest_key(pool.a)]) == [0, 1]
@@ -141,8 +183,9 @@ def test_purge_with_yes_removes_that_namespace_only(pool: Pool) -> None:
 def test_purge_asks_on_a_terminal_and_refuses_without_one(pool: Pool) -> None:
     refused = pool.pool("--purge", pool.a.name)  # stdin: /dev/null
     assert refused.returncode == 2
-    assert f"--purge {pool.a.name} asks before removing anything, and stdin is not a terminal: add --yes" \
-        in refused.stderr
+    assert (
+        f"--purge {pool.a.name} asks before removing anything, and stdin is not a terminal: add --yes" in refused.stderr
+    )
     parent, child = pty.openpty()
     try:
         os.write(parent, b"n\n")
@@ -151,8 +194,10 @@ def test_purge_asks_on_a_terminal_and_refuses_without_one(pool: Pool) -> None:
         os.close(parent)
         os.close(child)
     assert declined.returncode == 1, declined.stderr
-    assert f"remove 5 objects ({pool.a_bytes / 1024:.1f} KiB) of namespace {pool.a.name} (model org/model-a, " \
-           "tenant team-a)? Engines using it recompute. [y/N]" in declined.stdout
+    assert (
+        f"remove 5 objects ({pool.a_bytes / 1024:.1f} KiB) of namespace {pool.a.name} (model org/model-a, "
+        "tenant team-a)? Engines using it recompute. [y/N]" in declined.stdout
+    )
     assert "nothing removed" in declined.stdout
     assert _rows(pool.listing())[pool.a.name]["num_objects"] == 5
 

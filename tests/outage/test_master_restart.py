@@ -31,7 +31,10 @@ def _serve(engine: Engine, prompts: list[list[int]]):  # type: ignore[no-untyped
 
 
 def _same(got, want) -> bool:  # type: ignore[no-untyped-def]
-    return all(a.token_ids == b.token_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)) for a, b in zip(got, want))
+    return all(
+        a.token_ids == b.token_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+        for a, b in zip(got, want)
+    )
 
 
 def test_engine_serves_through_a_master_outage_and_uses_the_pool_after_restart() -> None:

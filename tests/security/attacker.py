@@ -35,8 +35,9 @@ def published_buffers(metadata_url: str, segment: str) -> list[list[int]]:
     return [[int(b["addr"]), int(b["length"])] for b in descriptor.get("buffers", [])]
 
 
-def find(engine: Any, local: np.ndarray, segment: str, buffers: list[list[int]], magic: bytes,
-         nbytes: int) -> list[list[Any]]:
+def find(
+    engine: Any, local: np.ndarray, segment: str, buffers: list[list[int]], magic: bytes, nbytes: int
+) -> list[list[Any]]:
     """Scan every published buffer of `segment` (chunk by chunk, overlapping by `nbytes`) for
     `magic`; return [addr, the `nbytes` bytes from there, hex] for each place (up to 256)."""
     found: list[list[Any]] = []
@@ -91,8 +92,16 @@ def main() -> None:
             local[: data.size] = data
             answer = {"rc": engine.transfer_sync_write(segment, local.ctypes.data, int(cmd["addr"]), int(data.size))}
         elif op == "find":
-            answer = {"found": find(engine, local, segment, published_buffers(metadata_url, segment),
-                                    bytes.fromhex(cmd["magic"]), int(cmd["nbytes"]))}
+            answer = {
+                "found": find(
+                    engine,
+                    local,
+                    segment,
+                    published_buffers(metadata_url, segment),
+                    bytes.fromhex(cmd["magic"]),
+                    int(cmd["nbytes"]),
+                )
+            }
         elif op == "scribble":
             skip = {tuple(b) for b in cmd.get("skip", [])}
             local[:] = int(cmd["byte"])
@@ -102,7 +111,9 @@ def main() -> None:
                     continue
                 rc = 0
                 for at in range(addr, addr + nbytes, CHUNK_NBYTES):
-                    rc = rc or engine.transfer_sync_write(segment, local.ctypes.data, at, min(CHUNK_NBYTES, addr + nbytes - at))
+                    rc = rc or engine.transfer_sync_write(
+                        segment, local.ctypes.data, at, min(CHUNK_NBYTES, addr + nbytes - at)
+                    )
                 written.append([addr, nbytes, rc])
             answer = {"written": written}
         else:

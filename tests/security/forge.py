@@ -18,7 +18,7 @@ def layer_spans(genuine: bytes) -> list[tuple[int, int]]:
     """(offset, nbytes) of each layer, from the header's sizes."""
     header_nbytes, num_layers, _, object_nbytes = struct.unpack_from("<IIIQ", genuine, 12)
     per_layer = (object_nbytes - header_nbytes) // num_layers
-    return [(header_nbytes + l * per_layer, per_layer) for l in range(num_layers)]
+    return [(header_nbytes + li * per_layer, per_layer) for li in range(num_layers)]
 
 
 def forge(kind: str, genuine_x: bytes, genuine_y: bytes, key_x: str) -> bytes:
@@ -46,5 +46,5 @@ def forge(kind: str, genuine_x: bytes, genuine_y: bytes, key_x: str) -> bytes:
     nonce = secrets.token_bytes(NONCE_NBYTES)
     obj = np.frombuffer(bytes(y), dtype=np.uint8)
     ctx = [context(key_x, nonce)]
-    tags = np.stack([sealer.layer_tags(ctx, l, [[obj[at : at + n]]])[0] for l, (at, n) in enumerate(spans)])
+    tags = np.stack([sealer.layer_tags(ctx, li, [[obj[at : at + n]]])[0] for li, (at, n) in enumerate(spans)])
     return forger.encode(bytes(x[64 : 64 + id_len]), key_x, nonce, tags) + bytes(y[header_nbytes:])

@@ -23,8 +23,15 @@ class Attacker:
         env.pop("LAYERKV_TENANT_KEY_FILE", None)  # it never has the key
         self.timeout_s = timeout_s
         self._stderr = tempfile.TemporaryFile("w+")  # kept for a failing test's message (stderr_tail)
-        self._proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, name="attacker-stdout", daemon=True).start()
         assert self._answer() == {"ready": True}
@@ -38,8 +45,9 @@ class Attacker:
         try:
             line = self._lines.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise AssertionError(f"the attacker process did not answer within {self.timeout_s} s "
-                                 f"(exit code {self._proc.poll()})") from None
+            raise AssertionError(
+                f"the attacker process did not answer within {self.timeout_s} s (exit code {self._proc.poll()})"
+            ) from None
         return json.loads(line)
 
     def health(self, num_chars: int = 2000) -> str:

@@ -31,8 +31,15 @@ def main() -> None:
     metrics_url = sys.argv[2]
     client = MooncakeDistributedStore()
     segment_mib = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # a segment holder: objects may land in its memory
-    rc = client.setup(config["local_hostname"], config["metadata_server"], segment_mib << 20, 64 << 20, "tcp", "",
-                      config["master_server_address"])
+    rc = client.setup(
+        config["local_hostname"],
+        config["metadata_server"],
+        segment_mib << 20,
+        64 << 20,
+        "tcp",
+        "",
+        config["master_server_address"],
+    )
     if rc != 0:
         raise SystemExit(f"pool attacker: setup failed ({rc})")
     print(json.dumps({"ready": True}), flush=True)
@@ -52,7 +59,9 @@ def main() -> None:
         elif op == "overwrite":
             answer = {"rc": client.upsert(cmd["key"], bytes.fromhex(cmd["data"]))}
         elif op == "squat":
-            answer = {"results": list(client.batch_put_session_start(cmd["keys"], [int(cmd["nbytes"])] * len(cmd["keys"])))}
+            answer = {
+                "results": list(client.batch_put_session_start(cmd["keys"], [int(cmd["nbytes"])] * len(cmd["keys"])))
+            }
         elif op == "unsquat":
             answer = {"results": list(client.batch_put_session_revoke(cmd["keys"]))}
         elif op == "segment":

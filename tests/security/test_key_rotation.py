@@ -40,11 +40,14 @@ def _served(run: PooledRun, prompt: list[int]) -> tuple[list, int]:  # type: ign
 
 
 @KEYED
-def test_objects_of_the_old_key_are_served_after_a_rotation_until_it_is_removed(make_oracle, tmp_path: Path,
-                                                                             encrypted: bool) -> None:  # type: ignore[no-untyped-def]
+def test_objects_of_the_old_key_are_served_after_a_rotation_until_it_is_removed(
+    make_oracle, tmp_path: Path, encrypted: bool
+) -> None:  # type: ignore[no-untyped-def]
     key_file = tmp_path / "tenant.key"
     old = write_key_file(key_file).current.key_id
-    oracle = make_oracle(engine_config=ENGINE, tenant="tenant-r", tenant_key_file=str(key_file), encrypt_objects=encrypted)
+    oracle = make_oracle(
+        engine_config=ENGINE, tenant="tenant-r", tenant_key_file=str(key_file), encrypt_objects=encrypted
+    )
     before = oracle.pooled()
     serve(before.engine, [FIRST], MAX_TOKENS)
     old_namespace = before.namespace

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from layerkv.config import LayerKVConfig
+from layerkv.connector.worker import WorkerConnector
 from layerkv.messages import Deployment
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import GET_RANGES
-from layerkv.connector.worker import WorkerConnector
 from tests.e2e.harness import assert_identical, computed_chunks, local_oracle, random_tokens, serve, small_engine
 from tests.mooncake_master import MasterProcess, connect_store
 from tests.security.peer import Attacker
@@ -39,14 +39,21 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 @pytest.mark.parametrize("register_kv_cache", [False, True])
-def test_a_peer_finds_only_staging_and_cannot_reach_the_live_cache(mooncake_master: MasterProcess, attacker: Attacker,
-                                                                   register_kv_cache: bool) -> None:
+def test_a_peer_finds_only_staging_and_cannot_reach_the_live_cache(
+    mooncake_master: MasterProcess, attacker: Attacker, register_kv_cache: bool
+) -> None:
     store = connect_store(mooncake_master, 0)  # no global segment: the segment publishes only what is registered
     config = LayerKVConfig.from_dict({"backend": "mooncake", "register_kv_cache": register_kv_cache}, env={})
-    deployment = Deployment(model_id="test/boundary", kv_dtype="float32", block_size=BLOCK_SIZE, num_kv_heads=2,
-                            kv_signature=f"boundary:{LAYERS}x[2,{BLOCK_SIZE},2,8]f32")
+    deployment = Deployment(
+        model_id="test/boundary",
+        kv_dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_kv_heads=2,
+        kv_signature=f"boundary:{LAYERS}x[2,{BLOCK_SIZE},2,8]f32",
+    )
     worker = WorkerConnector(config, deployment, CheckedStore(store, max_batch_keys=64))
-    caches = {f"model.layers.{l}.self_attn.attn": torch.full((2, BLOCKS, BLOCK_SIZE, 2, 8), 7.0) for l in range(LAYERS)}
+    shape = (2, BLOCKS, BLOCK_SIZE, 2, 8)
+    caches = {f"model.layers.{li}.self_attn.attn": torch.full(shape, 7.0) for li in range(LAYERS)}
     cache_regions = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in caches.values()]
     try:
         before = attacker.ask(op="list", segment=store.segment_name)["buffers"]
@@ -80,8 +87,12 @@ ENGINE = small_engine(max_num_batched_tokens=12)
 
 
 @pytest.mark.parametrize("backend", ["mooncake"], indirect=True)
-def test_bytes_a_peer_writes_into_staging_during_a_load_are_caught(make_oracle, backend, mooncake_master: MasterProcess,  # type: ignore[no-untyped-def]
-                                                                   attacker: Attacker) -> None:
+def test_bytes_a_peer_writes_into_staging_during_a_load_are_caught(
+    make_oracle,
+    backend,
+    mooncake_master: MasterProcess,  # type: ignore[no-untyped-def]
+    attacker: Attacker,
+) -> None:
     oracle = make_oracle(engine_config=ENGINE)  # per-layer reads through staging (the harness pins the plan)
     producer = oracle.pooled()
     serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
@@ -122,8 +133,13 @@ class _TagHook:
 
 @pytest.mark.parametrize("backend", ["mooncake"], indirect=True)
 @pytest.mark.parametrize("when", ["while-tagging", "after-tagging"])
-def test_bytes_a_peer_writes_into_save_staging_are_never_served(make_oracle, backend, attacker: Attacker,  # type: ignore[no-untyped-def]
-                                                                monkeypatch, when: str) -> None:
+def test_bytes_a_peer_writes_into_save_staging_are_never_served(
+    make_oracle,
+    backend,
+    attacker: Attacker,  # type: ignore[no-untyped-def]
+    monkeypatch,
+    when: str,
+) -> None:
     """The attacker overwrites layer 1 of every object in the producer's save staging, through
     the store's port, while that layer's tags are computed or right after: the tags cover the
     bytes compute wrote (never staging's), so a consumer either loads exactly those (the

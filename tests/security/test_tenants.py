@@ -37,8 +37,11 @@ KEYED = pytest.mark.parametrize("keyed", [False, True, "encrypted"], ids=["no ke
 
 @pytest.fixture
 def pool_attacker(mooncake_master: MasterProcess) -> Iterator[Attacker]:
-    peer = Attacker(json.dumps(mooncake_master.config(global_segment_size=0)), mooncake_master.metrics_url,
-                    module="tests.security.pool_attacker")
+    peer = Attacker(
+        json.dumps(mooncake_master.config(global_segment_size=0)),
+        mooncake_master.metrics_url,
+        module="tests.security.pool_attacker",
+    )
     try:
         yield peer
     finally:
@@ -89,7 +92,9 @@ def _unkeyed_keys(run: PooledRun, prompt: list[int]) -> list[str]:
 
 
 @KEYED
-def test_probing_which_documents_a_served(make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str) -> None:  # type: ignore[no-untyped-def]
+def test_probing_which_documents_a_served(
+    make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str
+) -> None:  # type: ignore[no-untyped-def]
     """The attacker computes the keys of six candidate documents and asks which exist."""
     oracle = _tenant_a(make_oracle, tmp_path, keyed)
     a = oracle.pooled()
@@ -105,7 +110,9 @@ def test_probing_which_documents_a_served(make_oracle, tmp_path: Path, pool_atta
         return all(r == 1 for r in pool_attacker.ask(op="exists", keys=keys)["results"])
 
     computed = [probe(_unkeyed_keys(a, d)) for d in docs]
-    with_listed = [probe([f"{namespace}@{h.hex()}@0" for h in block_hashes(d, a.engine.config.block_size)]) for d in docs]
+    with_listed = [
+        probe([f"{namespace}@{h.hex()}@0" for h in block_hashes(d, a.engine.config.block_size)]) for d in docs
+    ]
     if not keyed:  # the probe tells which documents A served
         assert computed == with_listed == [False, True, False, False, True, False]
     else:
@@ -117,7 +124,9 @@ FORGERIES = ["recomputed", "guessed key", "swap", "layer swap", "reserved", "non
 
 @KEYED
 @pytest.mark.parametrize("kind", FORGERIES)
-def test_a_forged_object_is_never_served(make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_forged_object_is_never_served(
+    make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str, kind: str
+) -> None:  # type: ignore[no-untyped-def]
     """The attacker lists A's objects, reads two of them and overwrites one with a forgery."""
     if not keyed and kind != "recomputed":
         pytest.skip("without a key only the recomputed forgery is a clean attack (the others fail unkeyed checks too)")
@@ -130,7 +139,7 @@ def test_a_forged_object_is_never_served(make_oracle, tmp_path: Path, pool_attac
     x, y = (bytes.fromhex(pool_attacker.ask(op="get", key=k)["data"]) for k in (key_x, key_y))
     layout = producer.workers[0].layout
     assert layout is not None and len(x) == len(y) == layout.object_nbytes
-    assert layer_spans(x) == [(layout.layer_offset(l), layout.layer_nbytes(l)) for l in range(layout.num_layers)]
+    assert layer_spans(x) == [(layout.layer_offset(li), layout.layer_nbytes(li)) for li in range(layout.num_layers)]
     forged = forge(kind, x, y, key_x)
     assert pool_attacker.ask(op="overwrite", key=key_x, data=forged.hex())["rc"] == 0
     assert pool_attacker.ask(op="get", key=key_x)["data"] == forged.hex(), "the forgery did not land"
@@ -167,7 +176,9 @@ def test_squatting_on_a_s_future_keys(make_oracle, tmp_path: Path, pool_attacker
 
 
 @KEYED
-def test_a_wipe_is_a_miss_never_a_wrong_token(make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str) -> None:  # type: ignore[no-untyped-def]
+def test_a_wipe_is_a_miss_never_a_wrong_token(
+    make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str
+) -> None:  # type: ignore[no-untyped-def]
     """remove_by_regex on A's namespace (listed) removes A's objects: A recomputes (a denial of
     service a key cannot prevent; Mooncake tenants can, docs/security.md), outputs unchanged."""
     oracle = _tenant_a(make_oracle, tmp_path, keyed)
@@ -181,10 +192,10 @@ def test_a_wipe_is_a_miss_never_a_wrong_token(make_oracle, tmp_path: Path, pool_
     _assert_local_compute(oracle, consumer, got, 0)
 
 
-
 @pytest.mark.parametrize("encrypted", [False, True], ids=["tenant key", "encrypted"])
-def test_what_a_reader_of_the_pool_learns_of_the_kv(make_oracle, tmp_path: Path, pool_attacker: Attacker,
-                                                   encrypted: bool) -> None:  # type: ignore[no-untyped-def]
+def test_what_a_reader_of_the_pool_learns_of_the_kv(
+    make_oracle, tmp_path: Path, pool_attacker: Attacker, encrypted: bool
+) -> None:  # type: ignore[no-untyped-def]
     """The attacker reads A's objects. With a key alone their layers are A's KV in clear (what
     let an attacker recover A's prompt with the public weights); with encrypt_objects they are
     ciphertext: about one byte in 256 equal to the KV by chance, no layer's bytes anywhere, and
@@ -201,14 +212,14 @@ def test_what_a_reader_of_the_pool_learns_of_the_kv(make_oracle, tmp_path: Path,
     for key_kv, key_a in zip(reference.keys(PRODUCER), producer.keys(PRODUCER)):
         kv = bytes.fromhex(pool_attacker.ask(op="get", key=key_kv)["data"])
         read = bytes.fromhex(pool_attacker.ask(op="get", key=key_a)["data"])
-        body_kv = np.frombuffer(kv, np.uint8)[layout.header_nbytes:]
-        body = np.frombuffer(read, np.uint8)[layout.header_nbytes:]
+        body_kv = np.frombuffer(kv, np.uint8)[layout.header_nbytes :]
+        body = np.frombuffer(read, np.uint8)[layout.header_nbytes :]
         if not encrypted:
             assert np.array_equal(body, body_kv)  # A's KV, readable by anyone who reaches the pool
             continue
         assert np.mean(body == body_kv) < 0.02
-        for l in range(layout.num_layers):
-            at, n = layout.layer_offset(l), layout.layer_nbytes(l)
+        for li in range(layout.num_layers):
+            at, n = layout.layer_offset(li), layout.layer_nbytes(li)
             assert kv[at : at + n] not in read and kv[at : at + 32] not in read
     assert struct.unpack_from("<I", read, 128)[0] == (3 if encrypted else 1)  # flags: keyed (+ encrypted)
     consumer = oracle.pooled()
@@ -218,15 +229,20 @@ def test_what_a_reader_of_the_pool_learns_of_the_kv(make_oracle, tmp_path: Path,
 
 
 @KEYED
-def test_a_segment_holder_rewrites_what_lands_in_its_segment(make_oracle, tmp_path: Path, mooncake_master: MasterProcess,
-                                                            keyed: bool | str) -> None:  # type: ignore[no-untyped-def]
+def test_a_segment_holder_rewrites_what_lands_in_its_segment(
+    make_oracle, tmp_path: Path, mooncake_master: MasterProcess, keyed: bool | str
+) -> None:  # type: ignore[no-untyped-def]
     """The attacker mounts a segment of the pool (A's objects are placed there); with a bare
     transfer engine it finds them in its own memory by the header's magic and rewrites one in
     place with a forgery (another of A's objects' layers, fresh unkeyed checksums)."""
     from layerkv.objects.header import MAGIC
 
-    holder = Attacker(json.dumps(mooncake_master.config(global_segment_size=0)), mooncake_master.metrics_url, "64",
-                      module="tests.security.pool_attacker")
+    holder = Attacker(
+        json.dumps(mooncake_master.config(global_segment_size=0)),
+        mooncake_master.metrics_url,
+        "64",
+        module="tests.security.pool_attacker",
+    )
     engine = Attacker(mooncake_master.metadata_url)
     try:
         segment = holder.ask(op="segment")["name"]

@@ -75,7 +75,9 @@ def test_range_calls_count_bytes_and_take_a_layer(backend: Faulty) -> None:
     buf = np.arange(8192, dtype=np.uint8)
     ptr = int(buf.ctypes.data)
     assert checked.batch_put_session_start(keys, [8192] * 5) == [0] * 5
-    got = checked.batch_put_from_multi_buffer_ranges(keys, [[ptr, ptr + 4096]] * 5, [[4096, 4096]] * 5, [[0, 4096]] * 5, layer_idx=3)
+    got = checked.batch_put_from_multi_buffer_ranges(
+        keys, [[ptr, ptr + 4096]] * 5, [[4096, 4096]] * 5, [[0, 4096]] * 5, layer_idx=3
+    )
     assert got == [8192] * 5
     stats = checked.stats()["batch_put_from_multi_buffer_ranges"]
     assert (stats.calls, stats.keys, stats.nbytes) == (3, 5, 5 * 8192)
@@ -112,8 +114,9 @@ def test_get_session_end_is_one_int_over_all_chunks(backend: Faulty, caplog: pyt
     assert "batch_get_session_end on faulty raised for 2 keys: OSError('boom')" in caplog.text
 
 
-def test_a_malformed_batch_answers_invalid_params_per_key_and_sends_nothing(backend: Faulty,
-                                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_a_malformed_batch_answers_invalid_params_per_key_and_sends_nothing(
+    backend: Faulty, caplog: pytest.LogCaptureFixture
+) -> None:
     """As Mooncake and both bare stores answer it (issue 29): one int per key, never an exception."""
     checked = CheckedStore(backend, max_batch_keys=4)
     with caplog.at_level(logging.ERROR, logger="layerkv"):
@@ -165,13 +168,18 @@ def test_a_failing_audit_never_affects_results(backend: Faulty, caplog: pytest.L
     buf = np.zeros(4096, dtype=np.uint8)
     with caplog.at_level(logging.WARNING, logger="layerkv"):
         assert checked.batch_put_from(["a", "b", "c"], [int(buf.ctypes.data)] * 3, [4096] * 3) == [0, 0, 0]
-        assert checked.batch_get_into(["a", "zz"], [int(buf.ctypes.data)] * 2, [4096] * 2) == [4096, Code.OBJECT_NOT_FOUND]
+        assert checked.batch_get_into(["a", "zz"], [int(buf.ctypes.data)] * 2, [4096] * 2) == [
+            4096,
+            Code.OBJECT_NOT_FOUND,
+        ]
     assert audit.num_failures == 3
     assert caplog.text.count("range audit failed to write a line (RuntimeError('disk on fire'))") == 1
     audit.close()
 
 
-def test_an_unwritable_audit_path_falls_back_to_stderr(backend: Faulty, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unwritable_audit_path_falls_back_to_stderr(
+    backend: Faulty, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "missing-dir" / "audit.jsonl"
     with caplog.at_level(logging.WARNING, logger="layerkv"):
         audit = RangeAudit(str(bad))
@@ -256,7 +264,9 @@ def test_a_metadata_call_past_its_bound_answers_rpc_timeout_and_a_late_start_is_
         time.sleep(0.01)
     probe = root.client()
     assert faulty.fired(stall) == 1
-    assert _eventually(lambda: processing_keys(probe, ["a", "b"]) == [] and faulty.keys_sent("batch_put_session_revoke") == ["a", "b"])
+    assert _eventually(
+        lambda: processing_keys(probe, ["a", "b"]) == [] and faulty.keys_sent("batch_put_session_revoke") == ["a", "b"]
+    )
 
 
 def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:

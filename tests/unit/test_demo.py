@@ -17,8 +17,17 @@ TINY = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, he
 
 def _run(store_factory, plan: str = "layers", config_extra=None, **kw):  # type: ignore[no-untyped-def]
     config = LayerKVConfig.from_dict({"transfer_plan": plan, **(config_extra or {})}, env={})
-    return run_demo(config, store_factory=store_factory, num_docs=2, prefix_tokens=48, question_tokens=8,
-                    max_tokens=3, model=TINY, progress=False, **kw)
+    return run_demo(
+        config,
+        store_factory=store_factory,
+        num_docs=2,
+        prefix_tokens=48,
+        question_tokens=8,
+        max_tokens=3,
+        model=TINY,
+        progress=False,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("plan", ["auto", "layers"])
@@ -86,8 +95,9 @@ def test_demo_reports_a_mismatch_when_loaded_kv_is_wrong() -> None:
     """The oracle comparison can fail: bytes overwritten in the cache after their layer was
     verified (a corruption no checksum can see; reads straight into a registered cache make it
     possible) are caught as different outputs."""
-    result = _run(_corrupting(EmbeddedStore(64 << 20), on_layer=2, target_layer=1),
-                  config_extra={"register_kv_cache": True})
+    result = _run(
+        _corrupting(EmbeddedStore(64 << 20), on_layer=2, target_layer=1), config_extra={"register_kv_cache": True}
+    )
     assert not result.identical
     assert "differ" in result.mismatch or "tokens" in result.mismatch
     assert "outputs identical to local compute: NO" in format_result(result)

@@ -7,7 +7,6 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 from layerkv.config import LayerKVConfig
 from layerkv.errors import StoreError
@@ -148,7 +147,9 @@ def test_open_store_shares_objects_between_clients_of_one_process() -> None:
         assert scheduler_side.batch_put_session_start(["shared"], [4096]) == [Code.OBJECT_EXISTS]
         assert worker_side.batch_put_session_end(["shared"]) == [0]
         assert scheduler_side.batch_is_exist(["shared"]) == [1]
-        other = open_store(config.replace(embedded_lease_ttl_s=3.0, lease_renew_after_s=1.0))  # other settings, other store
+        other = open_store(
+            config.replace(embedded_lease_ttl_s=3.0, lease_renew_after_s=1.0)
+        )  # other settings, other store
         assert other.batch_is_exist(["shared"]) == [0]
         other.close()
     finally:

@@ -11,9 +11,7 @@ import pytest
 from layerkv.store.base import Code
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
-from layerkv.store.faults import (
-    GET_END, GET_RANGES, GET_START, IS_EXIST, PUT_END, PUT_RANGES, PUT_START, FaultyStore,
-)
+from layerkv.store.faults import GET_END, GET_RANGES, GET_START, IS_EXIST, PUT_END, PUT_RANGES, PUT_START, FaultyStore
 
 N = 64  # bytes per test object
 
@@ -72,7 +70,9 @@ def test_layer_rule_sees_the_layer_through_checked_store(faulty) -> None:
     assert checked.batch_put_session_revoke(["a"]) == [0]
 
 
-@pytest.mark.parametrize("bad", [[0], [True, True], None, "x", [1 << 64, 1]], ids=["short", "bool", "none", "str", "past int64"])
+@pytest.mark.parametrize(
+    "bad", [[0], [True, True], None, "x", [1 << 64, 1]], ids=["short", "bool", "none", "str", "past int64"]
+)
 def test_malformed_answers_become_malformed_codes_in_checked_store(faulty, bad) -> None:
     checked = CheckedStore(faulty, max_batch_keys=8)
     faulty.malformed(IS_EXIST, bad, times=1)

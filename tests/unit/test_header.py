@@ -29,7 +29,9 @@ def tags_of(num_layers: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (num_layers, 16), dtype=np.uint8)
 
 
-@pytest.mark.parametrize(("num_layers", "nbytes"), [(1, 256), (4, 256), (5, 320), (8, 320), (80, 1472), (MAX_LAYERS, 4096)])
+@pytest.mark.parametrize(
+    ("num_layers", "nbytes"), [(1, 256), (4, 256), (5, 320), (8, 320), (80, 1472), (MAX_LAYERS, 4096)]
+)
 def test_header_size_is_64_aligned_and_at_most_4_kib(num_layers: int, nbytes: int) -> None:
     assert header_nbytes_for(num_layers) == nbytes
     assert nbytes % 64 == 0 and nbytes <= MAX_HEADER_NBYTES
@@ -49,7 +51,12 @@ def test_encode_layout_and_roundtrip(mac_key: bytes | None) -> None:
     assert len(raw) == layout.header_nbytes
     magic, schema, hdr_nbytes, num_layers, hash_len, obj_nbytes = struct.unpack_from("<8sIIIIQ", raw)
     assert (magic, schema, hdr_nbytes, num_layers, hash_len, obj_nbytes) == (
-        MAGIC, SCHEMA_VERSION, layout.header_nbytes, 3, 3, layout.object_nbytes,
+        MAGIC,
+        SCHEMA_VERSION,
+        layout.header_nbytes,
+        3,
+        3,
+        layout.object_nbytes,
     )
     assert raw[32:48] == NS and raw[48:64] == layout.digest and raw[64:67] == b"\x01\x02\x03"
     assert struct.unpack_from("<II", raw, 128) == ((1 if mac_key else 0), 0)
@@ -162,7 +169,9 @@ def test_encode_into_staging_slots_matches_encode() -> None:
     tags = np.stack([tags_of(3, i) for i in range(3)])
     header.encode_into(staging, np.array([4, 0, 2]), ids, keys, nonces, tags)
     for i, slot in enumerate([4, 0, 2]):
-        assert staging[slot, : header.header_nbytes].tobytes() == header.encode(ids[i], keys[i], nonces[i].tobytes(), tags[i])
+        assert staging[slot, : header.header_nbytes].tobytes() == header.encode(
+            ids[i], keys[i], nonces[i].tobytes(), tags[i]
+        )
         header.verify(staging[slot], ids[i], keys[i])
         assert (staging[slot, header.header_nbytes :] == 0x5A).all()
     assert (staging[[1, 3, 5]] == 0x5A).all()
@@ -176,7 +185,9 @@ def test_encode_into_rejects_bad_staging() -> None:
     with pytest.raises(HeaderError, match="2 staging slots for 1 block ids and 1 keys"):
         header.encode_into(np.zeros((2, 256), np.uint8), np.array([0, 1]), [b"\x01"], [KEY], one, None)
     with pytest.raises(HeaderError, match=r"tags of shape \(1, 2, 16\); expected \(1, 3, 16\)"):
-        header.encode_into(np.zeros((2, 256), np.uint8), np.array([0]), [b"\x01"], [KEY], one, np.zeros((1, 2, 16), np.uint8))
+        header.encode_into(
+            np.zeros((2, 256), np.uint8), np.array([0]), [b"\x01"], [KEY], one, np.zeros((1, 2, 16), np.uint8)
+        )
     with pytest.raises(HeaderError, match="namespace and layout digests must be 16 bytes, got 3 and 16"):
         header_of(b"abc", make_layout())
 

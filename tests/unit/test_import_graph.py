@@ -16,15 +16,48 @@ FORBIDDEN = {
     # the one named-thread pool: below every package that runs threads (store/, transfer/)
     "layerkv.threads": ["layerkv."],
     "layerkv.config": ["layerkv.store", "layerkv.objects", "layerkv.transfer", "layerkv.connector", "layerkv.engine"],
-    "layerkv.messages": ["layerkv.store", "layerkv.objects", "layerkv.metadata", "layerkv.transfer", "layerkv.connector"],
+    "layerkv.messages": [
+        "layerkv.store",
+        "layerkv.objects",
+        "layerkv.metadata",
+        "layerkv.transfer",
+        "layerkv.connector",
+    ],
     "layerkv.metadata": ["layerkv.store", "layerkv.objects", "layerkv.transfer", "layerkv.connector"],
-    "layerkv.store": ["layerkv.objects", "layerkv.transfer", "layerkv.connector", "layerkv.engine", "layerkv.integrations"],
+    "layerkv.store": [
+        "layerkv.objects",
+        "layerkv.transfer",
+        "layerkv.connector",
+        "layerkv.engine",
+        "layerkv.integrations",
+    ],
     # what an object is: above the store (keys name its objects), below everything that moves them
-    "layerkv.objects": ["layerkv.transfer", "layerkv.connector", "layerkv.metadata", "layerkv.engine",
-                        "layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos", "layerkv.cli"],
-    "layerkv.transfer": ["layerkv.connector", "layerkv.engine", "layerkv.integrations", "layerkv.bench",
-                         "layerkv.commands", "layerkv.demos"],
-    "layerkv.connector": ["layerkv.engine", "layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos"],
+    "layerkv.objects": [
+        "layerkv.transfer",
+        "layerkv.connector",
+        "layerkv.metadata",
+        "layerkv.engine",
+        "layerkv.integrations",
+        "layerkv.bench",
+        "layerkv.commands",
+        "layerkv.demos",
+        "layerkv.cli",
+    ],
+    "layerkv.transfer": [
+        "layerkv.connector",
+        "layerkv.engine",
+        "layerkv.integrations",
+        "layerkv.bench",
+        "layerkv.commands",
+        "layerkv.demos",
+    ],
+    "layerkv.connector": [
+        "layerkv.engine",
+        "layerkv.integrations",
+        "layerkv.bench",
+        "layerkv.commands",
+        "layerkv.demos",
+    ],
     # the two sides of the connector meet only in the step metadata and the workers' reports
     "layerkv.connector.worker": ["layerkv.connector.scheduler"],
     "layerkv.connector.worker_jobs": ["layerkv.connector.scheduler"],
@@ -65,8 +98,9 @@ def _imports(path: Path, *, local: bool = False) -> set[str]:
 
 def _graph(*, local: bool = False) -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in SRC.rglob("*.py")}
-    return {name: {m for m in _imports(path, local=local) if m in modules and m != name}
-            for name, path in modules.items()}
+    return {
+        name: {m for m in _imports(path, local=local) if m in modules and m != name} for name, path in modules.items()
+    }
 
 
 def test_no_import_cycle() -> None:
@@ -78,7 +112,7 @@ def test_no_import_cycle() -> None:
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, [*stack, nxt])
         state[node] = 2

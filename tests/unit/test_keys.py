@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from layerkv.errors import ConfigError, UnsupportedSetupError
+from layerkv.messages import Deployment
 from layerkv.objects.keys import (
     Namespace,
     block_hash_bytes,
@@ -19,7 +20,6 @@ from layerkv.objects.keys import (
     storage_role,
 )
 from layerkv.objects.layout import CacheLayout
-from layerkv.messages import Deployment
 
 NUM_BLOCKS = 4
 BASE = Deployment(model_id="meta-llama/Llama-3.1-8B", kv_dtype="float16", block_size=16, num_kv_heads=8, tp_size=2)
@@ -27,7 +27,9 @@ BASE = Deployment(model_id="meta-llama/Llama-3.1-8B", kv_dtype="float16", block_
 
 def make_layout(num_layers: int = 2, head_dim: int = 4) -> CacheLayout:
     # [2, num_blocks, block_size, heads, head_dim] per layer
-    caches = {f"model.layers.{i}.attn": np.zeros((2, NUM_BLOCKS, 16, 2, head_dim), np.float16) for i in range(num_layers)}
+    caches = {
+        f"model.layers.{i}.attn": np.zeros((2, NUM_BLOCKS, 16, 2, head_dim), np.float16) for i in range(num_layers)
+    }
     return CacheLayout.from_caches(caches, NUM_BLOCKS, max_transfer_bytes=1 << 20)
 
 
@@ -93,17 +95,31 @@ def test_namespace_is_stable_across_processes() -> None:
     names = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.path.abspath(src)}
-        out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=60, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=60, check=True
+        )
         names.add(out.stdout.strip())
     assert names == {here}
 
 
 # (tp_size, num_kv_heads) -> put_step; num_storage_ranks = tp_size // put_step
 PUT_STEP_TABLE = {
-    (1, 1): 1, (1, 2): 1, (1, 4): 1, (1, 8): 1,
-    (2, 1): 2, (2, 2): 1, (2, 4): 1, (2, 8): 1,
-    (4, 1): 4, (4, 2): 2, (4, 4): 1, (4, 8): 1,
-    (8, 1): 8, (8, 2): 4, (8, 4): 2, (8, 8): 1,
+    (1, 1): 1,
+    (1, 2): 1,
+    (1, 4): 1,
+    (1, 8): 1,
+    (2, 1): 2,
+    (2, 2): 1,
+    (2, 4): 1,
+    (2, 8): 1,
+    (4, 1): 4,
+    (4, 2): 2,
+    (4, 4): 1,
+    (4, 8): 1,
+    (8, 1): 8,
+    (8, 2): 4,
+    (8, 4): 2,
+    (8, 8): 1,
 }
 
 
@@ -190,7 +206,9 @@ def test_kv_signature_names_the_layout_without_tensors() -> None:
     with_sig = dataclasses.replace(BASE, kv_signature="L0:kv[2,16,2,8]f32")
     # the scheduler side (no tensors) and a worker (with its layout) agree when the engine gives a signature
     assert namespace_for(with_sig, "default") == namespace_for(with_sig, "default", make_layout())
-    assert namespace_for(dataclasses.replace(with_sig, kv_signature="other"), "default") != namespace_for(with_sig, "default")
+    assert namespace_for(dataclasses.replace(with_sig, kv_signature="other"), "default") != namespace_for(
+        with_sig, "default"
+    )
     with pytest.raises(ConfigError, match="Deployment.kv_signature is empty and no cache layout was given"):
         namespace_for(dataclasses.replace(BASE, kv_signature=""), "default")
 
@@ -204,12 +222,19 @@ def test_keyed_names_cannot_be_computed_without_the_key() -> None:
     a = namespace_for(BASE, "default", layout, names_key=b"a" * 32)
     again = namespace_for(BASE, "default", layout, names_key=b"a" * 32)
     b = namespace_for(BASE, "default", layout, names_key=b"b" * 32)
-    assert a.keyed and not plain.keyed and a.name == again.name and block_key(a, block_hash, 0) == block_key(again, block_hash, 0)
+    assert (
+        a.keyed
+        and not plain.keyed
+        and a.name == again.name
+        and block_key(a, block_hash, 0) == block_key(again, block_hash, 0)
+    )
     assert len({plain.name, a.name, b.name}) == 3 and len({plain.digest, a.digest, b.digest}) == 3
     assert a.name.startswith("Llama-3.1-8B-") and len(a.block_id(block_hash)) == 16
     assert block_key(plain, block_hash, 0).split("@")[1] == block_hash.hex()
     for ns in (a, b):
-        assert block_hash.hex() not in block_key(ns, block_hash, 0) and block_hash.hex()[:16] not in block_key(ns, block_hash, 0)
+        assert block_hash.hex() not in block_key(ns, block_hash, 0) and block_hash.hex()[:16] not in block_key(
+            ns, block_hash, 0
+        )
     assert a.block_id(block_hash) != b.block_id(block_hash) != plain.block_id(block_hash)
     assert "names_key" not in repr(a) and "a" * 8 not in repr(a)
 
@@ -240,8 +265,12 @@ SHARD_TABLE = {
 
 @pytest.mark.parametrize(("tp_size", "num_kv_heads", "shards"), sorted(SHARD_TABLE))
 def test_store_shards_split_the_heads_whatever_the_tp_size(tp_size: int, num_kv_heads: int, shards: int) -> None:
-    roles = [storage_role(dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=num_kv_heads,
-                                              store_shards=shards)) for r in range(tp_size)]
+    roles = [
+        storage_role(
+            dataclasses.replace(BASE, tp_size=tp_size, tp_rank=r, num_kv_heads=num_kv_heads, store_shards=shards)
+        )
+        for r in range(tp_size)
+    ]
     assert [r.storage_ranks for r in roles] == SHARD_TABLE[(tp_size, num_kv_heads, shards)]
     assert {r.num_storage_ranks for r in roles} == {shards}
     written = [s for r in roles if r.writes for s in r.storage_ranks]
@@ -250,20 +279,28 @@ def test_store_shards_split_the_heads_whatever_the_tp_size(tp_size: int, num_kv_
 
 def test_the_same_split_names_the_same_objects_at_any_tp_size() -> None:
     layout = make_layout()
-    names = {namespace_for(dataclasses.replace(BASE, tp_size=tp, num_kv_heads=8, store_shards=4), "default", layout).name
-             for tp in (1, 2, 4)}
+    names = {
+        namespace_for(dataclasses.replace(BASE, tp_size=tp, num_kv_heads=8, store_shards=4), "default", layout).name
+        for tp in (1, 2, 4)
+    }
     assert len(names) == 1
     # unchosen, the split follows the TP size and the TP size is in the name: private to it
-    private = {namespace_for(dataclasses.replace(BASE, tp_size=tp, num_kv_heads=2), "default", layout).name for tp in (2, 4)}
+    private = {
+        namespace_for(dataclasses.replace(BASE, tp_size=tp, num_kv_heads=2), "default", layout).name for tp in (2, 4)
+    }
     assert len(private) == 2
     assert namespace_for(dataclasses.replace(BASE, store_shards=2), "default", layout).name not in {
-        namespace_for(dataclasses.replace(BASE, store_shards=4), "default", layout).name}
+        namespace_for(dataclasses.replace(BASE, store_shards=4), "default", layout).name
+    }
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"tp_size": 4, "num_kv_heads": 8, "store_shards": 2}, r"store_shards=2 must divide num_kv_heads=8 and be a multiple of this deployment's 4"),
+        (
+            {"tp_size": 4, "num_kv_heads": 8, "store_shards": 2},
+            r"store_shards=2 must divide num_kv_heads=8 and be a multiple of this deployment's 4",
+        ),
         ({"tp_size": 1, "num_kv_heads": 8, "store_shards": 3}, r"store_shards=3 must divide num_kv_heads=8"),
         ({"tp_size": 2, "num_kv_heads": 1, "is_mla": True, "store_shards": 2}, r"MLA latent is one head"),
     ],

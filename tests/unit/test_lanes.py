@@ -21,6 +21,7 @@ def test_parts_run_at_once_on_named_lanes_and_results_keep_their_order() -> None
         def run() -> tuple[int, str]:
             go.wait()
             return i, threading.current_thread().name
+
         return run
 
     try:

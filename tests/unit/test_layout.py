@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from layerkv.errors import LayoutError
 from layerkv.objects.header import Header
 from layerkv.objects.layout import CacheLayout
-from tests.layouts import layer_group_template, layers_adjacent
-from layerkv.transfer.calls import KeyRows
 from layerkv.objects.ranges import RangeLists, join_ranges
+from layerkv.transfer.calls import KeyRows
+from tests.layouts import layer_group_template, layers_adjacent
 
 MiB = 1 << 20
 
@@ -47,7 +47,7 @@ def test_llama_style_layout_offsets_and_names() -> None:
     t = caches["model.layers.0.self_attn.attn"]
     assert (k0.base_ptr, k0.block_stride_nbytes, k0.block_nbytes) == (t.data_ptr(), block, block)
     assert layout.layers[0][1].base_ptr == t[1].data_ptr()
-    assert [layout.template(l).num_segments for l in range(2)] == [2, 2]  # K and V blocks are not adjacent in memory
+    assert [layout.template(li).num_segments for li in range(2)] == [2, 2]  # K and V blocks are not adjacent in memory
     assert layout.device_type == "cpu" and k0.dtype == "float16"
     with pytest.raises(LayoutError, match="layer name 'model.layers.9.attn' was not registered"):
         layout.layer_index("model.layers.9.attn")
@@ -77,14 +77,22 @@ def test_indexer_cache_joins_its_layer_and_mtp_goes_last() -> None:
 
 def test_caches_of_different_modules_with_one_layer_index_are_rejected() -> None:
     nb = 3
-    caches = {"model.layers.0.mtp_block.attn": np.zeros((nb, 4, 4), np.float32),
-              "draft.layers.0.attn": np.zeros((nb, 4, 4), np.float32)}  # both draft layer 0: which is it?
-    with pytest.raises(LayoutError, match=r"cache names 'model.layers.0.mtp_block.attn' and 'draft.layers.0.attn' both "
-                                          r"parse to layer index 0 but belong to different modules"):
+    caches = {
+        "model.layers.0.mtp_block.attn": np.zeros((nb, 4, 4), np.float32),
+        "draft.layers.0.attn": np.zeros((nb, 4, 4), np.float32),
+    }  # both draft layer 0: which is it?
+    with pytest.raises(
+        LayoutError,
+        match=r"cache names 'model.layers.0.mtp_block.attn' and 'draft.layers.0.attn' both "
+        r"parse to layer index 0 but belong to different modules",
+    ):
         CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
     with pytest.raises(LayoutError, match="both parse to layer index 1"):
-        CacheLayout.from_caches({"encoder.layers.1.attn": np.zeros((nb, 8)), "decoder.layers.1.attn": np.zeros((nb, 8))},
-                                nb, max_transfer_bytes=MiB)
+        CacheLayout.from_caches(
+            {"encoder.layers.1.attn": np.zeros((nb, 8)), "decoder.layers.1.attn": np.zeros((nb, 8))},
+            nb,
+            max_transfer_bytes=MiB,
+        )
 
 
 def test_draft_layers_with_same_index_share_a_layer() -> None:
@@ -129,7 +137,7 @@ def test_whole_object_template_merges_layers_of_one_buffer() -> None:
     big = torch.zeros(nb, 4, 2, 8, dtype=torch.float16)  # [num_blocks, layers, K/V, dim]
     caches = {f"layers.{i}": big[:, i] for i in range(4)}
     layout = CacheLayout.from_caches(caches, nb, max_transfer_bytes=MiB)
-    assert [layout.template(l).num_segments for l in range(4)] == [1, 1, 1, 1]
+    assert [layout.template(li).num_segments for li in range(4)] == [1, 1, 1, 1]
     whole = layer_group_template(layout, 0, 4)
     assert whole.num_segments == 1 and whole.nbytes.tolist() == [4 * 2 * 8 * 2]
 
@@ -380,8 +388,14 @@ def test_ranges_tile_objects_and_move_the_tensors_bytes(spec: Spec, data: st.Dat
     staging = np.zeros((num_keys, layout.header_nbytes), np.uint8)
     header = Header(bytes(range(16)), layout.digest, layout.num_layers, layout.object_nbytes)
     keys = [f"k@{b}@0" for b in block_ids.tolist()]
-    header.encode_into(staging, np.arange(num_keys), [bytes([b]) for b in block_ids.tolist()], keys,
-                       np.zeros((num_keys, 16), np.uint8), None)
+    header.encode_into(
+        staging,
+        np.arange(num_keys),
+        [bytes([b]) for b in block_ids.tolist()],
+        keys,
+        np.zeros((num_keys, 16), np.uint8),
+        None,
+    )
     hdr = layout.header_template(staging.ctypes.data, num_keys)
     slots = np.arange(num_keys)
 
@@ -440,15 +454,23 @@ def test_merge_needs_adjacency_in_memory_and_in_the_object() -> None:
     assert len(merge_segments([a, Segment(1016, 64, 16, 300)])) == 2  # gap in the object
     assert len(merge_segments([a, Segment(1020, 64, 16, 216)])) == 2  # gap in memory
     assert len(merge_segments([a, Segment(1016, 128, 16, 216)])) == 2  # other block stride
-    assert split_segment(Segment(0, 64, 10, 5), 4) == [Segment(0, 64, 4, 5), Segment(4, 64, 4, 9), Segment(8, 64, 2, 13)]
+    assert split_segment(Segment(0, 64, 10, 5), 4) == [
+        Segment(0, 64, 4, 5),
+        Segment(4, 64, 4, 9),
+        Segment(8, 64, 2, 13),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
 # Physical byte order inside a block (vLLM's KV cache layouts: permutations of [L, B, H, N, C])
 
 _LAYOUT_ORDERS = {  # physical order of the logical dims (L, B, H, N, C), outermost first
-    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
 }
 
 
@@ -466,25 +488,33 @@ def permuted_caches(layout: str, num_layers: int = 3, nb: int = 4, heads: int = 
 def test_every_layout_with_one_run_per_block_registers_and_ranges_move_its_bytes(name: str) -> None:
     caches = permuted_caches(name)
     layout = CacheLayout.from_caches(caches, 4, max_transfer_bytes=MiB)
-    assert [layout.template(l).num_segments for l in range(3)] == [1, 1, 1]
+    assert [layout.template(li).num_segments for li in range(3)] == [1, 1, 1]
     for layer_idx, cache in enumerate(caches.values()):
         (entry,) = layout.layers[layer_idx]
         assert entry.block_nbytes == 2 * 4 * 8 * 4
         for block_id in range(4):
-            ((ptr,),), ((size,),) = layout.template(layer_idx).ranges(np.array([block_id])).ptrs, layout.template(layer_idx).ranges(np.array([block_id])).sizes
+            ((ptr,),), ((size,),) = (
+                layout.template(layer_idx).ranges(np.array([block_id])).ptrs,
+                layout.template(layer_idx).ranges(np.array([block_id])).sizes,
+            )
             raw = (ctypes.c_char * size).from_address(ptr).raw
             physical = cache[block_id].permute(*((0, 1, 2) if "HN" in name else (1, 0, 2))).contiguous()
             assert raw == physical.numpy().tobytes()  # the run holds exactly this block's bytes
 
 
 def test_byte_order_inside_a_block_is_part_of_the_signature() -> None:
-    sigs = {name: CacheLayout.from_caches(permuted_caches(name), 4, max_transfer_bytes=MiB) for name in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")}
+    sigs = {
+        name: CacheLayout.from_caches(permuted_caches(name), 4, max_transfer_bytes=MiB)
+        for name in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")
+    }
     assert sigs["LBHNC"].signature == sigs["BLHNC"].signature  # same bytes per block: same objects
     assert sigs["LBNHC"].signature == sigs["BLNHC"].signature
     assert sigs["LBHNC"].digest != sigs["LBNHC"].digest  # [H, N, C] vs [N, H, C] bytes: never shared
     assert "@order=1,0,2" in sigs["LBNHC"].signature and "@order" not in sigs["LBHNC"].signature
     # one head: both orders are the same bytes, and the signature says so
-    one_head = {n: CacheLayout.from_caches(permuted_caches(n, heads=1), 4, max_transfer_bytes=MiB) for n in ("LBHNC", "LBNHC")}
+    one_head = {
+        n: CacheLayout.from_caches(permuted_caches(n, heads=1), 4, max_transfer_bytes=MiB) for n in ("LBHNC", "LBNHC")
+    }
     assert one_head["LBHNC"].signature == one_head["LBNHC"].signature
 
 

@@ -29,8 +29,14 @@ from layerkv.store.base import Code, KVStore
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
 
-DEPLOYMENT = Deployment(model_id="org/Model-7B", kv_dtype="bfloat16", block_size=16, num_kv_heads=8, tp_size=2,
-                        kv_signature="L0:k[16,4,64]bf16")
+DEPLOYMENT = Deployment(
+    model_id="org/Model-7B",
+    kv_dtype="bfloat16",
+    block_size=16,
+    num_kv_heads=8,
+    tp_size=2,
+    kv_signature="L0:k[16,4,64]bf16",
+)
 CREATED_AT = 1_800_000_000.0
 RPC_FAIL = int(Code.RPC_FAIL)
 
@@ -100,8 +106,15 @@ def test_the_body_holds_labels_and_settings() -> None:
     assert body is not None
     assert body["namespace"] == ns.name and body["digest"] == ns.digest.hex()
     assert (body["model"], body["tenant"], body["pp_rank"]) == ("org/Model-7B", "team-a", 0)
-    assert body["settings"] == {"block_size": 16, "kv_dtype": "bfloat16", "store_shards": 4, "tp_size": 2,
-                                "pp_size": 1, "keyed": False, "encrypted": False}
+    assert body["settings"] == {
+        "block_size": 16,
+        "kv_dtype": "bfloat16",
+        "store_shards": 4,
+        "tp_size": 2,
+        "pp_size": 1,
+        "keyed": False,
+        "encrypted": False,
+    }
     assert body["created_at"] == "2027-01-15T08:00:00+00:00"
 
 
@@ -110,12 +123,29 @@ def test_a_keyed_namespace_manifest_holds_no_key() -> None:
     ns = namespace_for(DEPLOYMENT, "team-a", names_key=names_key)
     raw = manifest_body(ns, info(keyed=True), 0, CREATED_AT)
     assert names_key not in raw and names_key.hex().encode() not in raw
-    assert set(json.loads(raw)) == {"format", "namespace", "digest", "model", "tenant", "pp_rank", "settings", "created_at"}
+    assert set(json.loads(raw)) == {
+        "format",
+        "namespace",
+        "digest",
+        "model",
+        "tenant",
+        "pp_rank",
+        "settings",
+        "created_at",
+    }
     assert json.loads(raw)["settings"]["keyed"] is True
 
 
-@pytest.mark.parametrize("raw", [b"", b"\xff\xfe", b"[]", b'{"format": 2, "namespace": "a", "model": "m", "tenant": "t"}',
-                                 b'{"format": 1, "namespace": "a", "model": 7, "tenant": "t"}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xff\xfe",
+        b"[]",
+        b'{"format": 2, "namespace": "a", "model": "m", "tenant": "t"}',
+        b'{"format": 1, "namespace": "a", "model": 7, "tenant": "t"}',
+    ],
+)
 def test_anything_but_a_manifest_parses_as_none(raw: bytes) -> None:
     assert parse_manifest(raw) is None
 
@@ -178,4 +208,3 @@ def test_a_failed_put_is_retried() -> None:
     clock.now += 10.0
     writer.ensure([ns])
     assert writer.stats.written == 1
-

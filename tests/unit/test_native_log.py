@@ -10,7 +10,9 @@ import pytest
 from layerkv.errors import ConfigError
 from layerkv.store import native_log
 
-GLOG_ERROR = "E1130 19:20:19.914211  8584 transfer_metadata_plugin.cpp:292] GET http://x http=404 body: metadata not found"
+GLOG_ERROR = (
+    "E1130 19:20:19.914211  8584 transfer_metadata_plugin.cpp:292] GET http://x http=404 body: metadata not found"
+)
 GLOG_INFO = "I1130 19:20:19.913331  8584 transfer_engine_impl.cpp:1046] Metrics reporting is disabled"
 
 

@@ -8,13 +8,37 @@ import dataclasses
 import pytest
 
 from layerkv.transfer.costs import Costs
-from layerkv.transfer.planner import (GROUPS, LAYERS, WHOLE, Exploration, LoadPlan, StepShape, best_of_kinds, candidates,
-                                     choose_lanes, choose_plan, fastest, plan_kinds, simulate, transfer_s)
+from layerkv.transfer.planner import (
+    GROUPS,
+    LAYERS,
+    WHOLE,
+    Exploration,
+    LoadPlan,
+    StepShape,
+    best_of_kinds,
+    candidates,
+    choose_lanes,
+    choose_plan,
+    fastest,
+    plan_kinds,
+    simulate,
+    transfer_s,
+)
 
-SHAPE = StepShape(num_keys=64, num_layers=8, layer_nbytes=128 << 10, header_nbytes=192, segments_per_layer=2, staging_ok=True)
+SHAPE = StepShape(
+    num_keys=64, num_layers=8, layer_nbytes=128 << 10, header_nbytes=192, segments_per_layer=2, staging_ok=True
+)
 # Mooncake over TCP loopback on an idle host: ~40 us per range that concurrent calls overlap, ~1.5 GB/s
-MOONCAKE = Costs(call_s=100e-6, range_s=40e-6, range_cpu_s=5e-6, bytes_per_s=1.5e9, whole_call_s=150e-6, whole_key_s=20e-6,
-                 whole_bytes_per_s=2e9, copy_bytes_per_s=5e9)
+MOONCAKE = Costs(
+    call_s=100e-6,
+    range_s=40e-6,
+    range_cpu_s=5e-6,
+    bytes_per_s=1.5e9,
+    whole_call_s=150e-6,
+    whole_key_s=20e-6,
+    whole_bytes_per_s=2e9,
+    copy_bytes_per_s=5e9,
+)
 
 
 def _with_compute(per_layer_token_s: float) -> Costs:
@@ -29,9 +53,18 @@ def test_lanes_need_enough_keys_each() -> None:
 
 
 def test_simulation_adds_what_cannot_overlap() -> None:
-    shape = StepShape(num_keys=8, num_layers=2, layer_nbytes=1000, header_nbytes=0, segments_per_layer=1, staging_ok=True)
-    costs = Costs(call_s=1.0, range_s=0.5, range_cpu_s=0.25, bytes_per_s=8000.0, copy_bytes_per_s=1e18,
-                  compute_per_layer_token_s=3.0, compute_per_layer_s=0.0)
+    shape = StepShape(
+        num_keys=8, num_layers=2, layer_nbytes=1000, header_nbytes=0, segments_per_layer=1, staging_ok=True
+    )
+    costs = Costs(
+        call_s=1.0,
+        range_s=0.5,
+        range_cpu_s=0.25,
+        bytes_per_s=8000.0,
+        copy_bytes_per_s=1e18,
+        compute_per_layer_token_s=3.0,
+        compute_per_layer_s=0.0,
+    )
     # per layer, 1 lane: each read = 1 + 8 * 0.5 + 8 * 0.25 + 8000 / 8000 = 8 s; layer 0 computes 8..11,
     # layer 1 arrives at 16, computes 16..19
     assert simulate(LoadPlan(LAYERS, (1, 2), 1), shape, costs, num_tokens=1) == pytest.approx(19.0)
@@ -75,8 +108,12 @@ def test_device_caches_read_layer_by_layer() -> None:
 
 
 def _predict(costs: Costs, num_calls: int, ranges_per_call: int, nbytes: int) -> float:
-    return (num_calls * costs.call_s + ranges_per_call * costs.range_s + num_calls * ranges_per_call * costs.range_cpu_s
-            + nbytes / costs.bytes_per_s)
+    return (
+        num_calls * costs.call_s
+        + ranges_per_call * costs.range_s
+        + num_calls * ranges_per_call * costs.range_cpu_s
+        + nbytes / costs.bytes_per_s
+    )
 
 
 def test_estimates_converge_to_what_is_measured() -> None:
@@ -119,7 +156,6 @@ def test_whole_object_and_copy_and_compute_estimates_follow_samples() -> None:
     assert costs.copy_bytes_per_s == pytest.approx((8 << 20) / 0.004, rel=0.01)
 
 
-
 def test_compute_is_a_fixed_part_plus_a_part_per_token() -> None:
     """Decode steps (1 token, 5 ms) between prefills (1,000 tokens, 80 ms): both are predicted,
     and a decode step no longer reads as 5 ms per token (which made the next prefill's compute
@@ -130,20 +166,33 @@ def test_compute_is_a_fixed_part_plus_a_part_per_token() -> None:
         costs.observe_compute(0.080, num_layers=8, num_tokens=1000)
     costs = costs.snapshot()
     for tokens, seconds in ((1, 0.005), (1000, 0.080)):
-        assert 8 * (costs.compute_per_layer_s + tokens * costs.compute_per_layer_token_s) == pytest.approx(seconds, rel=0.1)
+        assert 8 * (costs.compute_per_layer_s + tokens * costs.compute_per_layer_token_s) == pytest.approx(
+            seconds, rel=0.1
+        )
 
 
 # Costs fitted from a real vLLM CPU engine loading a 2,048-token prefix with 32 new tokens here
 # (64 keys, 128 KiB per layer per block, ~60 us per range whatever the lanes, ~1 GB/s,
 # ~5 ms of compute per layer): per-layer reads took ~130 ms, staged groups ~95 ms.
-VLLM_CPU = Costs(call_s=200e-6, range_s=1e-6, range_cpu_s=60e-6, bytes_per_s=1e9, whole_call_s=1e-3, whole_key_s=50e-6,
-                 whole_bytes_per_s=0.8e9, copy_bytes_per_s=4e9, compute_per_layer_token_s=150e-6)
+VLLM_CPU = Costs(
+    call_s=200e-6,
+    range_s=1e-6,
+    range_cpu_s=60e-6,
+    bytes_per_s=1e9,
+    whole_call_s=1e-3,
+    whole_key_s=50e-6,
+    whole_bytes_per_s=0.8e9,
+    copy_bytes_per_s=4e9,
+    compute_per_layer_token_s=150e-6,
+)
 
 
 def test_where_ranges_cost_cpu_a_short_suffix_reads_groups_not_layers() -> None:
     plan = choose_plan(SHAPE, VLLM_CPU, num_tokens=32)
     assert plan.mode != LAYERS, plan
-    assert simulate(plan, SHAPE, VLLM_CPU, 32) < 0.8 * simulate(LoadPlan(LAYERS, tuple(range(1, 9)), 4), SHAPE, VLLM_CPU, 32)
+    assert simulate(plan, SHAPE, VLLM_CPU, 32) < 0.8 * simulate(
+        LoadPlan(LAYERS, tuple(range(1, 9)), 4), SHAPE, VLLM_CPU, 32
+    )
 
 
 def test_a_plan_of_a_given_kind_is_that_kinds_best() -> None:
@@ -152,8 +201,11 @@ def test_a_plan_of_a_given_kind_is_that_kinds_best() -> None:
     for mode, lanes in kinds:
         plan = choose_plan(SHAPE, VLLM_CPU, num_tokens=32, kind=(mode, lanes))
         assert (plan.mode, plan.lanes) == (mode, lanes)
-        assert all(plan.predicted_s <= simulate(p, SHAPE, VLLM_CPU, 32) + 1e-12
-                   for p in candidates(SHAPE, 4) if (p.mode, p.lanes) == (mode, lanes))
+        assert all(
+            plan.predicted_s <= simulate(p, SHAPE, VLLM_CPU, 32) + 1e-12
+            for p in candidates(SHAPE, 4)
+            if (p.mode, p.lanes) == (mode, lanes)
+        )
     device = StepShape(64, 8, 128 << 10, 192, 2, staging_ok=False)
     assert plan_kinds(device, 4) == ((LAYERS, 1), (LAYERS, 4))
     assert choose_plan(device, VLLM_CPU, 32, kind=(WHOLE, 4)).mode == LAYERS  # no staging: no other mode
@@ -180,8 +232,15 @@ def test_exploration_tries_the_least_recently_used_plausible_kind_then_settles()
         tried.append(kind)
         exploring.used(kind or (LAYERS, 1))  # the free choice is always (LAYERS, 1) here
     turns = {n: kind for n, kind in enumerate(tried) if kind is not None}
-    assert turns == {0: (LAYERS, 1), 4: (GROUPS, 1), 8: (WHOLE, 4), 12: (GROUPS, 1), 16: (WHOLE, 4),
-                     32: (GROUPS, 1), 48: (WHOLE, 4)}
+    assert turns == {
+        0: (LAYERS, 1),
+        4: (GROUPS, 1),
+        8: (WHOLE, 4),
+        12: (GROUPS, 1),
+        16: (WHOLE, 4),
+        32: (GROUPS, 1),
+        48: (WHOLE, 4),
+    }
     assert Exploration(every=4).kind_to_try({(LAYERS, 1): 1.0}) is None  # nothing else to try
     assert all(Exploration(every=0).kind_to_try(predicted) is None for _ in range(10))
 
@@ -264,8 +323,11 @@ def test_the_planner_is_entered_by_choose_and_observe_only() -> None:
     assert prefetch is None and plan.predicted_s > 0 and plan.kind in best_of_kinds(SHAPE, Costs(), 100)
     before = auto.costs.snapshot()
     measured = Measured(ranges=[(0.05, 1, 64, 64 * (128 << 10))], copies=[(0.01, 8 << 20)])
-    auto.observe(StepTimes(100, step_s=0.2, wait_s=0.05, compute_alone=False, plan=plan, num_keys=64,
-                           transfer_s=0.1, measured=measured))
+    auto.observe(
+        StepTimes(
+            100, step_s=0.2, wait_s=0.05, compute_alone=False, plan=plan, num_keys=64, transfer_s=0.1, measured=measured
+        )
+    )
     after = auto.costs.snapshot()
     assert after.bytes_per_s != before.bytes_per_s and after.copy_bytes_per_s != before.copy_bytes_per_s
     assert not auto.costs.measured("compute") and plan.kind in after.kind_factor  # reads beside: no compute sample

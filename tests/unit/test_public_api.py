@@ -18,6 +18,9 @@ def test_import_needs_neither_torch_nor_vllm_nor_mooncake() -> None:
     import subprocess
     import sys
 
-    code = "import sys, layerkv, layerkv.config; print(sorted(m for m in ('torch', 'vllm', 'mooncake') if m in sys.modules))"
+    code = (
+        "import sys, layerkv, layerkv.config; "
+        "print(sorted(m for m in ('torch', 'vllm', 'mooncake') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from layerkv.config import LayerKVConfig
-from layerkv.objects.encryption import LayerCipher
 from layerkv.errors import ConfigError
+from layerkv.objects.encryption import LayerCipher
 from layerkv.objects.seal import RowSealers, Sealer, context
 
 CTX = context("ns@00ff@0", bytes(range(16)))
@@ -42,8 +42,14 @@ def test_encrypted_layers_round_trip_and_refuse_any_change() -> None:
     tampered[1, 100] ^= 1
     ok = sealer.open_layers(contexts, 5, list(tampered), tags)
     assert ok.tolist() == [True, False, True]
-    assert np.array_equal(tampered[[0, 2]], plain[[0, 2]]) and not np.array_equal(tampered[1], plain[1])  # left as it was
-    for ctx_list, layer, key in ((contexts[1:] + contexts[:1], 5, bytes(range(32))), (contexts, 6, bytes(range(32))), (contexts, 5, bytes(32))):
+    assert np.array_equal(tampered[[0, 2]], plain[[0, 2]]) and not np.array_equal(
+        tampered[1], plain[1]
+    )  # left as it was
+    for ctx_list, layer, key in (
+        (contexts[1:] + contexts[:1], 5, bytes(range(32))),
+        (contexts, 6, bytes(range(32))),
+        (contexts, 5, bytes(32)),
+    ):
         other = Sealer(bytes(32), LayerCipher(key))
         assert not other.open_layers(ctx_list, layer, list(rows.copy()), tags).any()
     again = rows.copy()
@@ -108,4 +114,6 @@ def test_lease_renewal_must_come_before_a_known_lease_expires() -> None:
     with pytest.raises(ConfigError, match=r"lease_renew_after_s=10.0 must be below embedded_lease_ttl_s=10.0"):
         LayerKVConfig.from_dict({"lease_renew_after_s": 10.0}, env={})
     LayerKVConfig.from_dict({"lease_renew_after_s": 10.0, "embedded_lease_ttl_s": 30.0}, env={})
-    LayerKVConfig.from_dict({"backend": "mooncake", "lease_renew_after_s": 10.0}, env={})  # the master's TTL is not known here
+    LayerKVConfig.from_dict(
+        {"backend": "mooncake", "lease_renew_after_s": 10.0}, env={}
+    )  # the master's TTL is not known here

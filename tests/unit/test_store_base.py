@@ -19,8 +19,22 @@ def test_valid_results_pass_through() -> None:
 
 @pytest.mark.parametrize(
     "results",
-    [[0, 0], [0, 0, 0, 0], [True, 0, 0], [0, 0.0, 0], [0, "0", 0], None, 0, "000", {0: 0, 1: 0, 2: 0}, [0, None, 0], [np.float32(1), 0, 0],
-     [0, 1 << 63, 0], [0, -(1 << 63) - 1, 0], [1 << 64, 1, 1]],
+    [
+        [0, 0],
+        [0, 0, 0, 0],
+        [True, 0, 0],
+        [0, 0.0, 0],
+        [0, "0", 0],
+        None,
+        0,
+        "000",
+        {0: 0, 1: 0, 2: 0},
+        [0, None, 0],
+        [np.float32(1), 0, 0],
+        [0, 1 << 63, 0],
+        [0, -(1 << 63) - 1, 0],
+        [1 << 64, 1, 1],
+    ],
 )
 def test_malformed_results_fail_every_key(results: object, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="layerkv"):

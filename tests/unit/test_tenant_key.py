@@ -45,7 +45,9 @@ def test_keygen_writes_an_owner_only_file_and_rotates_it(tmp_path: Path, capsys:
 def test_a_key_file_others_can_read_is_refused(tmp_path: Path, mode: int) -> None:
     secret = os.urandom(32).hex()
     path = _key_file(tmp_path / "k", secret + "\n", mode)
-    with pytest.raises(ConfigError, match=rf"tenant_key_file='{path}' is readable by group or others \(mode 0{mode:o}\); chmod 600") as info:
+    with pytest.raises(
+        ConfigError, match=rf"tenant_key_file='{path}' is readable by group or others \(mode 0{mode:o}\); chmod 600"
+    ) as info:
         read_key_file(path)
     assert secret not in str(info.value)
 
@@ -74,7 +76,12 @@ def test_the_config_takes_the_key_file_from_the_environment(tmp_path: Path) -> N
     path = _key_file(tmp_path / "k", os.urandom(32).hex())
     config = LayerKVConfig.from_dict({}, env={"LAYERKV_TENANT_KEY_FILE": str(path)})
     assert config.tenant_key_file == str(path)
-    assert LayerKVConfig.from_dict({"tenant_key_file": "/other"}, env={"LAYERKV_TENANT_KEY_FILE": str(path)}).tenant_key_file == "/other"
+    assert (
+        LayerKVConfig.from_dict(
+            {"tenant_key_file": "/other"}, env={"LAYERKV_TENANT_KEY_FILE": str(path)}
+        ).tenant_key_file
+        == "/other"
+    )
     keys = tenant_keys(config.tenant_key_file)
     assert keys is not None and len(keys.current.names_key) == 32
     assert tenant_keys(None) is None

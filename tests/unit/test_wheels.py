@@ -28,8 +28,10 @@ def installed(monkeypatch):
     return fake
 
 
-@pytest.mark.parametrize(("cuda", "extra"), [(None, "mooncake"), ("12.8", "mooncake-cuda12"), ("13.0", "mooncake-cuda13"),
-                                             ("12", "mooncake-cuda12")])
+@pytest.mark.parametrize(
+    ("cuda", "extra"),
+    [(None, "mooncake"), ("12.8", "mooncake-cuda12"), ("13.0", "mooncake-cuda13"), ("12", "mooncake-cuda12")],
+)
 def test_the_wheel_matches_the_torch_build(cuda, extra) -> None:
     assert wheels.wheel_for(cuda).extra == extra
     assert wheels.install_hint(cuda, detect=False).startswith(f"pip install 'layerkv[{extra}]'")

@@ -2,6 +2,7 @@
 on the embedded store and on the real Mooncake master (a module may define its own `pool`)."""
 
 import pytest
+
 from tests.vllm.vllm_harness import clean_agent, doubles  # noqa: F401  (fixtures)
 
 

@@ -25,9 +25,17 @@ def main(config_path: str, tenant: str, seed: int, num_tokens: int) -> None:
     try:
         request = node.add("p", prompt(seed, num_tokens))
         node.run_to_completion()
-        print(json.dumps({"vllm": vllm.__version__, "namespace": node.core_worker.namespace.name,
-                          "block_hashes": [h.hex() for h in request.block_hashes],
-                          "committed_keys": node.core_worker.stats().committed_keys}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "vllm": vllm.__version__,
+                    "namespace": node.core_worker.namespace.name,
+                    "block_hashes": [h.hex() for h in request.block_hashes],
+                    "committed_keys": node.core_worker.stats().committed_keys,
+                }
+            ),
+            flush=True,
+        )
         sys.stdin.readline()  # the consumer has read the pool
     finally:
         node.shutdown()

@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tests.vllm.vllm_harness import BLOCK_SIZE, LAYERS, Engine, WorkerRig, make_engine, make_request, make_worker, runner_output
+
+from tests.vllm.vllm_harness import (
+    BLOCK_SIZE,
+    LAYERS,
+    Engine,
+    WorkerRig,
+    make_engine,
+    make_request,
+    make_worker,
+    runner_output,
+)
 
 SAMPLED_TOKEN = 7  # what runner_output samples for every request
 _tenants = itertools.count()
@@ -211,4 +221,6 @@ def assert_blocks(node, req_id: str, tokens: list[int], num_blocks: int, saved=N
             want = expected_block(LAYERS.index(name), tokens, b, got)
             assert torch.equal(got, want), f"{name} block {b}: cache differs from the stand-in model"
             if saved is not None:
-                assert torch.equal(got, saved[request.block_hashes[b]][name]), f"{name} block {b} differs from the producer"
+                assert torch.equal(got, saved[request.block_hashes[b]][name]), (
+                    f"{name} block {b} differs from the producer"
+                )

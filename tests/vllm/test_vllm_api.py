@@ -8,18 +8,20 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from tests.vllm.vllm_harness import make_request, make_vllm_config, require_vllm, runner_output
 
 require_vllm()
 
-from tests.vllm.pool_rig import assert_blocks, produce, prompt  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
+from tests.vllm.pool_rig import assert_blocks, produce, prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-needs_034 = pytest.mark.skipif(not hasattr(KVConnectorBase_V1, "may_load_async"),
-                               reason="a vLLM 0.34 hook: this run's vLLM (0.33) never calls it")
+needs_034 = pytest.mark.skipif(
+    not hasattr(KVConnectorBase_V1, "may_load_async"), reason="a vLLM 0.34 hook: this run's vLLM (0.33) never calls it"
+)
 
 
 @needs_034
@@ -28,7 +30,9 @@ needs_034 = pytest.mark.skipif(not hasattr(KVConnectorBase_V1, "may_load_async")
 def test_kv_cache_access_registers_exactly_when_the_live_cache_is_registered(register, multi_connector):
     from vllm.config.kv_transfer import KVCacheAccess
 
-    transfer = make_vllm_config(extra={"register_kv_cache": register}, multi_connector=multi_connector).kv_transfer_config
+    transfer = make_vllm_config(
+        extra={"register_kv_cache": register}, multi_connector=multi_connector
+    ).kv_transfer_config
     assert transfer.kv_cache_access() == (KVCacheAccess.REGISTERS if register else KVCacheAccess.IN_PROCESS)
     assert transfer.registers_kv_cache_memory() is register  # one physical allocation per segment
 
@@ -39,8 +43,11 @@ def test_lookahead_block_hashes_stay_off_where_vllm_resolves_them(monkeypatch, m
     """vLLM turns lookahead hashing on for a drafter only if the connector supports it: objects
     are named by the block hashes every engine computes, with or without a drafter."""
     vllm_config = make_vllm_config(multi_connector=multi_connector)
-    drafter = SimpleNamespace(use_eagle_block_drop=lambda: True, disable_lookahead_block_hashes=False,
-                              speculator_config=SimpleNamespace(num_prefill_lookahead_tokens=3))
+    drafter = SimpleNamespace(
+        use_eagle_block_drop=lambda: True,
+        disable_lookahead_block_hashes=False,
+        speculator_config=SimpleNamespace(num_prefill_lookahead_tokens=3),
+    )
     object.__setattr__(vllm_config, "speculative_config", drafter)
     assert "supports_lookahead_block_hashes" in vars(LayerKVConnector)  # layerkv's own answer, not a default
     assert vllm_config._resolve_num_hash_lookahead_tokens() == 0
@@ -79,11 +86,14 @@ def hybrid_engine(**scheduler_kwargs):
     sliding-window group (layerkv loads such a model before the request's first step:
     asynchronously), the neutral cores replaced by the recording doubles."""
     import torch
-    from tests.vllm.vllm_harness import BLOCK_SIZE, FULL_SPEC_ARGS, make_engine
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    specs = [FullAttentionSpec(**FULL_SPEC_ARGS, dtype=torch.float16),
-             SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)]
+    from tests.vllm.vllm_harness import BLOCK_SIZE, FULL_SPEC_ARGS, make_engine
+
+    specs = [
+        FullAttentionSpec(**FULL_SPEC_ARGS, dtype=torch.float16),
+        SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64),
+    ]
     return make_engine(64, specs=specs, scheduler_kwargs={"disable_hybrid_kv_cache_manager": False, **scheduler_kwargs})
 
 
@@ -130,7 +140,10 @@ def test_a_capped_pool_hit_of_a_hybrid_model_does_not_hold_up_local_requests(dou
     engine.scheduler.add_request(make_request("local", prompt(63, 40)))
     out = engine.scheduler.schedule()
     assert out.num_scheduled_tokens == {"local": 40}  # not held up behind the capped hit2
-    assert engine.scheduler.requests["hit2"].status is RequestStatus.WAITING and queued(engine, "hit2") == "async_kv_waiting"
+    assert (
+        engine.scheduler.requests["hit2"].status is RequestStatus.WAITING
+        and queued(engine, "hit2") == "async_kv_waiting"
+    )
 
 
 @needs_034
@@ -148,7 +161,10 @@ def test_may_load_async_is_false_for_one_group_a_miss_and_prompt_logprobs(double
     assert hybrid.scheduler.connector.may_load_async(request) is True
     assert hybrid.scheduler.connector.may_load_async(make_request("b", prompt(65, 40))) is False
     asked = len([c for c in core.calls if c[0] == "may_hit"])
-    assert hybrid.scheduler.connector.may_load_async(make_request("lp", request.prompt_token_ids, prompt_logprobs=1)) is False
+    assert (
+        hybrid.scheduler.connector.may_load_async(make_request("lp", request.prompt_token_ids, prompt_logprobs=1))
+        is False
+    )
     assert len([c for c in core.calls if c[0] == "may_hit"]) == asked
 
 

@@ -6,14 +6,14 @@ of the same step), and deployments whose weights or KV-shaping settings differ n
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 
 require_vllm()
 
-from tests.vllm.pool_rig import PoolNodes, prompt  # noqa: E402
-
 from layerkv.objects.keys import block_keys  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
+from tests.vllm.pool_rig import PoolNodes, prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -54,7 +54,9 @@ def test_a_request_sharing_a_block_whose_load_failed_has_its_saves_revoked(pool,
     prefix = prompt(8, 48)  # 3 full blocks
     _produce(pool, prefix + [3])
     faulty = _faulty_stores(monkeypatch)
-    consumer = pool.node(max_num_batched_tokens=256, extra={"transfer_plan": "layers"})  # the fault is on layer 1's read
+    consumer = pool.node(
+        max_num_batched_tokens=256, extra={"transfer_plan": "layers"}
+    )  # the fault is on layer 1's read
     _, worker_faults = faulty  # scheduler, worker
     a = consumer.add("a", prefix + prompt(9, 40))  # loads blocks 0-2, computes 2 new full blocks
     b = consumer.add("b", prefix + prompt(10, 40))  # same step: blocks 0-2 are prefix-cache hits on a's
@@ -97,8 +99,14 @@ def test_deployments_that_change_kv_bytes_never_share(pool, variant):
     _produce(pool, tokens + [1] * 8)
     same = pool.node()
     other = pool.node(model_kwargs=VARIANTS[variant])
-    assert same.scheduler.connector.scheduler_side.subs[0].namespace == pool.nodes[0].scheduler.connector.scheduler_side.subs[0].namespace
-    assert other.scheduler.connector.scheduler_side.subs[0].namespace != same.scheduler.connector.scheduler_side.subs[0].namespace
+    assert (
+        same.scheduler.connector.scheduler_side.subs[0].namespace
+        == pool.nodes[0].scheduler.connector.scheduler_side.subs[0].namespace
+    )
+    assert (
+        other.scheduler.connector.scheduler_side.subs[0].namespace
+        != same.scheduler.connector.scheduler_side.subs[0].namespace
+    )
     other.add("o", tokens)
     out, _, _ = other.step()
     assert out.num_scheduled_tokens == {"o": 48}  # nothing from the pool
@@ -114,13 +122,14 @@ def test_quantization_changes_the_namespace():
     compressed_tensors, not installed), so this swaps in an fp8 ModelConfig and compares what
     both roles put in the namespace."""
     from vllm.config import ModelConfig
-    from tests.vllm.vllm_harness import TINY_LLAMA, make_vllm_config
 
     from layerkv.integrations.vllm_setup import model_fingerprint_of, model_settings_of
+    from tests.vllm.vllm_harness import TINY_LLAMA, make_vllm_config
 
     plain, fp8 = make_vllm_config(), make_vllm_config()
-    fp8.model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True,
-                                   max_model_len=1024, quantization="fp8")
+    fp8.model_config = ModelConfig(
+        model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=1024, quantization="fp8"
+    )
     assert model_fingerprint_of(plain) == model_fingerprint_of(fp8)
     assert model_settings_of(plain) != model_settings_of(fp8)
     assert model_settings_of(plain) == model_settings_of(make_vllm_config())
@@ -131,10 +140,10 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
     cache, counting on the loading request to recompute it. If that request is aborted first, a
     later request hits the bad block locally: layerkv reports it invalid again in that step, so
     vLLM recomputes it, and the step's saves over it are revoked."""
-    from tests.vllm.pool_rig import LAYERS, expected_block
     from vllm.v1.request import RequestStatus
 
     from layerkv.store.faults import GET_RANGES
+    from tests.vllm.pool_rig import LAYERS, expected_block
 
     prefix = prompt(8, 48)  # 3 full blocks
     _produce(pool, prefix + [3])
@@ -142,8 +151,9 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
     consumer = pool.node(max_num_batched_tokens=256, extra={"transfer_plan": "layers"})
     _, worker_faults = faulty
     a = consumer.add("a", prefix + prompt(9, 40))
-    worker_faults.fail(GET_RANGES, lambda key: a.block_hashes[1].hex() in key, code=int(Code.TRANSFER_FAIL),
-                       layer_idx=1, times=1)
+    worker_faults.fail(
+        GET_RANGES, lambda key: a.block_hashes[1].hex() in key, code=int(Code.TRANSFER_FAIL), layer_idx=1, times=1
+    )
     _, connector_output, _ = consumer.step()
     bad = consumer.block_ids("a")[1]
     assert connector_output.invalid_block_ids == {bad}

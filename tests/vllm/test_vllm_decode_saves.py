@@ -5,6 +5,7 @@ to false, only the prompt's full blocks are, and decode steps plan no save."""
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 
 require_vllm()

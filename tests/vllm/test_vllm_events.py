@@ -6,13 +6,13 @@ whose load failed is announced removed; a cache reset clears all. Both backends.
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 
 require_vllm()
 
-from tests.vllm.pool_rig import prompt  # noqa: E402
-
 from layerkv.store.base import Code  # noqa: E402
+from tests.vllm.pool_rig import prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -69,11 +69,12 @@ def test_committed_blocks_are_announced_with_their_tokens(pool):
 
 
 def test_a_block_whose_load_failed_is_announced_removed(pool, monkeypatch):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
     import layerkv.integrations.vllm as facade
     from layerkv.store.checked import CheckedStore
     from layerkv.store.factory import open_store
     from layerkv.store.faults import GET_RANGES, FaultyStore
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     tokens = prompt(12, 3 * BLOCK_SIZE + 8)
     producer, _ = _node(pool)
@@ -98,6 +99,9 @@ def test_a_block_whose_load_failed_is_announced_removed(pool, monkeypatch):
     consumer.run_to_completion()
     # it recomputed blocks 1 and 2; the pool still had them (the read failed, not the object): the
     # worker's put starts found them and wrote nothing, and they are announced held again
-    assert [e.block_hashes for e in events.pool(BlockStored)] == [[_ext(request.block_hashes[1])], [_ext(request.block_hashes[2])]]
+    assert [e.block_hashes for e in events.pool(BlockStored)] == [
+        [_ext(request.block_hashes[1])],
+        [_ext(request.block_hashes[2])],
+    ]
     stats = consumer.core_worker.stats()
     assert (stats.save_skipped_existing, stats.saved_bytes) == (2, 0)

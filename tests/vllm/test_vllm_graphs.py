@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 
 require_vllm()
@@ -48,7 +49,12 @@ def test_a_hit_leaving_one_token_loads_before_its_first_step_and_decode_graphs_r
     assert consumer.worker.replays - replays == 2
     assert_blocks(consumer, "c", tokens, 3, saved, request)
     worker, scheduler = _counters(consumer)
-    assert (worker.load_blocks, worker.load_failed_blocks, worker.load_unwaited_steps, scheduler.load_failures) == (3, 0, 0, 0)
+    assert (worker.load_blocks, worker.load_failed_blocks, worker.load_unwaited_steps, scheduler.load_failures) == (
+        3,
+        0,
+        0,
+        0,
+    )
 
 
 def test_a_one_token_chunk_over_a_load_loads_before_the_forward(pool):
@@ -67,7 +73,12 @@ def test_a_one_token_chunk_over_a_load_loads_before_the_forward(pool):
     assert consumer.worker.replays - replays == 1
     assert_blocks(consumer, "c", tokens, 5, saved, request)
     worker, scheduler = _counters(consumer)
-    assert (worker.load_blocks, worker.load_failed_blocks, worker.load_unwaited_steps, scheduler.load_failures) == (5, 0, 0, 0)
+    assert (worker.load_blocks, worker.load_failed_blocks, worker.load_unwaited_steps, scheduler.load_failures) == (
+        5,
+        0,
+        0,
+        0,
+    )
 
 
 def test_a_load_no_layer_waited_for_is_recomputed(pool, monkeypatch):
@@ -125,7 +136,11 @@ def test_decode_steps_make_no_store_call_on_the_scheduling_thread(pool):
     here = threading.get_ident()  # the engine's scheduling thread (the manifest writer has its own)
     for name in STORE_CALLS:
         method = getattr(store, name)
-        setattr(store, name, lambda *a, _m=method, _n=name, **k: (threading.get_ident() == here and calls.append(_n), _m(*a, **k))[1])
+        setattr(
+            store,
+            name,
+            lambda *a, _m=method, _n=name, **k: (threading.get_ident() == here and calls.append(_n), _m(*a, **k))[1],
+        )
     saved_before = _counters(node)[1].save_blocks
     for _ in range(30):
         node.step()

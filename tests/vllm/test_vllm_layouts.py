@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from tests.vllm.vllm_harness import LAYERS, make_engine, make_vllm_config, make_worker, require_vllm
+
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_vllm_config, require_vllm
 
 require_vllm()
 
 import torch  # noqa: E402
-from tests.vllm.pool_rig import PoolNodes, assert_blocks, expected_block, produce, prompt  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from layerkv.errors import LayoutError, UnsupportedSetupError  # noqa: E402
@@ -22,6 +22,7 @@ from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
 from layerkv.integrations.vllm_setup import USABLE_LAYOUTS  # noqa: E402
 from layerkv.objects.layout import CacheLayout  # noqa: E402
 from tests.layouts import layers_adjacent  # noqa: E402
+from tests.vllm.pool_rig import PoolNodes, assert_blocks, expected_block, produce, prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +51,7 @@ def test_block_compact_layouts_register_vllm_allocation(pool, layout):
     node = pool.node(layout=layout)
     kv_caches = node.worker.kv_caches
     registered = node.core_worker.layout
-    assert registered.num_layers == len(LAYERS) and all(registered.template(l).num_segments == 1 for l in range(2))
+    assert registered.num_layers == len(LAYERS) and all(registered.template(li).num_segments == 1 for li in range(2))
     cross_layer = layout.startswith("BL")
     assert layers_adjacent(registered, 0, 2) is cross_layer  # layers of a block side by side
     for layer_idx, name in enumerate(LAYERS):
@@ -67,8 +68,10 @@ def test_block_compact_layouts_register_vllm_allocation(pool, layout):
 
 @pytest.mark.parametrize("layout", SCATTERED)
 def test_scattered_layouts_are_refused_at_startup_with_the_fix(layout):
-    fix = (f"KV cache layout {layout}: each head of a block is stored apart, so one block of one layer is not one "
-           f"byte run; layerkv needs one of LBHNC, LBNHC, BLHNC, BLNHC: set VLLM_KV_CACHE_LAYOUT=LBHNC")
+    fix = (
+        f"KV cache layout {layout}: each head of a block is stored apart, so one block of one layer is not one "
+        f"byte run; layerkv needs one of LBHNC, LBNHC, BLHNC, BLNHC: set VLLM_KV_CACHE_LAYOUT=LBHNC"
+    )
     with pytest.raises(UnsupportedSetupError, match=re.escape(fix)):
         make_engine(layout=layout)  # the scheduler-role connector is built with the Scheduler
 
@@ -77,6 +80,7 @@ def test_scattered_layouts_are_refused_at_startup_with_the_fix(layout):
 def test_scattered_layouts_cannot_be_described_from_vllm_allocation(layout):
     # Below the facade: the layout of vLLM's real views is refused, never mis-described.
     from vllm.v1.worker.utils import allocate_kv_cache
+
     from tests.vllm.vllm_harness import make_kv_cache_config
 
     vllm_config = make_vllm_config(max_model_len=256)
@@ -86,13 +90,15 @@ def test_scattered_layouts_cannot_be_described_from_vllm_allocation(layout):
         CacheLayout.from_caches(kv_caches, 32, max_transfer_bytes=1 << 20)
 
 
-@pytest.mark.parametrize(("backend", "layout"), [
-    ("embedded", "LBNHC"), ("mooncake", "LBNHC"), ("embedded", "BLHNC"), ("mooncake", "BLNHC"),
-])
+@pytest.mark.parametrize(
+    ("backend", "layout"), [("embedded", "LBNHC"), ("mooncake", "LBNHC"), ("embedded", "BLHNC"), ("mooncake", "BLNHC")]
+)
 def test_layout_round_trips_bytes_producer_to_consumer(pool, backend, layout):
     tokens = prompt(11, 56)  # 3 full blocks + 8 tokens
     producer, produced, saved = produce(pool, "p", tokens, layout=layout)
-    assert sum(o.kv_connector_stats.data.get("committed_keys", 0) for o in producer.outputs if o.kv_connector_stats) == 3
+    assert (
+        sum(o.kv_connector_stats.data.get("committed_keys", 0) for o in producer.outputs if o.kv_connector_stats) == 3
+    )
 
     consumer = pool.node(layout=layout)
     request = consumer.add("c", tokens)

@@ -8,22 +8,28 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from tests.vllm.vllm_harness import make_engine, require_vllm
 
 require_vllm()
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
-from tests.vllm.pool_rig import produce, prompt  # noqa: E402
 
 from layerkv.connector.stats import Samples  # noqa: E402
 from layerkv.integrations.vllm import CounterDeltas, LayerKVConnector  # noqa: E402
+from tests.vllm.pool_rig import produce, prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-NEW_FAMILIES = {"vllm:layerkv_load_wait_seconds": "histogram", "vllm:layerkv_transfer_seconds": "histogram",
-                "vllm:layerkv_step_bytes": "histogram", "vllm:layerkv_lookup_seconds": "histogram",
-                "vllm:layerkv_pending_puts": "gauge", "vllm:layerkv_staging_bytes_in_use": "gauge",
-                "vllm:layerkv_running_jobs": "gauge"}
+NEW_FAMILIES = {
+    "vllm:layerkv_load_wait_seconds": "histogram",
+    "vllm:layerkv_transfer_seconds": "histogram",
+    "vllm:layerkv_step_bytes": "histogram",
+    "vllm:layerkv_lookup_seconds": "histogram",
+    "vllm:layerkv_pending_puts": "gauge",
+    "vllm:layerkv_staging_bytes_in_use": "gauge",
+    "vllm:layerkv_running_jobs": "gauge",
+}
 
 
 @pytest.fixture
@@ -57,9 +63,14 @@ def test_pool_run_reaches_vllms_prometheus_with_tenant_label_and_hit_source(pool
     assert gauges["pending_puts"][0] + gauges["running_jobs"][0] > 0  # its puts wait for a verdict (or still write)
     # after the last commit (flushed): the drop to zero was reported by a step or is by this call, then nothing
     idle = producer.worker.connector.get_kv_connector_stats()
-    reports = [o.kv_connector_stats.data for o in producer.outputs if o.kv_connector_stats] + ([idle.data] if idle else [])
-    assert [r["gauges"] for r in reports if "gauges" in r][-1] == {"pending_puts": [0], "running_jobs": [0],
-                                                                  "staging_bytes_in_use": [0]}
+    reports = [o.kv_connector_stats.data for o in producer.outputs if o.kv_connector_stats] + (
+        [idle.data] if idle else []
+    )
+    assert [r["gauges"] for r in reports if "gauges" in r][-1] == {
+        "pending_puts": [0],
+        "running_jobs": [0],
+        "staging_bytes_in_use": [0],
+    }
     assert producer.worker.connector.get_kv_connector_stats() is None
     save_bytes = [n for r in reports for n in r.get("samples", {}).get("save_bytes", [])]
     assert len(save_bytes) >= 1 and sum(save_bytes) == sum(r.get("saved_bytes", 0) for r in reports) > 0  # per save job
@@ -86,9 +97,19 @@ def test_pool_run_reaches_vllms_prometheus_with_tenant_label_and_hit_source(pool
     assert value[f'vllm:layerkv_step_bytes_sum{{direction="load",{labels}}}'] == payload["loaded_bytes"]
     assert value[f'vllm:layerkv_transfer_seconds_count{{direction="load",{labels}}}'] == 1
     assert f"vllm:layerkv_pending_puts{{{labels}}}" in value  # a consumer: set, 0
-    assert value[f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="{consumer.engine.vllm_config.model_config.served_model_name}",source="{want_source.value}"}}'] == 32
-    assert value['vllm:layerkv_total{counter="load_blocks",engine="0",model_name="%s"}'
-                 % consumer.engine.vllm_config.model_config.served_model_name] == 2  # the counters stay
+    assert (
+        value[
+            f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="{consumer.engine.vllm_config.model_config.served_model_name}",source="{want_source.value}"}}'
+        ]
+        == 32
+    )
+    assert (
+        value[
+            'vllm:layerkv_total{counter="load_blocks",engine="0",model_name="%s"}'
+            % consumer.engine.vllm_config.model_config.served_model_name
+        ]
+        == 2
+    )  # the counters stay
     consumer.run_to_completion()
 
 
@@ -102,11 +123,19 @@ def test_prom_metrics_use_vllms_metric_types_and_only_the_tenant_label(tmp_path)
     prom = LayerKVConnector.build_prom_metrics(engine.vllm_config, types, ["engine"], {0: ["0"], 1: ["1"]})
     # one step of two TP workers, aggregated as vLLM does
     rank0 = LayerKVConnector.build_kv_connector_stats(
-        {"load_blocks": 2, "samples": {"load_wait_s": [0.003], "load_bytes": [8192], "save_bytes": [4096]},
-         "gauges": {"pending_puts": [3], "staging_bytes_in_use": [65536], "running_jobs": [1]}})
+        {
+            "load_blocks": 2,
+            "samples": {"load_wait_s": [0.003], "load_bytes": [8192], "save_bytes": [4096]},
+            "gauges": {"pending_puts": [3], "staging_bytes_in_use": [65536], "running_jobs": [1]},
+        }
+    )
     rank1 = LayerKVConnector.build_kv_connector_stats(
-        {"load_blocks": 2, "samples": {"load_wait_s": [0.2], "lookup_s": [0.0004]},
-         "gauges": {"pending_puts": [4], "staging_bytes_in_use": [0], "running_jobs": [0]}})
+        {
+            "load_blocks": 2,
+            "samples": {"load_wait_s": [0.2], "lookup_s": [0.0004]},
+            "gauges": {"pending_puts": [4], "staging_bytes_in_use": [0], "running_jobs": [0]},
+        }
+    )
     prom.observe(rank0.aggregate(rank1).to_dict(), engine_idx=1)
 
     def sample(name, **labels):
@@ -136,10 +165,15 @@ def test_prom_metrics_use_vllms_metric_types_and_only_the_tenant_label(tmp_path)
 def test_stats_payload_concatenates_across_workers_and_reduces_for_the_log():
     payload = {"load_blocks": 1, "samples": {"load_wait_s": [0.5]}, "gauges": {"pending_puts": [2]}}
     a = LayerKVConnector.build_kv_connector_stats(payload)
-    b = LayerKVConnector.build_kv_connector_stats({"load_blocks": 2, "samples": {"load_wait_s": [0.25, 1.5]},
-                                                   "gauges": {"pending_puts": [1]}})
+    b = LayerKVConnector.build_kv_connector_stats(
+        {"load_blocks": 2, "samples": {"load_wait_s": [0.25, 1.5]}, "gauges": {"pending_puts": [1]}}
+    )
     merged = a.aggregate(b)
-    assert merged.data == {"load_blocks": 3, "samples": {"load_wait_s": [0.5, 0.25, 1.5]}, "gauges": {"pending_puts": [2, 1]}}
+    assert merged.data == {
+        "load_blocks": 3,
+        "samples": {"load_wait_s": [0.5, 0.25, 1.5]},
+        "gauges": {"pending_puts": [2, 1]},
+    }
     assert payload["samples"]["load_wait_s"] == [0.5] and payload["gauges"]["pending_puts"] == [2]  # not changed
     assert merged.reduce() == {"load_blocks": 3, "load_wait_s_avg": 0.75, "load_wait_s_max": 1.5}
     # zero gauges alone still carry news (a drop to zero); no counters, samples or gauges: empty
@@ -164,13 +198,17 @@ class _Grouped:  # what connector/hybrid.py's GroupedWorker exposes
 def test_observed_drains_every_leaf_and_reports_gauges_while_nonzero_or_changed():
     a, b = _Leaf(), _Leaf()
     side, deltas = _Grouped(a, _Grouped(b)), CounterDeltas()
-    assert deltas.take_observed(side) == {"gauges": {"pending_puts": [0], "running_jobs": [0], "staging_bytes_in_use": [0]}}
+    assert deltas.take_observed(side) == {
+        "gauges": {"pending_puts": [0], "running_jobs": [0], "staging_bytes_in_use": [0]}
+    }
     assert deltas.take_observed(side) == {}  # unchanged zeros: nothing to send
     a.samples.observe("load_wait_s", 0.1)
     b.samples.observe("load_wait_s", 0.2)
     a.now["pending_puts"], b.now["pending_puts"] = 2, 3
-    assert deltas.take_observed(side) == {"samples": {"load_wait_s": [0.1, 0.2]},
-                                          "gauges": {"pending_puts": [5], "running_jobs": [0], "staging_bytes_in_use": [0]}}
+    assert deltas.take_observed(side) == {
+        "samples": {"load_wait_s": [0.1, 0.2]},
+        "gauges": {"pending_puts": [5], "running_jobs": [0], "staging_bytes_in_use": [0]},
+    }
     assert deltas.take_observed(side)["gauges"]["pending_puts"] == [5]  # non-zero: every step
     a.now["pending_puts"] = b.now["pending_puts"] = 0
     assert deltas.take_observed(side)["gauges"]["pending_puts"] == [0]  # the drop

@@ -8,14 +8,23 @@ import itertools
 import time
 
 import pytest
-from tests.vllm.vllm_harness import LAYERS, layerkv_child, make_engine, make_request, make_worker, require_vllm, runner_output
+
+from tests.vllm.vllm_harness import (
+    LAYERS,
+    layerkv_child,
+    make_engine,
+    make_request,
+    make_worker,
+    require_vllm,
+    runner_output,
+)
 
 require_vllm()
 
 import torch  # noqa: E402
-from tests.vllm.pool_rig import Node, StandInModel, expected_block, prompt  # noqa: E402
 
 from layerkv.integrations import vllm_plugin  # noqa: E402
+from tests.vllm.pool_rig import Node, StandInModel, expected_block, prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 _tenants = itertools.count()
@@ -43,8 +52,11 @@ def prom_registry_types():
 def stats_payloads(engine_outputs: dict) -> list[dict]:
     """What the engine core sends the front end after a step: `SchedulerStats.kv_connector_stats`
     (MultiKVConnectorStats.to_dict(): {connector class name: plain counters})."""
-    return [eco.scheduler_stats.kv_connector_stats for eco in engine_outputs.values()
-            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats]
+    return [
+        eco.scheduler_stats.kv_connector_stats
+        for eco in engine_outputs.values()
+        if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats
+    ]
 
 
 def run_to_completion(node: Node) -> list[dict]:
@@ -196,8 +208,11 @@ def test_layerkv_beside_vllms_own_connector_names_its_pools_promise(clean_agent,
     """layerkv and vLLM's ExampleConnector under MultiConnector (vLLM's real Scheduler): the
     finished request's params carry layerkv's promise under its pool's key, nothing else."""
     tenant = f"multi-{next(_tenants)}"
-    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
     engine = make_engine(multi_connector=[layerkv_child({"tenant": tenant}), example])
     engine.scheduler.add_request(make_request("p", prompt(32, 40), max_tokens=1))
     out = engine.scheduler.schedule()

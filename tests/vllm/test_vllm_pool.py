@@ -8,15 +8,16 @@ cache and against the stand-in model's formula."""
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, LAYERS, require_vllm
 
 require_vllm()
 
 import torch  # noqa: E402
-from tests.vllm.pool_rig import assert_blocks, expected_block, produce, prompt  # noqa: E402
 
 from layerkv.integrations.vllm import LayerKVConnector, LayerKVStats  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
+from tests.vllm.pool_rig import assert_blocks, expected_block, produce, prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -25,7 +26,9 @@ def test_producer_saves_consumer_loads_layer_by_layer(pool):
     tokens = prompt(1, 40)  # 2 full blocks + 8 tokens
     producer, produced, saved = produce(pool, "p", tokens)
     # committed after the step that wrote them (the verdict waits for every worker), in the background
-    committed = [o.kv_connector_stats.data.get("committed_keys", 0) if o.kv_connector_stats else 0 for o in producer.outputs]
+    committed = [
+        o.kv_connector_stats.data.get("committed_keys", 0) if o.kv_connector_stats else 0 for o in producer.outputs
+    ]
     assert committed[0] == 0
     assert producer.core_worker.flush(5.0) and producer.core_worker.stats().committed_keys == 2
 

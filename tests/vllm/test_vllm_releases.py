@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.vllm.vllm_harness import clean_agent, require_vllm  # noqa: F401  (clean_agent: a fixture)
 
 require_vllm()
@@ -41,7 +42,7 @@ def other_release_path() -> str:
 
 
 @pytest.fixture
-def pool(tmp_path, mooncake_master, clean_agent):
+def pool(tmp_path, mooncake_master, clean_agent):  # noqa: F811 (the fixture imported above)
     """PoolNodes on the real Mooncake master only (the conftest's pool also runs embedded)."""
     from tests.vllm.pool_rig import PoolNodes
 
@@ -56,14 +57,29 @@ def test_a_pool_written_under_one_vllm_release_is_hit_under_the_other(pool):
     tokens = prompt(71, 56)  # 3 full blocks + 8 tokens
     env = {**os.environ, "PYTHONPATH": other_release_path()}
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.vllm.other_release_producer", pool.extra["mooncake_config_path"],
-         pool.extra["tenant"], "71", str(len(tokens))],
-        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tests.vllm.other_release_producer",
+            pool.extra["mooncake_config_path"],
+            pool.extra["tenant"],
+            "71",
+            str(len(tokens)),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         ready, _, _ = select.select([child.stdout], [], [], 180)
         line = child.stdout.readline() if ready else ""
-        assert line, f"the producer under the other release printed nothing: {child.poll()=} {child.stderr.read() if child.poll() is not None else ''}"
+        assert line, (
+            f"the producer under the other release printed nothing: {child.poll()=} "
+            f"{child.stderr.read() if child.poll() is not None else ''}"
+        )
         produced = json.loads(line)
         this = importlib.metadata.version("vllm")
         assert produced["vllm"][:5] != this[:5] and {produced["vllm"][:5], this[:5]} == {"0.33.", "0.34."}
@@ -74,7 +90,9 @@ def test_a_pool_written_under_one_vllm_release_is_hit_under_the_other(pool):
         assert [h.hex() for h in request.block_hashes] == produced["block_hashes"]
         assert consumer.core_worker.namespace.name == produced["namespace"]
         out, connector_output, _ = consumer.step()
-        assert out.num_scheduled_tokens == {"c": 8} and out.has_sync_kv_loads  # 48 tokens from the other release's objects
+        assert (
+            out.num_scheduled_tokens == {"c": 8} and out.has_sync_kv_loads
+        )  # 48 tokens from the other release's objects
         assert connector_output.invalid_block_ids == set()
         assert_blocks(consumer, "c", tokens, 3)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
 
 require_vllm()
@@ -196,8 +197,12 @@ def test_the_core_reads_the_promise_meant_for_its_pool(doubles, sent):
     from layerkv.store.factory import pool_identity
 
     own, other, third = (pool_promise_key(pool_identity(LayerKVConfig(tenant=t))) for t in ("default", "x", "y"))
-    params = {"own pool": {own: 32, other: 16}, "plain": {"layerkv_prefix_tokens": 32, other: 16},
-              "one other pool": {other: 32}, "two other pools": {other: 32, third: 16}}[sent]
+    params = {
+        "own pool": {own: 32, other: 16},
+        "plain": {"layerkv_prefix_tokens": 32, other: 16},
+        "one other pool": {other: 32},
+        "two other pools": {other: 32, third: 16},
+    }[sent]
     engine = make_engine()
     engine.scheduler.add_request(make_request("a", prompt(9, 40), kv_transfer_params=params))
     engine.scheduler.schedule()

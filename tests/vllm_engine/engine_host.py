@@ -32,10 +32,7 @@ def abort_while_loading(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     engine.abort_request(["aborted-while-loading"])
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
-    return {
-        "outputs": [_output(o) for o in outputs if o.outputs],
-        "drained_s": time.monotonic() - aborted_at,
-    }
+    return {"outputs": [_output(o) for o in outputs if o.outputs], "drained_s": time.monotonic() - aborted_at}
 
 
 def metrics(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -84,5 +81,13 @@ def update_weights(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard keeps them from re-running main
-    sys.exit(main({**HANDLERS, "abort_while_loading": abort_while_loading, "metrics": metrics,
-                   "update_weights": update_weights}))
+    sys.exit(
+        main(
+            {
+                **HANDLERS,
+                "abort_while_loading": abort_while_loading,
+                "metrics": metrics,
+                "update_weights": update_weights,
+            }
+        )
+    )

@@ -25,9 +25,15 @@ class TierEngine(EngineProcess):
     def call(self, op: str, timeout_s: float = 180, **args: Any) -> dict[str, Any]:
         return super().call(op, timeout_s, **args)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 1,  # type: ignore[override]
-                 reset_prefix_cache: bool = False, commit: bool = True) -> list[dict[str, Any]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 1,  # type: ignore[override]
+        reset_prefix_cache: bool = False,
+        commit: bool = True,
+    ) -> list[dict[str, Any]]:
         """Outputs in prompt order; `commit` (default): the last step's saves are committed
         before this returns (layerkv.bench.vllm_host.generate)."""
-        return super().generate(prompts, reset_prefix_cache=reset_prefix_cache, commit=commit,
-                                max_tokens=max_tokens)["outputs"]
+        return super().generate(prompts, reset_prefix_cache=reset_prefix_cache, commit=commit, max_tokens=max_tokens)[
+            "outputs"
+        ]

@@ -29,8 +29,12 @@ _opened: list[FaultyStore] = []  # one per connector built in this process, in o
 def _open_faulty_store(config: Any) -> CheckedStore:
     faulty = FaultyStore(open_store(config))
     _opened.append(faulty)
-    return CheckedStore(faulty, max_batch_keys=config.max_transfer_blocks, retry_interval_s=config.store_retry_interval_s,
-                        call_timeout_s=config.store_call_timeout_s)
+    return CheckedStore(
+        faulty,
+        max_batch_keys=config.max_transfer_blocks,
+        retry_interval_s=config.store_retry_interval_s,
+        call_timeout_s=config.store_call_timeout_s,
+    )
 
 
 facade.OPEN_STORE = _open_faulty_store  # this process's connectors (vLLM imports us in each)
@@ -72,7 +76,9 @@ class FaultyLayerKVConnector(LayerKVConnector):
             if rule["kind"] == "fail":
                 self._test_faults.fail(GET_RANGES, None, layer_idx=rule.get("layer_idx"), times=rule.get("times", 1))
             elif rule["kind"] == "delay":
-                self._test_faults.delay(GET_RANGES, rule["delay_s"], None, layer_idx=rule.get("layer_idx"), times=rule.get("times", 1))
+                self._test_faults.delay(
+                    GET_RANGES, rule["delay_s"], None, layer_idx=rule.get("layer_idx"), times=rule.get("times", 1)
+                )
             else:
                 raise ValueError(f"unknown fault kind {rule['kind']!r}")
         self._test_marker = control.get("marker")
@@ -80,9 +86,11 @@ class FaultyLayerKVConnector(LayerKVConnector):
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._test_steps += 1
-        state = {"steps": self._test_steps, "tracker_empty": self.worker_side.is_idle(1.0),  # type: ignore[attr-defined]
-                 "applied_seq": self._test_applied_seq}
+        state = {
+            "steps": self._test_steps,
+            "tracker_empty": self.worker_side.is_idle(1.0),  # type: ignore[attr-defined]
+            "applied_seq": self._test_applied_seq,
+        }
         tmp = self._test_dir / f".state-rank{self.deployment.tp_rank}.json"
         tmp.write_text(json.dumps(state))
         tmp.replace(self._test_dir / f"state-rank{self.deployment.tp_rank}.json")
-

@@ -1,7 +1,8 @@
 """`layerkv bench pd` (layerkv.bench.pd), smallest grid: one 512-token prefix, a TP=2 prefill
 engine, a TP=1 decode engine and a TP=1 engine without a connector on one master. Checks the row
 the suite reports: the decode engine loaded every full block the prefill engine wrote (as shards
-of another TP size), and every timing was measured (the plots are the driver's: .venv has matplotlib). Timings are reported, never asserted."""
+of another TP size), and every timing was measured (the plots are the driver's: .venv has matplotlib). Timings are
+reported, never asserted."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from layerkv.bench.vllm_engines import EngineProcess
 from tests.cluster.pool import Pool, started_pool
 from tests.vllm_engine.engine_proc import TierEngine
@@ -37,8 +38,15 @@ class HostEngine(TierEngine):
         faults = tier_dir / f"faults-cluster-{host}"
         faults.mkdir(exist_ok=True)
         env = engine_env(config, faults, MC_TCP_BIND_ADDRESS=addr)
-        EngineProcess.__init__(self, f"cluster-{host}", str(python), llm_kwargs(model_dir, layerkv_transfer(kv_role)),
-                               env, tier_dir, host="tests.vllm_engine.engine_host")
+        EngineProcess.__init__(
+            self,
+            f"cluster-{host}",
+            str(python),
+            llm_kwargs(model_dir, layerkv_transfer(kv_role)),
+            env,
+            tier_dir,
+            host="tests.vllm_engine.engine_host",
+        )
 
     @property
     def pid(self) -> int:
@@ -48,13 +56,19 @@ class HostEngine(TierEngine):
 @pytest.fixture(scope="module")
 def cluster_pair(tier_dir: Path, model_dir: Path) -> Iterator[tuple[Any, Any]]:
     (tier_dir / "cluster").mkdir(exist_ok=True)
-    with started_pool(tier_dir / "cluster", hosts=("master", "store1", "producer", "consumer"), storage=("store1",)) as pool:
-        engines = [HostEngine(pool, "producer", "kv_both", tier_dir, model_dir),
-                   HostEngine(pool, "consumer", "kv_consumer", tier_dir, model_dir)]
+    with started_pool(
+        tier_dir / "cluster", hosts=("master", "store1", "producer", "consumer"), storage=("store1",)
+    ) as pool:
+        engines = [
+            HostEngine(pool, "producer", "kv_both", tier_dir, model_dir),
+            HostEngine(pool, "consumer", "kv_consumer", tier_dir, model_dir),
+        ]
         try:
             ready = [engine.ready() for engine in engines]
             for engine, host in zip(engines, ("producer", "consumer")):  # each runs in its host's namespace
-                assert os.readlink(f"/proc/{engine.pid}/ns/net") == os.readlink(f"/proc/{pool.cluster[host].pid}/ns/net")
+                assert os.readlink(f"/proc/{engine.pid}/ns/net") == os.readlink(
+                    f"/proc/{pool.cluster[host].pid}/ns/net"
+                )
             yield ready[0], ready[1]
         finally:
             for engine in engines:

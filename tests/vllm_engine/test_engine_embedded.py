@@ -7,6 +7,7 @@ executor), the connector refuses to start and says what to do instead."""
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
@@ -29,5 +30,6 @@ def test_embedded_pool_in_one_process_is_bit_identical(fleet):
 def test_embedded_pool_across_processes_refuses_to_start(fleet):
     reply = fleet.engines["embedded-mp"].startup()
     assert not reply["ready"], "an engine whose embedded pool can never hit must not serve"
-    assert "layerkv backend='embedded' keeps the pool inside one process" in reply["error"] + reply["traceback"] + \
-        fleet.engines["embedded-mp"].log_path.read_text(errors="replace")
+    assert "layerkv backend='embedded' keeps the pool inside one process" in reply["error"] + reply[
+        "traceback"
+    ] + fleet.engines["embedded-mp"].log_path.read_text(errors="replace")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis
 from tests.vllm_engine.tiny_model import prompt
 
@@ -47,8 +48,9 @@ def test_the_pool_s_blocks_reach_vllm_s_event_stream(fleet):
 
         while not stored and time.monotonic() < deadline:  # a SUB socket misses what is sent before it joined
             engine.generate([tokens], reset_prefix_cache=True)  # computed, saved, committed (commit=True)
-            events = _events_until(socket, msgspec.msgpack.Decoder(type=KVEventBatch),
-                                   lambda got: len(pool_blocks(got)) >= 3, timeout_s=10)
+            events = _events_until(
+                socket, msgspec.msgpack.Decoder(type=KVEventBatch), lambda got: len(pool_blocks(got)) >= 3, timeout_s=10
+            )
             stored = pool_blocks(events)
         assert len(stored) == 3, pool_diagnosis(engine)
         local = [e for e in events if isinstance(e, BlockStored) and e.medium != MEDIUM_STORAGE]

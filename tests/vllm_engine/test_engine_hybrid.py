@@ -11,6 +11,7 @@ a hybrid model's prefix before the request's first step (connector/hybrid.py).
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm_engine.fault_control import arm
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt

@@ -12,6 +12,7 @@ prefill in chunks of 64 tokens.
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
@@ -123,7 +124,9 @@ def pool_attacker(fleet):
     from tests.security.peer import Attacker
 
     master = json.loads((fleet.tier_dir / "master.json").read_text())
-    attacker = Attacker(fleet.mooncake_config.read_text().strip(), master["metrics_url"], module="tests.security.pool_attacker")
+    attacker = Attacker(
+        fleet.mooncake_config.read_text().strip(), master["metrics_url"], module="tests.security.pool_attacker"
+    )
     try:
         yield attacker
     finally:
@@ -278,8 +281,11 @@ def test_a_segment_holder_rewrites_what_lands_in_its_segment(pair, fleet):
             saved = {k.split("@")[1]: k for k in _new_objects(holder, producer, prefix)}  # block id -> key
             nbytes = len(bytes.fromhex(holder.ask(op="get", key=next(iter(saved.values())))["data"]))
             found = engine.ask(op="find", segment=segment, magic=MAGIC.hex(), nbytes=nbytes)["found"]
-            mine = {_block_id(obj): (addr, obj) for addr, obj in ((a, bytes.fromhex(d)) for a, d in found)
-                    if low <= addr < low + size and _block_id(obj) in saved}
+            mine = {
+                _block_id(obj): (addr, obj)
+                for addr, obj in ((a, bytes.fromhex(d)) for a, d in found)
+                if low <= addr < low + size and _block_id(obj) in saved
+            }
             if mine:
                 break
         else:

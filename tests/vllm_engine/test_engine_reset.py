@@ -7,6 +7,7 @@ On the "embedded" engine (one process: the weight update runs on its in-process 
 from __future__ import annotations
 
 import pytest
+
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
+
 from tests.vllm_engine.fault_control import arm, worker_state
+from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("tp2")]
@@ -46,8 +47,9 @@ def test_request_aborted_while_it_loads_and_saves(tp2, fleet):
     # flight and its saves are open.
     arm(faults, 10, [{"kind": "delay", "delay_s": 3.0, "layer_idx": 0, "times": 1}], marker="loading-10")
     start = time.monotonic()
-    result = tp2.call("abort_while_loading", prompt=request, max_tokens=16, reset_prefix_cache=True,
-                      marker=str(faults / "loading-10"))
+    result = tp2.call(
+        "abort_while_loading", prompt=request, max_tokens=16, reset_prefix_cache=True, marker=str(faults / "loading-10")
+    )
     assert (faults / "loading-10").exists()  # the abort was sent after the load had started
     assert not [o for o in result["outputs"] if o["finish_reason"] == "length"], "the request was not aborted"
 
@@ -72,8 +74,12 @@ def fault_run(tp2, fault_dir, seq: int, failing_ranks: list[int], seed: int) -> 
     prefix = prompt(seed, 4 * BLOCK_SIZE)
     request = prefix + prompt(seed + 1, 2 * BLOCK_SIZE + 10)
     tp2.generate([prefix], reset_prefix_cache=True)
-    arm(fault_dir, seq, [{"kind": "fail", "rank": r, "layer_idx": 1, "times": 1} for r in failing_ranks],
-        marker=f"fault-{seq}")
+    arm(
+        fault_dir,
+        seq,
+        [{"kind": "fail", "rank": r, "layer_idx": 1, "times": 1} for r in failing_ranks],
+        marker=f"fault-{seq}",
+    )
     (faulted,) = tp2.generate([request], max_tokens=4, reset_prefix_cache=True)
     assert (fault_dir / f"fault-{seq}").exists(), "the fault was not armed at a loading step"
     (local,) = tp2.generate([request], max_tokens=4)  # blocks 0-5 recomputed after the fault
@@ -90,7 +96,9 @@ def test_load_fault_on_every_rank_recomputes_and_poisons_nothing(tp2, fleet):
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_load_fault_on_one_rank_recomputes_and_poisons_nothing(tp2, fleet, failing_rank):
-    faulted, local, pooled = fault_run(tp2, fleet.fault_dir("tp2"), 12 + failing_rank, [failing_rank], seed=60 + 10 * failing_rank)
+    faulted, local, pooled = fault_run(
+        tp2, fleet.fault_dir("tp2"), 12 + failing_rank, [failing_rank], seed=60 + 10 * failing_rank
+    )
     assert faulted["token_ids"] == local["token_ids"]  # vLLM recomputed: passes today
     assert pooled["num_cached_tokens"] == 6 * BLOCK_SIZE
     same_bits(pooled, local)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
 from tests.vllm_engine.tiny_model import prompt
 
@@ -46,7 +47,9 @@ def _chosen(output: dict, i: int) -> float:
 
 def _assert_shared(runs: dict[str, dict], writer, reader) -> None:  # type: ignore[no-untyped-def]
     assert runs["first"]["num_cached_tokens"] == PREFIX, pool_diagnosis(writer, reader)  # all from the pool
-    assert runs["local"]["num_cached_tokens"] == runs["pooled"]["num_cached_tokens"] == PREFIX, pool_diagnosis(writer, reader)
+    assert runs["local"]["num_cached_tokens"] == runs["pooled"]["num_cached_tokens"] == PREFIX, pool_diagnosis(
+        writer, reader
+    )
     same_bits(runs["pooled"], runs["local"])
     assert runs["own"]["num_cached_tokens"] == PREFIX
     assert runs["pooled"]["token_ids"][0] == runs["own"]["token_ids"][0], runs

@@ -29,11 +29,14 @@ pytestmark = pytest.mark.timeout(1200)
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     plan = LoadPlan.build(tiny=True)
-    options = BenchOptions(quick=False, out_dir=tmp_path_factory.mktemp("load-smoke"), tiny=True,
-                           engine_python=sys.executable)
+    options = BenchOptions(
+        quick=False, out_dir=tmp_path_factory.mktemp("load-smoke"), tiny=True, engine_python=sys.executable
+    )
     progress = Progress(1, enabled=False)
     # the tier's engines start beside this test: layerkv's time bounds widened as for them (tier.py)
-    records = run_plan(plan, options, progress, layerkv_extra=TIER_BOUNDS, runs=[(CAPACITY, NONE), (TWO_SERVERS, LAYERKV)])
+    records = run_plan(
+        plan, options, progress, layerkv_extra=TIER_BOUNDS, runs=[(CAPACITY, NONE), (TWO_SERVERS, LAYERKV)]
+    )
     progress.close()
     return plan, records, build(plan, records, options.out_dir, sys.executable, with_plots=False)
 

@@ -31,8 +31,9 @@ def _complete(base_url: str, text: str, max_tokens: int = 4):  # type: ignore[no
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=120, max_retries=0)
     start = time.monotonic()
-    raw = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=text, max_tokens=max_tokens,
-                                                      temperature=0, logprobs=1)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=text, max_tokens=max_tokens, temperature=0, logprobs=1
+    )
     return raw.parse(), raw.headers, time.monotonic() - start
 
 
@@ -40,7 +41,10 @@ def _same_answer(a, b) -> None:  # type: ignore[no-untyped-def]
     """Same text; logprobs equal to the rounding of a TP=2 all-reduce against TP=1."""
     assert a.choices[0].text == b.choices[0].text
     got, want = a.choices[0].logprobs.token_logprobs, b.choices[0].logprobs.token_logprobs
-    assert len(got) == len(want) and all(math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-3) for x, y in zip(got, want)), (got, want)
+    assert len(got) == len(want) and all(math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-3) for x, y in zip(got, want)), (
+        got,
+        want,
+    )
 
 
 def test_a_request_through_the_proxy_is_decoded_from_the_pool(fleet) -> None:  # type: ignore[no-untyped-def]
@@ -62,8 +66,11 @@ def test_a_request_through_the_proxy_is_decoded_from_the_pool(fleet) -> None:  #
     hits = after.get("scheduler_hit_blocks", 0) - before.get("scheduler_hit_blocks", 0)
     waits = after.get("scheduler_prefill_waits", 0) - before.get("scheduler_prefill_waits", 0)
     assert hits >= 5, (before, after)
-    print(f"P/D through the proxy: {pd_s * 1000:.0f} ms, decode pool hit blocks {hits:.0f}, decode waits for the "
-          f"prefill's commit {waits:.0f} ({after.get('scheduler_prefill_wait_ms', 0) - before.get('scheduler_prefill_wait_ms', 0):.0f} ms)")
+    print(
+        f"P/D through the proxy: {pd_s * 1000:.0f} ms, decode pool hit blocks {hits:.0f}, decode waits for the "
+        f"prefill's commit {waits:.0f} "
+        f"({after.get('scheduler_prefill_wait_ms', 0) - before.get('scheduler_prefill_wait_ms', 0):.0f} ms)"
+    )
 
 
 def test_without_its_prefill_server_the_proxy_still_answers(fleet) -> None:  # type: ignore[no-untyped-def]

@@ -24,7 +24,12 @@ print(cls.__module__, cls.__name__)
 
 
 def test_vllm_plugin_loader_registers_the_connector_name():
-    result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=240,
-                            env={"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "layerkv.integrations.vllm LayerKVConnector"

@@ -16,9 +16,7 @@ from tests.vllm_engine.engine_proc import ServeProcess
 from tests.vllm_engine.tier import BLOCK_SIZE, MODEL_NAME, readme_serve_argv
 from tests.vllm_engine.tiny_model import prompt, words
 
-
 pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("serve-producer", "serve-consumer")]
-
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +70,10 @@ def scrape(server: ServeProcess) -> str:
 
 def samples_of(text: str, family: str) -> dict[str, float]:
     """`family`'s sample lines in a /metrics text: {'name{labels}': value}."""
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^({re.escape(family)}(?:_\w+)?\{{[^}}]*\}}) (\S+)$", text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(rf"^({re.escape(family)}(?:_\w+)?\{{[^}}]*\}}) (\S+)$", text, re.M)
+    }
 
 
 def test_metrics_show_histograms_gauges_with_the_tenant_label_and_pool_hits_as_p2p(servers):
@@ -83,13 +84,21 @@ def test_metrics_show_histograms_gauges_with_the_tenant_label_and_pool_hits_as_p
     assert pooled.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK_SIZE
 
     text = scrape(consumer)
-    for family, kind in (("vllm:layerkv_load_wait_seconds", "histogram"), ("vllm:layerkv_transfer_seconds", "histogram"),
-                         ("vllm:layerkv_step_bytes", "histogram"), ("vllm:layerkv_lookup_seconds", "histogram"),
-                         ("vllm:layerkv_pending_puts", "gauge"), ("vllm:layerkv_staging_bytes_in_use", "gauge"),
-                         ("vllm:layerkv_running_jobs", "gauge")):
+    for family, kind in (
+        ("vllm:layerkv_load_wait_seconds", "histogram"),
+        ("vllm:layerkv_transfer_seconds", "histogram"),
+        ("vllm:layerkv_step_bytes", "histogram"),
+        ("vllm:layerkv_lookup_seconds", "histogram"),
+        ("vllm:layerkv_pending_puts", "gauge"),
+        ("vllm:layerkv_staging_bytes_in_use", "gauge"),
+        ("vllm:layerkv_running_jobs", "gauge"),
+    ):
         assert f"# TYPE {family} {kind}" in text, family
         lines = samples_of(text, family)
-        assert lines and all('tenant="default"' in name for name in lines), (family, lines)  # the README's config: the default label
+        assert lines and all('tenant="default"' in name for name in lines), (
+            family,
+            lines,
+        )  # the README's config: the default label
     counts = samples_of(text, "vllm:layerkv_load_wait_seconds")
     assert sum(v for k, v in counts.items() if k.startswith("vllm:layerkv_load_wait_seconds_count")) >= 1
     loaded = samples_of(text, "vllm:layerkv_step_bytes")
@@ -99,5 +108,17 @@ def test_metrics_show_histograms_gauges_with_the_tenant_label_and_pool_hits_as_p
     by_source = samples_of(text, "vllm:prompt_tokens_cached_by_source")
     assert sum(v for k, v in by_source.items() if "_total{" in k and 'source="p2p"' in k) >= 4 * BLOCK_SIZE
     assert sum(v for k, v in by_source.items() if "_total{" in k and 'source="external_unspecified"' in k) == 0
-    print("\n".join(line for line in text.splitlines() if line.startswith(("vllm:layerkv_load_wait_seconds_count",
-          "vllm:layerkv_step_bytes_sum", "vllm:layerkv_pending_puts", "vllm:prompt_tokens_cached_by_source_total"))))
+    print(
+        "\n".join(
+            line
+            for line in text.splitlines()
+            if line.startswith(
+                (
+                    "vllm:layerkv_load_wait_seconds_count",
+                    "vllm:layerkv_step_bytes_sum",
+                    "vllm:layerkv_pending_puts",
+                    "vllm:prompt_tokens_cached_by_source_total",
+                )
+            )
+        )
+    )

@@ -23,9 +23,26 @@ DOCS_VLLM = REPO / "docs" / "vllm.md"
 MODEL_NAME = "tiny-llama"
 # What the README leaves to the deployment: a model this CPU can serve, its KV blocks and dtype,
 # loopback, and prompt-token details in the usage block (to see the pool hit).
-TEST_FLAGS = ["--host", "127.0.0.1", "--served-model-name", MODEL_NAME, "--dtype", "float32", "--block-size",
-              str(BLOCK_SIZE), "--max-model-len", "1024", "--num-gpu-blocks-override", "256", "--enforce-eager",
-              "--seed", "0", "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
+TEST_FLAGS = [
+    "--host",
+    "127.0.0.1",
+    "--served-model-name",
+    MODEL_NAME,
+    "--dtype",
+    "float32",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-model-len",
+    "1024",
+    "--num-gpu-blocks-override",
+    "256",
+    "--enforce-eager",
+    "--seed",
+    "0",
+    "--enable-prompt-tokens-details",
+    "--uvicorn-log-level",
+    "warning",
+]
 
 
 def same_bits(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -52,8 +69,10 @@ def pool_diagnosis(*engines: Any) -> str:
 def engine_env(mooncake_config: Path | None, fault_dir: Path, **extra: str) -> dict[str, str]:
     """The bench's engine environment (loopback only, quiet), the repo root first on PYTHONPATH
     (tests.vllm_engine.* for the hosts and the faulty connector), small KV space, faults dir."""
-    tier = {"VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the engines below also cap their block count
-            "LAYERKV_TEST_FAULT_DIR": str(fault_dir)}
+    tier = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the engines below also cap their block count
+        "LAYERKV_TEST_FAULT_DIR": str(fault_dir),
+    }
     if mooncake_config is not None:
         tier["MOONCAKE_CONFIG_PATH"] = str(mooncake_config)
     return bench_engine_env(REPO, {**tier, **extra})
@@ -67,21 +86,43 @@ def engine_env(mooncake_config: Path | None, fault_dir: Path, **extra: str) -> d
 TIER_BOUNDS = {"store_call_timeout_s": 30.0, "load_timeout_s": 60.0, "save_timeout_s": 60.0}
 
 
-def layerkv_transfer(kv_role: str, *, backend: str = "mooncake", connector: str = "LayerKVConnector",
-                     module: str = "layerkv.integrations.vllm", multi: bool = False) -> dict[str, Any]:
-    child = {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": kv_role,
-             "kv_connector_extra_config": {"backend": backend, "tenant": TENANT, **TIER_BOUNDS}}
+def layerkv_transfer(
+    kv_role: str,
+    *,
+    backend: str = "mooncake",
+    connector: str = "LayerKVConnector",
+    module: str = "layerkv.integrations.vllm",
+    multi: bool = False,
+) -> dict[str, Any]:
+    child = {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {"backend": backend, "tenant": TENANT, **TIER_BOUNDS},
+    }
     if multi:
-        return {"kv_connector": "MultiConnector", "kv_role": kv_role, "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"connectors": [child]}}
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": kv_role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [child]},
+        }
     return {**child, "kv_load_failure_policy": "recompute"}
 
 
 def llm_kwargs(model_dir: Path, transfer: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     kwargs = dict(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="float32", block_size=BLOCK_SIZE, seed=0,
-        max_model_len=1024, max_num_batched_tokens=64,  # 64: prompts prefill in chunks of 2 blocks
-        num_gpu_blocks_override=256, enforce_eager=True, disable_log_stats=False, kv_transfer_config=transfer,
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        seed=0,
+        max_model_len=1024,
+        max_num_batched_tokens=64,  # 64: prompts prefill in chunks of 2 blocks
+        num_gpu_blocks_override=256,
+        enforce_eager=True,
+        disable_log_stats=False,
+        kv_transfer_config=transfer,
     )
     kwargs.update(overrides)
     return kwargs
@@ -91,7 +132,7 @@ def readme_serve_argv() -> list[str]:
     """The `vllm serve ...` command of the README's "Use with vLLM" section, as argv."""
     section = README.read_text().split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "vllm serve" in b]
-    command = block[block.index("vllm serve"):]
+    command = block[block.index("vllm serve") :]
     argv = shlex.split(command, comments=True)
     assert argv[:2] == ["vllm", "serve"] and "--kv-transfer-config" in argv, argv
     return argv
@@ -117,7 +158,7 @@ def pd_serve_argv(role: str) -> list[str]:
     assert len(commands) == 2, commands
     argv = commands[0 if role == "prefill" else 1]
     port = argv.index("--port")
-    return argv[:port] + argv[port + 2:]
+    return argv[:port] + argv[port + 2 :]
 
 
 def serve_process(name: str, model_dir: Path, mooncake_config: Path, fault_dir: Path, log_dir: Path) -> ServeProcess:

@@ -33,10 +33,16 @@ class TinyLlama:
 
         torch.manual_seed(self.seed)
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
-            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads, max_position_embeddings=4096,
-            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+            vocab_size=VOCAB_SIZE,
+            hidden_size=self.hidden_size,
+            intermediate_size=2 * self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
         )
         return _save(transformers.LlamaForCausalLM(config), self.lm_head_scale, self.dtype, path)
 
@@ -60,10 +66,21 @@ class TinyGemma3:
 
         torch.manual_seed(self.seed)
         config = transformers.Gemma3TextConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
-            num_hidden_layers=len(self.layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            query_pre_attn_scalar=64, sliding_window=self.sliding_window, layer_types=list(self.layer_types),
-            max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+            vocab_size=VOCAB_SIZE,
+            hidden_size=self.hidden_size,
+            intermediate_size=2 * self.hidden_size,
+            num_hidden_layers=len(self.layer_types),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=self.sliding_window,
+            layer_types=list(self.layer_types),
+            max_position_embeddings=4096,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            tie_word_embeddings=False,
         )
         config.architectures = ["Gemma3ForCausalLM"]
         return _save(transformers.Gemma3ForCausalLM(config), self.lm_head_scale, self.dtype, path)

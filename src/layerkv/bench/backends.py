@@ -32,9 +32,9 @@ class Backend:
 
 def mooncake_available() -> bool:
     try:
-        from layerkv.store.mooncake_master import find_master_binary
-
         import mooncake.store  # noqa: F401
+
+        from layerkv.store.mooncake_master import find_master_binary
 
         find_master_binary()
     except Exception:  # noqa: BLE001 - any import / lookup problem means "skip Mooncake"
@@ -43,7 +43,9 @@ def mooncake_available() -> bool:
 
 
 @contextlib.contextmanager
-def open_backends(with_mooncake: bool, segment_bytes: int = SEGMENT_BYTES, *, remote: bool = True) -> Iterator[list[Backend]]:
+def open_backends(
+    with_mooncake: bool, segment_bytes: int = SEGMENT_BYTES, *, remote: bool = True
+) -> Iterator[list[Backend]]:
     """Yield the embedded store plus (if asked and installed) both Mooncake setups; closes
     clients and stops masters / the holder process on exit."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # loopback only
@@ -77,13 +79,15 @@ def _mooncake_local(segment_bytes: int) -> Iterator[Backend]:
 @contextlib.contextmanager
 def _mooncake_remote(segment_bytes: int) -> Iterator[Backend]:
     """`layerkv master` in a child process (master + segment holder); our client mounts 0 bytes."""
-    from layerkv.store.mooncake import MooncakeStore
     from layerkv.store.local_master import LocalMaster
+    from layerkv.store.mooncake import MooncakeStore
 
     with LocalMaster(str(segment_bytes), startup_timeout_s=_HOLDER_START_TIMEOUT_S) as deployment:
         store = MooncakeStore.from_mooncake_config(deployment.client_config)
         try:
-            yield Backend("mooncake-remote", store, "Mooncake over TCP loopback; segment held by a `layerkv master` process")
+            yield Backend(
+                "mooncake-remote", store, "Mooncake over TCP loopback; segment held by a `layerkv master` process"
+            )
         finally:
             store.close()
         deployment.check_alive()  # numbers measured against a dead holder are not results

@@ -36,8 +36,10 @@ def cluster_problems() -> list[str]:
     if missing_tools():
         problems.append(f"it needs {', '.join(missing_tools())} (apt-get install iproute2 util-linux)")
     if os.environ.get("LAYERKV_IN_NETNS") != "1":
-        problems.append("it must run inside a private network namespace (scripts/isolated.sh; make test does), "
-                        "never in this machine's own")
+        problems.append(
+            "it must run inside a private network namespace (scripts/isolated.sh; make test does), "
+            "never in this machine's own"
+        )
     return problems
 
 
@@ -49,8 +51,9 @@ class HostProcess:
         path = [str(Path(layerkv.__file__).parents[1]), *map(str, pythonpath)]
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=host.addr, PYTHONPATH=os.pathsep.join(path))
         self.name = name
-        self.proc = host.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env)
+        self.proc = host.popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._read, name=f"cluster-{name}-out", daemon=True).start()
@@ -76,13 +79,14 @@ class HostProcess:
             try:
                 line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise RuntimeError(f"{self.name}: no {prefix!r} line within {timeout_s:.0f} s; stderr:\n"
-                                   + "".join(self.stderr)) from None
+                raise RuntimeError(
+                    f"{self.name}: no {prefix!r} line within {timeout_s:.0f} s; stderr:\n" + "".join(self.stderr)
+                ) from None
             if line is None:
                 self.proc.wait(timeout=10)
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; stderr:\n" + "".join(self.stderr))
             if line.startswith(prefix):
-                return line[len(prefix):]
+                return line[len(prefix) :]
 
     def send(self, line: str = "go") -> None:
         assert self.proc.stdin is not None
@@ -137,9 +141,22 @@ class ClusterPool:
         return HostProcess(self.cluster[host], [sys.executable, "-m", module, str(path)], name, self.pythonpath)
 
     def start_segment(self, host: str, size: str = SEGMENT) -> HostProcess:
-        proc = HostProcess(self.cluster[host], [sys.executable, "-m", "layerkv.cli", "segment", "--config",
-                                                str(self.tmp / "pool.json"), "--host", self.cluster[host].addr,
-                                                "--size", size], f"segment-{host}")
+        proc = HostProcess(
+            self.cluster[host],
+            [
+                sys.executable,
+                "-m",
+                "layerkv.cli",
+                "segment",
+                "--config",
+                str(self.tmp / "pool.json"),
+                "--host",
+                self.cluster[host].addr,
+                "--size",
+                size,
+            ],
+            f"segment-{host}",
+        )
         mounted = json.loads("{" + proc.line("{", 60.0))
         self.segments[host] = proc
         self.segment_names[host] = mounted["segment"]
@@ -147,20 +164,45 @@ class ClusterPool:
 
 
 @contextmanager
-def started_pool(tmp: Path, hosts: Sequence[str], storage: Sequence[str], segment: str = SEGMENT,
-                 pythonpath: Sequence[Path] = (), pool_type: type[ClusterPool] | None = None) -> Iterator[ClusterPool]:
+def started_pool(
+    tmp: Path,
+    hosts: Sequence[str],
+    storage: Sequence[str],
+    segment: str = SEGMENT,
+    pythonpath: Sequence[Path] = (),
+    pool_type: type[ClusterPool] | None = None,
+) -> Iterator[ClusterPool]:
     """The cluster `hosts` with the master on "master" and a `segment`-byte holder on each of
-    `storage` (a `pool_type`, a subclass of ClusterPool, if given); removed on exit, even when the body fails (RuntimeError if a link outlives it).
+    `storage` (a `pool_type`, a subclass of ClusterPool, if given); removed on exit, even when the body fails
+    (RuntimeError if a link outlives it).
     Raises RuntimeError naming what is missing when a cluster cannot be made here."""
     problems = cluster_problems()
     if problems:
         raise RuntimeError("a namespace cluster cannot be made here: " + "; ".join(problems))
     cluster = Cluster(hosts)
     try:
-        master = HostProcess(cluster["master"], [sys.executable, "-m", "layerkv.cli", "master", "--host",
-                                                 cluster["master"].addr, "--port", "0", "--http-port", "0",
-                                                 "--segment-size", "0", "--config-out", str(tmp / "pool.json"),
-                                                 "--info-out", str(tmp / "master.json")], "master")
+        master = HostProcess(
+            cluster["master"],
+            [
+                sys.executable,
+                "-m",
+                "layerkv.cli",
+                "master",
+                "--host",
+                cluster["master"].addr,
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--segment-size",
+                "0",
+                "--config-out",
+                str(tmp / "pool.json"),
+                "--info-out",
+                str(tmp / "master.json"),
+            ],
+            "master",
+        )
         config = json.loads("{" + master.line("{", 60.0))
         info = json.loads((tmp / "master.json").read_text())
         pool = (pool_type or ClusterPool)(cluster, config, tmp, info["metrics_url"], pythonpath)

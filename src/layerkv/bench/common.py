@@ -28,7 +28,9 @@ class BenchOptions:
     mooncake: bool = True
     tiny: bool = False  # tests: the smallest configuration that still exercises every path
     engine_python: str = ""
-    tenant_keys: bool = False  # suite serving: layerkv with no key, a tenant key and encrypt_objects instead of the peers
+    tenant_keys: bool = (
+        False  # suite serving: layerkv with no key, a tenant key and encrypt_objects instead of the peers
+    )
     # suite load (load_plan.py): scenarios and contenders (empty: the defaults), a soak's duration,
     # the request rate / count instead of the plan's, LMCache's Python (empty: build .venv-lmcache)
     load_scenarios: tuple[str, ...] = ()

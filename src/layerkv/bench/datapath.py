@@ -58,7 +58,9 @@ class _Buffers:
     def __init__(self, store: CheckedStore, case: Case) -> None:
         rng = np.random.default_rng(case.range_nbytes + case.num_blocks + case.num_layers)
         shape = (2, case.num_blocks, case.range_nbytes)  # [K|V, blocks, bytes of one entry]
-        self.src = {f"model.layers.{i}.attn": rng.integers(0, 255, shape, dtype=np.uint8) for i in range(case.num_layers)}
+        self.src = {
+            f"model.layers.{i}.attn": rng.integers(0, 255, shape, dtype=np.uint8) for i in range(case.num_layers)
+        }
         self.dst = {name: np.zeros_like(a) for name, a in self.src.items()}
         self.src_layout = CacheLayout.from_caches(self.src, case.num_blocks, max_transfer_bytes=16 * MiB, kv_first=True)
         self.dst_layout = CacheLayout.from_caches(self.dst, case.num_blocks, max_transfer_bytes=16 * MiB, kv_first=True)
@@ -68,7 +70,14 @@ class _Buffers:
         self.rows_src = rng.integers(0, 255, (case.num_blocks, obj), dtype=np.uint8)  # [blocks, object bytes]
         self.rows_dst = np.zeros_like(self.rows_src)
         self._store = store
-        self._arrays = [*self.src.values(), *self.dst.values(), self.headers, self.read_headers, self.rows_src, self.rows_dst]
+        self._arrays = [
+            *self.src.values(),
+            *self.dst.values(),
+            self.headers,
+            self.read_headers,
+            self.rows_src,
+            self.rows_dst,
+        ]
         for a in self._arrays:
             store.register_buffer(a.ctypes.data, a.nbytes)
 
@@ -93,7 +102,11 @@ def _layerwise_put(store: CheckedStore, buf: _Buffers, keys: list[str]) -> None:
     _check(store.batch_put_session_start(keys, [layout.object_nbytes] * len(keys)), 0, "put session start")
     for layer in range(layout.num_layers):
         r = _layer_ranges(layout, layer, ids, buf.headers)
-        _check(store.batch_put_from_multi_buffer_ranges(keys, r.ptrs, r.sizes, r.offsets), sum(r.sizes[0]), f"layer {layer} put")
+        _check(
+            store.batch_put_from_multi_buffer_ranges(keys, r.ptrs, r.sizes, r.offsets),
+            sum(r.sizes[0]),
+            f"layer {layer} put",
+        )
     _check(store.batch_put_session_end(keys), 0, "put session end")
 
 
@@ -102,18 +115,26 @@ def _layerwise_get(store: CheckedStore, buf: _Buffers, keys: list[str]) -> None:
     _check(store.batch_get_session_start(keys), 0, "get session start")
     for layer in range(layout.num_layers):
         r = _layer_ranges(layout, layer, ids, buf.read_headers)
-        _check(store.batch_get_into_multi_buffer_ranges(keys, r.ptrs, r.sizes, r.offsets), sum(r.sizes[0]), f"layer {layer} get")
+        _check(
+            store.batch_get_into_multi_buffer_ranges(keys, r.ptrs, r.sizes, r.offsets),
+            sum(r.sizes[0]),
+            f"layer {layer} get",
+        )
     store.batch_get_session_end(keys)
 
 
 def _whole_put(store: CheckedStore, buf: _Buffers, keys: list[str]) -> None:
     rows, obj = buf.rows_src, buf.rows_src.shape[1]
-    _check(store.batch_put_from(keys, [rows[i].ctypes.data for i in range(len(keys))], [obj] * len(keys)), 0, "whole put")
+    _check(
+        store.batch_put_from(keys, [rows[i].ctypes.data for i in range(len(keys))], [obj] * len(keys)), 0, "whole put"
+    )
 
 
 def _whole_get(store: CheckedStore, buf: _Buffers, keys: list[str]) -> None:
     rows, obj = buf.rows_dst, buf.rows_dst.shape[1]
-    _check(store.batch_get_into(keys, [rows[i].ctypes.data for i in range(len(keys))], [obj] * len(keys)), obj, "whole get")
+    _check(
+        store.batch_get_into(keys, [rows[i].ctypes.data for i in range(len(keys))], [obj] * len(keys)), obj, "whole get"
+    )
 
 
 def measure(backend: Backend, case: Case, reps: int) -> Row:
@@ -132,19 +153,30 @@ def measure(backend: Backend, case: Case, reps: int) -> Row:
             times["wo_get"].append(median_s(lambda: _whole_get(store, buf, wo_keys), 1))
             times["memcpy"].append(median_s(lambda: np.copyto(buf.rows_dst, buf.rows_src), 1))
             store.batch_remove(lw_keys + wo_keys)
-        verified = all(np.array_equal(buf.src[n], buf.dst[n]) for n in buf.src) and np.array_equal(buf.headers, buf.read_headers)
+        verified = all(np.array_equal(buf.src[n], buf.dst[n]) for n in buf.src) and np.array_equal(
+            buf.headers, buf.read_headers
+        )
     finally:
         buf.close()
     t = {k: float(np.median(v)) for k, v in times.items()}
     nbytes = case.num_blocks * buf.src_layout.object_nbytes
     g = {k: gbps(nbytes, v) for k, v in t.items()}
     return {
-        "backend": backend.name, "sweep": case.sweep, "range": kib(case.range_nbytes), "range_nbytes": case.range_nbytes,
-        "blocks": case.num_blocks, "layers": case.num_layers, "step_nbytes": nbytes,
+        "backend": backend.name,
+        "sweep": case.sweep,
+        "range": kib(case.range_nbytes),
+        "range_nbytes": case.range_nbytes,
+        "blocks": case.num_blocks,
+        "layers": case.num_layers,
+        "step_nbytes": nbytes,
         "ranges_per_step": case.num_blocks * (1 + 2 * case.num_layers),
-        "lw_put_gbps": g["lw_put"], "lw_get_gbps": g["lw_get"], "wo_put_gbps": g["wo_put"], "wo_get_gbps": g["wo_get"],
+        "lw_put_gbps": g["lw_put"],
+        "lw_get_gbps": g["lw_get"],
+        "wo_put_gbps": g["wo_put"],
+        "wo_get_gbps": g["wo_get"],
         "memcpy_gbps": g["memcpy"],
-        "put_lw_over_wo": ratio(g["lw_put"], g["wo_put"]), "get_lw_over_wo": ratio(g["lw_get"], g["wo_get"]),
+        "put_lw_over_wo": ratio(g["lw_put"], g["wo_put"]),
+        "get_lw_over_wo": ratio(g["lw_get"], g["wo_get"]),
         "get_lw_over_memcpy": ratio(g["lw_get"], g["memcpy"]),
         "us_per_range_get": t["lw_get"] / (case.num_blocks * (1 + 2 * case.num_layers)) * 1e6,
         "verified": bool(verified),
@@ -156,7 +188,9 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     with open_backends(options.mooncake) as backends:
         for backend in backends:
             for case in cases(options):
-                progress.case(f"{NAME} {backend.name} {case.sweep} {kib(case.range_nbytes)} x{case.num_blocks} L{case.num_layers}")
+                progress.case(
+                    f"{NAME} {backend.name} {case.sweep} {kib(case.range_nbytes)} x{case.num_blocks} L{case.num_layers}"
+                )
                 result.rows.append(measure(backend, case, options.reps))
         result.notes.append("backends: " + "; ".join(f"{b.name}: {b.note}" for b in backends))
     result.notes += [
@@ -182,23 +216,55 @@ def _summarise(result: SuiteResult) -> None:
 def _plots(result: SuiteResult, options: BenchOptions) -> list[str]:
     files = []
     for backend in sorted({r["backend"] for r in result.rows}):
-        rows = sorted((r for r in result.rows if r["backend"] == backend and r["sweep"] == "range"), key=lambda r: r["range_nbytes"])
+        rows = sorted(
+            (r for r in result.rows if r["backend"] == backend and r["sweep"] == "range"),
+            key=lambda r: r["range_nbytes"],
+        )
         if not rows:
             continue
         xs = [r["range_nbytes"] / KiB for r in rows]
-        series = {label: [r[key] for r in rows] for label, key in (
-            ("layerwise get", "lw_get_gbps"), ("whole-object get", "wo_get_gbps"),
-            ("layerwise put", "lw_put_gbps"), ("whole-object put", "wo_put_gbps"), ("memcpy", "memcpy_gbps"))}
-        files.append(line_plot(options.out_dir / f"datapath_{backend}_gbps.png", xs, series,
-                               title=f"datapath on {backend}: GB/s vs range size", xlabel="range size (KiB)",
-                               ylabel="GB/s", logx=True, logy=True))
+        series = {
+            label: [r[key] for r in rows]
+            for label, key in (
+                ("layerwise get", "lw_get_gbps"),
+                ("whole-object get", "wo_get_gbps"),
+                ("layerwise put", "lw_put_gbps"),
+                ("whole-object put", "wo_put_gbps"),
+                ("memcpy", "memcpy_gbps"),
+            )
+        }
+        files.append(
+            line_plot(
+                options.out_dir / f"datapath_{backend}_gbps.png",
+                xs,
+                series,
+                title=f"datapath on {backend}: GB/s vs range size",
+                xlabel="range size (KiB)",
+                ylabel="GB/s",
+                logx=True,
+                logy=True,
+            )
+        )
     rows = [r for r in result.rows if r["sweep"] == "range"]
     if rows:
         backends = sorted({r["backend"] for r in rows})
         xs = sorted({r["range_nbytes"] / KiB for r in rows})
-        series = {f"{b} get": [next(r["get_lw_over_wo"] for r in rows if r["backend"] == b and r["range_nbytes"] / KiB == x) for x in xs]
-                  for b in backends}
-        files.append(line_plot(options.out_dir / "datapath_ratio.png", xs, series,
-                               title="layerwise / whole-object throughput (get)", xlabel="range size (KiB)",
-                               ylabel="ratio", logx=True))
+        series = {
+            f"{b} get": [
+                next(r["get_lw_over_wo"] for r in rows if r["backend"] == b and r["range_nbytes"] / KiB == x)
+                for x in xs
+            ]
+            for b in backends
+        }
+        files.append(
+            line_plot(
+                options.out_dir / "datapath_ratio.png",
+                xs,
+                series,
+                title="layerwise / whole-object throughput (get)",
+                xlabel="range size (KiB)",
+                ylabel="ratio",
+                logx=True,
+            )
+        )
     return files

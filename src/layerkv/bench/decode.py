@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult
-from layerkv.bench.decode_engine import BLOCK_SIZE, VLLM_CPU_ENV, DecodeEngine, EngineShape, StepTimes, environ, write_model
+from layerkv.bench.decode_engine import (
+    BLOCK_SIZE,
+    VLLM_CPU_ENV,
+    DecodeEngine,
+    EngineShape,
+    StepTimes,
+    environ,
+    write_model,
+)
 from layerkv.bench.decode_meters import EngineMeters, StepSample, hook_rows, summarize, warmup_row
 
 NAME = "decode"
@@ -83,8 +91,16 @@ class Contender:
 
 
 def _layerkv(name: str, extra: dict[str, Any]) -> Contender:
-    return Contender(name, {"kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
+    return Contender(
+        name,
+        {
+            "kv_connector": "LayerKVConnector",
+            "kv_connector_module_path": "layerkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        },
+    )
 
 
 @contextlib.contextmanager
@@ -109,8 +125,10 @@ def contenders(options: BenchOptions, work_dir: Path, notes: list[str]) -> Itera
                 if name == LAYERKV_MOONCAKE:
                     found.append(_layerkv(name, {"backend": "mooncake", "mooncake_config_path": str(path)}))
                 else:
-                    found += [_mooncake_store(MOONCAKE_STORE, path, {}),
-                              _mooncake_store(MOONCAKE_STORE_DECODE, path, {"save_decode_cache": True})]
+                    found += [
+                        _mooncake_store(MOONCAKE_STORE, path, {}),
+                        _mooncake_store(MOONCAKE_STORE_DECODE, path, {"save_decode_cache": True}),
+                    ]
                     notes.append(_MOONCAKE_STORE_NOTE)
         found.append(Contender(NONE, None))
         yield found
@@ -120,10 +138,23 @@ def _mooncake_store(name: str, config_path: Path, extra: dict[str, Any]) -> Cont
     """vLLM's MooncakeStoreConnector. Its worker reads its client config from MOONCAKE_CONFIG_PATH
     and names itself by vLLM's host IP: loopback here (a private namespace has no other
     address), with Mooncake's transfer engine and gloo bound to it too."""
-    env = {"MOONCAKE_CONFIG_PATH": str(config_path), "VLLM_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-           "GLOO_SOCKET_IFNAME": "lo"}
-    return Contender(name, {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                            "kv_connector_extra_config": {"lookup_rpc_port": 0, **extra}}, env=env, worker_process=True)
+    env = {
+        "MOONCAKE_CONFIG_PATH": str(config_path),
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+    return Contender(
+        name,
+        {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"lookup_rpc_port": 0, **extra},
+        },
+        env=env,
+        worker_process=True,
+    )
 
 
 _MOONCAKE_STORE_NOTE = (
@@ -145,8 +176,10 @@ def _mooncake_unusable(options: BenchOptions) -> str:
     if not mooncake_available():
         return "mooncake (the Python package and mooncake_master) is not installed"
     if os.environ.get("LAYERKV_IN_NETNS") != "1":
-        return ("Mooncake listens on every interface: run the bench in a private network namespace "
-                "(scripts/isolated.sh .venv/bin/layerkv bench decode ...)")
+        return (
+            "Mooncake listens on every interface: run the bench in a private network namespace "
+            "(scripts/isolated.sh .venv/bin/layerkv bench decode ...)"
+        )
     return ""
 
 
@@ -168,8 +201,10 @@ class RunResult:
 def prompts(num_requests: int, salt: int) -> list[list[int]]:
     """Distinct prompts of PROMPT_TOKENS tokens (ids 3..502), distinct across runs by `salt`."""
     rng = random.Random(salt)
-    return [[3 + i % 500, 3 + (i // 500) % 500, *(rng.randrange(3, 503) for _ in range(PROMPT_TOKENS - 2))]
-            for i in range(num_requests)]
+    return [
+        [3 + i % 500, 3 + (i // 500) % 500, *(rng.randrange(3, 503) for _ in range(PROMPT_TOKENS - 2))]
+        for i in range(num_requests)
+    ]
 
 
 def _stores_of(engine: DecodeEngine) -> list[Any]:
@@ -195,7 +230,9 @@ def measure(contender: Contender, shape: EngineShape, num_requests: int, sizes_:
         meters: EngineMeters | None = None
         try:
             stores = _stores_of(engine)
-            meters = EngineMeters.install(engine.scheduler_connector, engine.worker.connector if engine.worker else None, stores)
+            meters = EngineMeters.install(
+                engine.scheduler_connector, engine.worker.connector if engine.worker else None, stores
+            )
             engine.add_requests(prompts(num_requests, salt=run_idx), sizes_.warm_decode_steps + sizes_.timed_steps + 8)
             warmup_steps = _warm_up(engine, num_requests, sizes_.warm_decode_steps)
             warmup = meters.take(StepTimes(0, 0, 0, False, 0))
@@ -204,7 +241,10 @@ def measure(contender: Contender, shape: EngineShape, num_requests: int, sizes_:
             run = RunResult(samples, warmup, warmup_steps, _chunk_calls(stores) - chunks_before)
             short = [s.times.num_decoding for s in samples if s.times.num_decoding != num_requests]
             if short:
-                run.notes.append(f"{contender.name} N={num_requests}: {len(short)} timed steps had only {min(short)} requests decoding")
+                run.notes.append(
+                    f"{contender.name} N={num_requests}: {len(short)} timed steps had only {min(short)} requests "
+                    "decoding"
+                )
             backlog = _drain_peer_saves(engine)
             if backlog:
                 run.notes.append(f"{contender.name} N={num_requests}: {backlog}")
@@ -232,8 +272,9 @@ def _drain_peer_saves(engine: DecodeEngine) -> str:
     while queue.unfinished_tasks and time.monotonic() - start < DRAIN_TIMEOUT_S:
         time.sleep(0.05)
     left = queue.unfinished_tasks
-    return (f"{queued} save requests still queued on its send thread when the timed steps ended; "
-            + (f"drained {time.monotonic() - start:.1f} s later" if not left else f"{left} left after {DRAIN_TIMEOUT_S:.0f} s"))
+    return f"{queued} save requests still queued on its send thread when the timed steps ended; " + (
+        f"drained {time.monotonic() - start:.1f} s later" if not left else f"{left} left after {DRAIN_TIMEOUT_S:.0f} s"
+    )
 
 
 def _warm_up(engine: DecodeEngine, num_requests: int, warm_decode_steps: int) -> int:
@@ -274,15 +315,22 @@ def _measure_all(options: BenchOptions, progress: Progress, result: SuiteResult)
     size = sizes(options)
     hooks: list[Row] = []
     warmups: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="layerkv-decode-") as tmp, contenders(options, Path(tmp), result.notes) as found:
+    with (
+        tempfile.TemporaryDirectory(prefix="layerkv-decode-") as tmp,
+        contenders(options, Path(tmp), result.notes) as found,
+    ):
         model_dir = write_model(Path(tmp) / "model", size.num_layers)
         for c_idx, contender in enumerate(found):
             for n_idx, num_requests in enumerate(size.batch_sizes):
                 progress.case(f"{NAME} {contender.name} N={num_requests}")
                 try:
-                    run_ = measure(contender, size.shape(model_dir, num_requests), num_requests, size, c_idx * 16 + n_idx)
+                    run_ = measure(
+                        contender, size.shape(model_dir, num_requests), num_requests, size, c_idx * 16 + n_idx
+                    )
                 except Exception as exc:  # noqa: BLE001 - a contender that cannot run here is reported, not faked
-                    result.notes.append(f"{contender.name} N={num_requests} did not run: {type(exc).__name__}: {_short(exc)}")
+                    result.notes.append(
+                        f"{contender.name} N={num_requests} did not run: {type(exc).__name__}: {_short(exc)}"
+                    )
                     break
                 result.notes += run_.notes
                 warmups.append(warmup_row(contender.name, num_requests, run_.warmup_steps, run_.warmup))
@@ -311,8 +359,10 @@ def _short(exc: BaseException) -> str:
 def _cross_check(result: SuiteResult, contender: str, num_requests: int, run_: RunResult) -> None:
     counted = sum(s.stores.total() for s in run_.samples if s.stores is not None)
     if run_.store_chunks > 0 and counted == 0:
-        result.notes.append(f"{contender} N={num_requests}: the store made {run_.store_chunks} backend calls the "
-                            "counters did not see (a store method bound before the counters were installed?)")
+        result.notes.append(
+            f"{contender} N={num_requests}: the store made {run_.store_chunks} backend calls the "
+            "counters did not see (a store method bound before the counters were installed?)"
+        )
 
 
 def _summary(result: SuiteResult, max_n: int) -> None:
@@ -330,7 +380,8 @@ def _summary(result: SuiteResult, max_n: int) -> None:
 
 def _method_notes(size: Sizes, vllm_version: str) -> list[str]:
     return [
-        f"vLLM {vllm_version}'s real Scheduler and worker hook path in one process on CPU (no model: each step samples one token per "
+        f"vLLM {vllm_version}'s real Scheduler and worker hook path in one process on CPU (no model: each step samples "
+        "one token per "
         f"request whose prompt is done): {size.num_layers} layers, block size 16, N requests with distinct "
         f"{PROMPT_TOKENS}-token prompts, prefilled and decoded {size.warm_decode_steps} steps untimed, then "
         f"{size.timed_steps} timed decode steps. Nothing is in the pool (a fresh layerkv tenant per run): no loads; "
@@ -345,7 +396,8 @@ def _method_notes(size: Sizes, vllm_version: str) -> list[str]:
         "host_us_p50 / the `none` run's schedule_us_p50 at the same N and kind of step. store_calls_*: layerkv's "
         "store calls per step (each connector's CheckedStore, nested calls once); driver = the thread that runs "
         "schedule() (here also the worker's hooks, as vLLM's uni executor does); total adds the transfer threads.",
-        "The driver thread runs everything here; numbers depend on the machine's load (transfer threads share the cores).",
+        "The driver thread runs everything here; numbers depend on the machine's load (transfer threads share the "
+        "cores).",
     ]
 
 
@@ -362,5 +414,13 @@ def _plot(result: SuiteResult, options: BenchOptions) -> None:
         return
     from layerkv.bench.plots import bar_plot
 
-    result.plots.append(bar_plot(options.out_dir / "decode_host_us.png", [f"N={n}" for n in batch_sizes], groups,
-                                 title="host µs per decode step with no block completing (p50)", ylabel="µs", logy=True))
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "decode_host_us.png",
+            [f"N={n}" for n in batch_sizes],
+            groups,
+            title="host µs per decode step with no block completing (p50)",
+            ylabel="µs",
+            logy=True,
+        )
+    )

@@ -53,11 +53,24 @@ def write_model(model_dir: Path, num_layers: int) -> Path:
     """A config-only Llama (no weights: nothing computes) with `num_layers` attention layers."""
     model_dir.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": num_layers, "num_attention_heads": 4,
-        "num_key_value_heads": NUM_KV_HEADS, "head_dim": HEAD_SIZE, "hidden_act": "silu", "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
-        "eos_token_id": 2, "dtype": "float16", "torch_dtype": "float16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_SIZE,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "float16",
+        "torch_dtype": "float16",
     }
     (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return model_dir
@@ -94,19 +107,33 @@ def cpu_platform_without_triton() -> Iterator[None]:
 def make_vllm_config(shape: EngineShape, transfer: dict[str, Any] | None) -> Any:
     """A VllmConfig for the config-only model: block size 16, prefix caching, chunked prefill,
     one KV cache group; `transfer`: KVTransferConfig arguments (None: no connector)."""
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
-    model_config = ModelConfig(model=str(shape.model_dir), dtype="float16", seed=0, skip_tokenizer_init=True,
-                               max_model_len=shape.max_model_len)
+    model_config = ModelConfig(
+        model=str(shape.model_dir), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=shape.max_model_len
+    )
     with cpu_platform_without_triton():
         return VllmConfig(
             model_config=model_config,
             scheduler_config=SchedulerConfig(
-                max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens,
-                max_model_len=shape.max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
+                max_num_seqs=shape.max_num_seqs,
+                max_num_batched_tokens=shape.max_num_batched_tokens,
+                max_model_len=shape.max_model_len,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
                 disable_hybrid_kv_cache_manager=True,
             ),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True),
+            cache_config=CacheConfig(
+                block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+            ),
             kv_transfer_config=KVTransferConfig(**transfer) if transfer is not None else None,
             parallel_config=ParallelConfig(distributed_executor_backend="uni"),
             device_config=DeviceConfig("cpu"),
@@ -123,8 +150,12 @@ def make_kv_cache_config(vllm_config: Any, shape: EngineShape, layout: str = "LB
 
     vllm_config.cache_config.kv_cache_layout = layout  # resolve_kv_cache_layout's result
     vllm_config.cache_config.num_gpu_blocks_override = shape.num_blocks
-    specs: dict[str, Any] = {name: FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
-             for name in layer_names(shape.num_layers)}
+    specs: dict[str, Any] = {
+        name: FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+        )
+        for name in layer_names(shape.num_layers)
+    }
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     (config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 34], groups)
     config.kv_cache_layout = layout
@@ -142,8 +173,14 @@ def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int) -> A
     init_none_hash(sha256)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     params.update_from_generation_config({}, 2)
-    return Request(request_id=req_id, prompt_token_ids=prompt_token_ids, sampling_params=params, pooling_params=None,
-                   mm_features=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
 
 
 def runner_output(scheduler: Any, scheduler_output: Any, kv_connector_output: Any) -> Any:
@@ -155,13 +192,21 @@ def runner_output(scheduler: Any, scheduler_output: Any, kv_connector_output: An
     sampled = []
     for req_id in req_ids:
         request = scheduler.requests.get(req_id)
-        sampled.append([SAMPLED_TOKEN] if request is not None and request.num_computed_tokens >= request.num_tokens else [])
+        sampled.append(
+            [SAMPLED_TOKEN] if request is not None and request.num_computed_tokens >= request.num_tokens else []
+        )
     version_fields: dict[str, Any] = {}
     if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33; gone in 0.34
         version_fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                             pooler_output=None, kv_connector_output=kv_connector_output or KVConnectorOutput(),
-                             **version_fields)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv_connector_output or KVConnectorOutput(),
+        **version_fields,
+    )
 
 
 def completes_block(scheduler_output: Any) -> bool:
@@ -170,8 +215,10 @@ def completes_block(scheduler_output: Any) -> bool:
     computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    return any((computed[r] + n) // BLOCK_SIZE > computed[r] // BLOCK_SIZE
-               for r, n in scheduler_output.num_scheduled_tokens.items())
+    return any(
+        (computed[r] + n) // BLOCK_SIZE > computed[r] // BLOCK_SIZE
+        for r, n in scheduler_output.num_scheduled_tokens.items()
+    )
 
 
 @dataclass(slots=True)
@@ -249,8 +296,13 @@ def worker_process_state(vllm_config: Any, work_dir: Path) -> Iterator[None]:
         if not torch.cuda.is_available():
             stack.enter_context(_no_op_cuda_events(torch))
         with set_current_vllm_config(vllm_config):
-            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                                        distributed_init_method=f"file://{work_dir / 'dist-init'}")
+            parallel_state.init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"file://{work_dir / 'dist-init'}",
+            )
             stack.callback(parallel_state.destroy_distributed_environment)
             parallel_state.ensure_model_parallel_initialized(1, 1)
             stack.callback(parallel_state.destroy_model_parallel)
@@ -298,7 +350,9 @@ class DecodeEngine:
     """Scheduler + (optional) worker for one contender and one batch size. `step()` runs
     schedule -> worker step -> update_from_output; `shutdown()` closes both connectors."""
 
-    def __init__(self, shape: EngineShape, transfer: dict[str, Any] | None, worker_state_dir: Path | None = None) -> None:
+    def __init__(
+        self, shape: EngineShape, transfer: dict[str, Any] | None, worker_state_dir: Path | None = None
+    ) -> None:
         """`worker_state_dir`: set up `worker_process_state` (its rendezvous file goes there)."""
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -313,9 +367,13 @@ class DecodeEngine:
             failing.callback(self._state.close)
             if worker_state_dir is not None:
                 self._state.enter_context(worker_process_state(self.vllm_config, worker_state_dir))
-            self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
-                                       structured_output_manager=StructuredOutputManager(self.vllm_config),
-                                       block_size=BLOCK_SIZE)
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config,
+                kv_cache_config=self.kv_cache_config,
+                log_stats=True,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=BLOCK_SIZE,
+            )
             failing.callback(self.scheduler.shutdown)
             if transfer is not None:
                 self.worker = make_worker(self.vllm_config, self.kv_cache_config, self.layers)
@@ -338,8 +396,13 @@ class DecodeEngine:
         ran = time.perf_counter_ns()
         self.scheduler.update_from_output(out, runner_output(self.scheduler, out, connector_output))
         updated = time.perf_counter_ns()
-        return StepTimes(scheduled - start, ran - scheduled, updated - ran, completes_block(out),
-                         sum(1 for n in out.num_scheduled_tokens.values() if n == 1))
+        return StepTimes(
+            scheduled - start,
+            ran - scheduled,
+            updated - ran,
+            completes_block(out),
+            sum(1 for n in out.num_scheduled_tokens.values() if n == 1),
+        )
 
     def shutdown(self) -> None:
         """The worker's connector (its transfer threads), then the scheduler's. Idempotent."""

@@ -24,16 +24,38 @@ from layerkv.store.base import STORE_CALLS
 # Hooks a KVConnectorBase_V1 subclass may implement, by the role that calls them; timed when the
 # instance has them. Setup-time and one-off hooks (register_kv_caches, shutdown, ...) are left out.
 SCHEDULER_HOOKS: tuple[str, ...] = (
-    "on_new_request", "get_num_new_matched_tokens", "may_load_async", "update_state_after_alloc",
-    "get_external_cache_hit_sources", "build_connector_meta", "update_connector_output", "request_finished",
-    "request_finished_all_groups", "take_events", "has_pending_push_work", "has_pending_block_frees",
-    "get_kv_connector_stats", "get_loaded_kv_cache_group_ids", "get_finished_count",
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "may_load_async",
+    "update_state_after_alloc",
+    "get_external_cache_hit_sources",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "has_pending_push_work",
+    "has_pending_block_frees",
+    "get_kv_connector_stats",
+    "get_loaded_kv_cache_group_ids",
+    "get_finished_count",
 )
 WORKER_HOOKS: tuple[str, ...] = (
-    "handle_preemptions", "bind_connector_metadata", "start_load_kv", "has_connector_metadata",
-    "wait_for_layer_load", "save_kv_layer", "finish_forward", "wait_for_save", "get_finished",
-    "get_transfer_results", "get_block_ids_with_load_errors", "get_kv_connector_stats",
-    "get_kv_connector_kv_cache_events", "build_connector_worker_meta", "clear_connector_metadata",
+    "handle_preemptions",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "has_connector_metadata",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "finish_forward",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "get_kv_connector_stats",
+    "get_kv_connector_kv_cache_events",
+    "build_connector_worker_meta",
+    "clear_connector_metadata",
 )
 STORE_METHODS: tuple[str, ...] = tuple(STORE_CALLS)  # the KVStore protocol's calls (CheckedStore implements them)
 
@@ -167,9 +189,11 @@ class EngineMeters:
 
     @classmethod
     def install(cls, scheduler_connector: Any, worker_connector: Any, stores: list[Any]) -> EngineMeters:
-        return cls(MethodTimer(scheduler_connector, SCHEDULER_HOOKS) if scheduler_connector is not None else None,
-                   MethodTimer(worker_connector, WORKER_HOOKS) if worker_connector is not None else None,
-                   [StoreCallCounter(store, STORE_METHODS) for store in stores])
+        return cls(
+            MethodTimer(scheduler_connector, SCHEDULER_HOOKS) if scheduler_connector is not None else None,
+            MethodTimer(worker_connector, WORKER_HOOKS) if worker_connector is not None else None,
+            [StoreCallCounter(store, STORE_METHODS) for store in stores],
+        )
 
     def take(self, times: StepTimes) -> StepSample:
         """What the meters saw since the last take, as one sample with `times`; resets them."""
@@ -178,8 +202,12 @@ class EngineMeters:
             part = counter.take()
             stores.driver.update(part.driver)
             stores.other.update(part.other)
-        return StepSample(times, self.scheduler.take() if self.scheduler else None,
-                          self.worker.take() if self.worker else None, stores if self.stores else None)
+        return StepSample(
+            times,
+            self.scheduler.take() if self.scheduler else None,
+            self.worker.take() if self.worker else None,
+            stores if self.stores else None,
+        )
 
     def remove(self) -> None:
         for meter in (self.scheduler, self.worker, *self.stores):
@@ -211,16 +239,26 @@ def summarize(contender: str, num_requests: int, kind: str, samples: list[StepSa
     stores = [s.stores for s in samples if s.stores is not None]
     has_connector = bool(sched or worker)
     return {
-        "contender": contender, "requests": num_requests, "steps": kind, "num_steps": len(samples),
-        "host_us_p50": _pct(host, 50) if has_connector else None, "host_us_p90": _pct(host, 90) if has_connector else None,
-        "sched_us_p50": _pct(sched, 50), "sched_us_p90": _pct(sched, 90),
-        "worker_us_p50": _pct(worker, 50), "worker_us_p90": _pct(worker, 90),
-        "wait_load_us": wait_us, "save_layer_us": save_us,
-        "wait_load_calls": wait_calls if worker_totals else None, "save_layer_calls": save_calls if worker_totals else None,
+        "contender": contender,
+        "requests": num_requests,
+        "steps": kind,
+        "num_steps": len(samples),
+        "host_us_p50": _pct(host, 50) if has_connector else None,
+        "host_us_p90": _pct(host, 90) if has_connector else None,
+        "sched_us_p50": _pct(sched, 50),
+        "sched_us_p90": _pct(sched, 90),
+        "worker_us_p50": _pct(worker, 50),
+        "worker_us_p90": _pct(worker, 90),
+        "wait_load_us": wait_us,
+        "save_layer_us": save_us,
+        "wait_load_calls": wait_calls if worker_totals else None,
+        "save_layer_calls": save_calls if worker_totals else None,
         "schedule_us_p50": _pct([s.times.schedule_ns / 1e3 for s in samples], 50),
         "pct_of_schedule": None,  # filled by the suite: needs the `none` run
         "update_us_p50": _pct([s.times.update_ns / 1e3 for s in samples], 50),
-        "store_calls_driver": sum(sum(c.driver.values()) for c in stores) / len(samples) if stores and samples else None,
+        "store_calls_driver": sum(sum(c.driver.values()) for c in stores) / len(samples)
+        if stores and samples
+        else None,
         "store_calls_total": sum(c.total() for c in stores) / len(samples) if stores and samples else None,
     }
 
@@ -236,17 +274,30 @@ def hook_rows(contender: str, samples: list[StepSample]) -> list[Row]:
                 calls.update(t.calls)
                 ns.update(t.method_ns)
         for method in sorted(calls, key=lambda m: -ns[m]):
-            rows.append({"contender": contender, "where": f"{role} connector", "method": method,
-                         "calls_per_step": calls[method] / len(samples), "us_per_step": ns[method] / len(samples) / 1e3,
-                         "us_per_call": ns[method] / calls[method] / 1e3})
+            rows.append(
+                {
+                    "contender": contender,
+                    "where": f"{role} connector",
+                    "method": method,
+                    "calls_per_step": calls[method] / len(samples),
+                    "us_per_step": ns[method] / len(samples) / 1e3,
+                    "us_per_call": ns[method] / calls[method] / 1e3,
+                }
+            )
     for thread in ("driver", "other"):
         store_calls: Counter[str] = Counter()
         for s in samples:
             if s.stores is not None:
                 store_calls.update(getattr(s.stores, thread))
         for method, n in store_calls.most_common():
-            rows.append({"contender": contender, "where": f"store, {'scheduling' if thread == 'driver' else 'other'} thread",
-                         "method": method, "calls_per_step": n / len(samples)})
+            rows.append(
+                {
+                    "contender": contender,
+                    "where": f"store, {'scheduling' if thread == 'driver' else 'other'} thread",
+                    "method": method,
+                    "calls_per_step": n / len(samples),
+                }
+            )
     return rows
 
 
@@ -255,8 +306,11 @@ def warmup_row(contender: str, num_requests: int, num_steps: int, w: StepSample)
     arrival lookups included)."""
     stores = w.stores
     return {
-        "contender": contender, "requests": num_requests, "warmup_steps": num_steps,
-        "sched_hook_ms": w.scheduler.ns / 1e6 if w.scheduler else None, "worker_hook_ms": w.worker.ns / 1e6 if w.worker else None,
+        "contender": contender,
+        "requests": num_requests,
+        "warmup_steps": num_steps,
+        "sched_hook_ms": w.scheduler.ns / 1e6 if w.scheduler else None,
+        "worker_hook_ms": w.worker.ns / 1e6 if w.worker else None,
         "store_calls_driver": sum(stores.driver.values()) if stores else None,
         "exists_calls_driver": stores.driver["batch_is_exist"] if stores else None,
         "store_calls_total": stores.total() if stores else None,

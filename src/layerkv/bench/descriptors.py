@@ -60,11 +60,16 @@ SHAPES = {
 def build_layout(shape_name: str, num_blocks: int, num_layers: int = 2) -> CacheLayout:
     shape = SHAPES[shape_name](num_blocks)
     nbytes = int(np.prod(shape)) * 2
-    caches = {f"model.layers.{i}.self_attn.attn": FakeTensor(0x10_0000_0000 + i * (nbytes + 4096), shape) for i in range(num_layers)}
+    caches = {
+        f"model.layers.{i}.self_attn.attn": FakeTensor(0x10_0000_0000 + i * (nbytes + 4096), shape)
+        for i in range(num_layers)
+    }
     return CacheLayout.from_caches(caches, num_blocks, max_transfer_bytes=16 * MiB, kv_first=len(shape) == 5)
 
 
-def loop_ranges(layout: CacheLayout, layer_idx: int, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+def loop_ranges(
+    layout: CacheLayout, layer_idx: int, block_ids: list[int]
+) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """The original design's per-block loop: for each block, for each cache entry of the layer,
     append address, size and object offset."""
     all_ptrs, all_sizes, all_offsets = [], [], []
@@ -107,10 +112,14 @@ def measure(shape_name: str, num_blocks: int, min_total_s: float) -> dict:  # ty
     t_loop = _per_call_s(lambda: loop_ranges(layout, 1, ids_list), min_total_s)
     t_arrays = _per_call_s(lambda: layout.template(1).columns(ids), min_total_s)
     return {
-        "shape": shape_name, "blocks": num_blocks, "ranges_per_layer": got.num_keys * got.num_segments,
-        "template_us_per_layer": t_template * 1e6, "loop_us_per_layer": t_loop * 1e6,
+        "shape": shape_name,
+        "blocks": num_blocks,
+        "ranges_per_layer": got.num_keys * got.num_segments,
+        "template_us_per_layer": t_template * 1e6,
+        "loop_us_per_layer": t_loop * 1e6,
         "arrays_only_us_per_layer": t_arrays * 1e6,
-        "speedup": ratio(t_loop, t_template), "identical": bool(identical),
+        "speedup": ratio(t_loop, t_template),
+        "identical": bool(identical),
     }
 
 
@@ -138,7 +147,16 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         rows = [r for r in result.rows if r["shape"] == shape_name]
         series[f"template {shape_name}"] = [r["template_us_per_layer"] for r in rows]
         series[f"loop {shape_name}"] = [r["loop_us_per_layer"] for r in rows]
-    result.plots.append(line_plot(options.out_dir / "descriptors.png", list(blocks), series,
-                                  title="one layer's range lists: template vs per-block loop", xlabel="blocks",
-                                  ylabel="µs per layer", logx=True, logy=True))
+    result.plots.append(
+        line_plot(
+            options.out_dir / "descriptors.png",
+            list(blocks),
+            series,
+            title="one layer's range lists: template vs per-block loop",
+            xlabel="blocks",
+            ylabel="µs per layer",
+            logx=True,
+            logy=True,
+        )
+    )
     return result

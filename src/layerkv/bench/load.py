@@ -37,21 +37,44 @@ NAME = "load"
 def make_model(python: str, pythonpath: Path, plan: LoadPlan, path: Path) -> Path:
     """The plan's random-weight Llama with the 3-letter word tokenizer, made by the engine's Python."""
     m = plan.model
-    return save_in(python, engine_env(pythonpath, {}), path, m.num_layers, m.hidden_size, m.dtype,
-                   "--lm-head-scale", str(m.lm_head_scale), "--max-positions", str(plan.workload.max_model_len),
-                   "--tokenizer")
+    return save_in(
+        python,
+        engine_env(pythonpath, {}),
+        path,
+        m.num_layers,
+        m.hidden_size,
+        m.dtype,
+        "--lm-head-scale",
+        str(m.lm_head_scale),
+        "--max-positions",
+        str(plan.workload.max_model_len),
+        "--tokenizer",
+    )
 
 
-def run_client(python: str, pythonpath: Path, plan: LoadPlan, urls: list[str], model: Path,
-               out_dir: Path, name: str) -> dict[str, Any]:
+def run_client(
+    python: str, pythonpath: Path, plan: LoadPlan, urls: list[str], model: Path, out_dir: Path, name: str
+) -> dict[str, Any]:
     """vLLM's client (load_client.py) under the engine's Python; its result, or {"error": ...}."""
     out, log = out_dir / f"client-{name}.json", out_dir / f"client-{name}.log"
-    argv = [python, "-m", "layerkv.bench.load_client", str(out), ",".join(urls), "--",
-            *plan.client_args(urls[0], str(model), SERVED_NAME)]
+    argv = [
+        python,
+        "-m",
+        "layerkv.bench.load_client",
+        str(out),
+        ",".join(urls),
+        "--",
+        *plan.client_args(urls[0], str(model), SERVED_NAME),
+    ]
     with open(log, "wb") as log_file:
         try:
-            done = subprocess.run(argv, env=engine_env(pythonpath, {}), stdout=log_file, stderr=subprocess.STDOUT,
-                                  timeout=plan.client_timeout_s())
+            done = subprocess.run(
+                argv,
+                env=engine_env(pythonpath, {}),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                timeout=plan.client_timeout_s(),
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"the client ran past {plan.client_timeout_s():.0f} s; log {log}:\n{log_tail(log)}"}
     if done.returncode != 0 or not out.exists():
@@ -77,7 +100,9 @@ def run_contender(plan: LoadPlan, scenario: Scenario, contender: str, ctx: Conte
     run_dir = ctx.log_dir / f"{scenario.name}-{contender}"
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    fleet = ContenderFleet(plan, scenario, contender, ctx.model, run_dir, ctx.pythons, ctx.pythonpath, ctx.layerkv_extra)
+    fleet = ContenderFleet(
+        plan, scenario, contender, ctx.model, run_dir, ctx.pythons, ctx.pythonpath, ctx.layerkv_extra
+    )
     sampler: Sampler | None = None
     record = LoadRecord(scenario.name, contender, {})
     try:
@@ -86,8 +111,15 @@ def run_contender(plan: LoadPlan, scenario: Scenario, contender: str, ctx: Conte
         sampler = Sampler({s.name: (s.rss_bytes, s.metrics) for s in fleet.servers}, plan.sample_every_s)
         fleet.mark("load")
         load_start = sampler.elapsed_s()
-        record.client = run_client(ctx.pythons[contender], ctx.pythonpath, plan, [s.base_url for s in fleet.servers],
-                                   ctx.model, run_dir, contender)
+        record.client = run_client(
+            ctx.pythons[contender],
+            ctx.pythonpath,
+            plan,
+            [s.base_url for s in fleet.servers],
+            ctx.model,
+            run_dir,
+            contender,
+        )
         record.load_window_s = (load_start, sampler.elapsed_s())
         fleet.mark("idle")
         record.idle_s_to_zero, record.idle_gauges = wait_idle(fleet, plan.idle_s)
@@ -124,15 +156,26 @@ class Context:
 
 
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
-    plan = LoadPlan.build(tiny=options.tiny, scenarios=options.load_scenarios, contenders=options.load_contenders,
-                          soak_s=options.soak_s, request_rate=options.request_rate, num_requests=options.num_requests)
+    plan = LoadPlan.build(
+        tiny=options.tiny,
+        scenarios=options.load_scenarios,
+        contenders=options.load_contenders,
+        soak_s=options.soak_s,
+        request_rate=options.request_rate,
+        num_requests=options.num_requests,
+    )
     records = run_plan(plan, options, progress)
     (options.out_dir / "load-records.json").write_text(json.dumps([asdict(r) for r in records], default=str))
     return build(plan, records, options.out_dir, options.engine_python)
 
 
-def run_plan(plan: LoadPlan, options: BenchOptions, progress: Progress, layerkv_extra: dict[str, Any] | None = None,
-             runs: list[tuple[str, str]] | None = None) -> list[LoadRecord]:
+def run_plan(
+    plan: LoadPlan,
+    options: BenchOptions,
+    progress: Progress,
+    layerkv_extra: dict[str, Any] | None = None,
+    runs: list[tuple[str, str]] | None = None,
+) -> list[LoadRecord]:
     """`runs` ((scenario, contender) pairs; default: every scenario x contender of `plan`); the
     servers' and clients' logs stay under out_dir/load-logs."""
     check_engine_python(options.engine_python)  # UnsupportedSetupError with the fix
@@ -147,11 +190,14 @@ def run_plan(plan: LoadPlan, options: BenchOptions, progress: Progress, layerkv_
             progress.case(f"{NAME}: LMCache venv ({LMCACHE_VENV})")
             repo = Path(__file__).resolve().parents[3]  # the checkout (requirements/lmcache.txt)
             try:
-                pythons[LMCACHE] = options.lmcache_python or build_venv(repo, repo / LMCACHE_VENV,
-                                                                        options.out_dir / "lmcache-venv.log")
+                pythons[LMCACHE] = options.lmcache_python or build_venv(
+                    repo, repo / LMCACHE_VENV, options.out_dir / "lmcache-venv.log"
+                )
             except UnsupportedSetupError as exc:
-                raise UnsupportedSetupError(f"{exc}\nFix: `make lmcache-env` (pip needs the network: outside "
-                                            "scripts/isolated.sh), or --lmcache-python PYTHON") from exc
+                raise UnsupportedSetupError(
+                    f"{exc}\nFix: `make lmcache-env` (pip needs the network: outside "
+                    "scripts/isolated.sh), or --lmcache-python PYTHON"
+                ) from exc
         progress.case(f"{NAME}: model")
         model = make_model(options.engine_python, pythonpath, plan, work / "model")
         ctx = Context(model, pythons, pythonpath, options.out_dir / "load-logs", dict(layerkv_extra or {}))

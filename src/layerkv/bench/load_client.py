@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
         return 2
     split = argv.index("--")
     out_path, urls = Path(argv[0]), argv[1].split(",")
-    run(out_path, urls, argv[split + 1:])
+    run(out_path, urls, argv[split + 1 :])
     return 0
 
 

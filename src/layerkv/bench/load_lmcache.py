@@ -50,8 +50,10 @@ def build_venv(repo: Path, venv: Path, log: Path) -> str:
         ([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], STEP_TIMEOUT_S),
         # layerkv editable without dependencies: its vLLM plugin entry point, its servers.
         ([*pip, "install", "-q", "--no-deps", "-e", str(repo)], STEP_TIMEOUT_S),
-        ([str(python), "-c", "import lmcache.v1.multiprocess.http_server, vllm, mooncake.store, layerkv"],
-         STEP_TIMEOUT_S),
+        (
+            [str(python), "-c", "import lmcache.v1.multiprocess.http_server, vllm, mooncake.store, layerkv"],
+            STEP_TIMEOUT_S,
+        ),
     ]
     stamp.unlink(missing_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -60,14 +62,23 @@ def build_venv(repo: Path, venv: Path, log: Path) -> str:
             out.write(f"$ {' '.join(argv)}\n".encode())
             out.flush()
             try:
-                done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                      timeout=timeout_s, env={**os.environ, **QUIET_ENV, **LMCACHE_QUIET_ENV})
+                done = subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout_s,
+                    env={**os.environ, **QUIET_ENV, **LMCACHE_QUIET_ENV},
+                )
             except (OSError, subprocess.TimeoutExpired) as exc:
-                raise UnsupportedSetupError(f"building {venv} failed at `{' '.join(argv[:5])}`: {exc}; "
-                                            f"log {log}:\n{log_tail(log)}") from exc
+                raise UnsupportedSetupError(
+                    f"building {venv} failed at `{' '.join(argv[:5])}`: {exc}; log {log}:\n{log_tail(log)}"
+                ) from exc
             if done.returncode != 0:
-                raise UnsupportedSetupError(f"building {venv} failed at `{' '.join(argv[:5])}` "
-                                            f"(exit {done.returncode}); log {log}:\n{log_tail(log)}")
+                raise UnsupportedSetupError(
+                    f"building {venv} failed at `{' '.join(argv[:5])}` "
+                    f"(exit {done.returncode}); log {log}:\n{log_tail(log)}"
+                )
     stamp.write_text(digest + "\n")
     return str(python)
 
@@ -87,17 +98,43 @@ class LMCacheServer:
         # LMCache prefixes any other name with lmcache_l1_pool_; given prefixed, stop() finds the file.
         self.shm_name = f"lmcache_l1_pool_layerkv_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.log_path = work_dir / "lmcache-server.log"
-        argv = [python, "-m", "lmcache.cli.main", "server",
-                "--host", "127.0.0.1", "--port", str(self.rpc_port),
-                "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-                "--chunk-size", str(CHUNK_TOKENS), "--supported-transfer-mode", "engine_driven",
-                "--shm-name", self.shm_name, "--l1-size-gb", f"{cpu_bytes / (1 << 30):.6f}", "--no-l1-use-lazy",
-                "--eviction-policy", "LRU", "--max-workers", str(MAX_WORKERS)]
+        argv = [
+            python,
+            "-m",
+            "lmcache.cli.main",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.rpc_port),
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--chunk-size",
+            str(CHUNK_TOKENS),
+            "--supported-transfer-mode",
+            "engine_driven",
+            "--shm-name",
+            self.shm_name,
+            "--l1-size-gb",
+            f"{cpu_bytes / (1 << 30):.6f}",
+            "--no-l1-use-lazy",
+            "--eviction-policy",
+            "LRU",
+            "--max-workers",
+            str(MAX_WORKERS),
+        ]
         full_env = {**os.environ, **LOOPBACK_ENV, **QUIET_ENV, **LMCACHE_QUIET_ENV, **env}
         with open(self.log_path, "ab") as log:
             self._popen: subprocess.Popen[bytes] | None = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                start_new_session=True)
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -113,19 +150,29 @@ class LMCacheServer:
         tail if the server exits, TimeoutError if it does not answer in `timeout_s`, and
         UnsupportedSetupError if it fell back from shared memory to pickling every chunk."""
         assert self._popen is not None, "LMCacheServer used after stop()"
-        wait_http_ok(f"http://127.0.0.1:{self.http_port}/healthcheck", self._popen, "lmcache server", self.log_path,
-                     timeout_s)
+        wait_http_ok(
+            f"http://127.0.0.1:{self.http_port}/healthcheck", self._popen, "lmcache server", self.log_path, timeout_s
+        )
         if "disabling shm" in self.log_path.read_text(errors="replace").lower():
-            raise UnsupportedSetupError(f"lmcache server could not map its L1 into /dev/shm (too small for the pool?); "
-                                        f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            raise UnsupportedSetupError(
+                f"lmcache server could not map its L1 into /dev/shm (too small for the pool?); "
+                f"log {self.log_path}:\n{log_tail(self.log_path)}"
+            )
         return self
 
     def kv_transfer_config(self) -> dict[str, Any]:
         """`vllm serve --kv-transfer-config` for an engine that stores into and loads from this
         server: engine-driven copies through its shm segment; a failed load is recomputed."""
-        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.rpc_port,
-                                              "lmcache.mp.mp_transfer_mode": "engine_driven"}}
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1",
+                "lmcache.mp.port": self.rpc_port,
+                "lmcache.mp.mp_transfer_mode": "engine_driven",
+            },
+        }
 
     def engine_env(self) -> dict[str, str]:
         """Environment for each `vllm serve` process of this server: the transfer mode again (the
@@ -141,4 +188,3 @@ class LMCacheServer:
         stop_group(popen, timeout_s)
         Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
         return popen.returncode
-

@@ -27,10 +27,15 @@ NONE, LAYERKV, MOONCAKE, LMCACHE = "none", "layerkv", "mooncake", "lmcache"
 LAYERKV_CONSUMER, LAYERKV_PROMPTS, MOONCAKE_SAVE_DECODE = "layerkv-consumer", "layerkv-prompts", "mooncake-save-decode"
 LAYERKV_KINDS = (LAYERKV, LAYERKV_CONSUMER, LAYERKV_PROMPTS)
 CONTENDERS = (NONE, LAYERKV, LAYERKV_CONSUMER, LAYERKV_PROMPTS, MOONCAKE, MOONCAKE_SAVE_DECODE, LMCACHE)
-CONTENDER_TITLES = {NONE: "no connector", LAYERKV: "layerkv (Mooncake)", LAYERKV_CONSUMER: "layerkv, kv_consumer (loads only)",
-                    LAYERKV_PROMPTS: "layerkv, save_decode_blocks false (saves prompts only)",
-                    MOONCAKE: "vLLM MooncakeStoreConnector", MOONCAKE_SAVE_DECODE: "MooncakeStoreConnector, save_decode_cache",
-                    LMCACHE: "LMCache 0.5.6 (multiprocess)"}
+CONTENDER_TITLES = {
+    NONE: "no connector",
+    LAYERKV: "layerkv (Mooncake)",
+    LAYERKV_CONSUMER: "layerkv, kv_consumer (loads only)",
+    LAYERKV_PROMPTS: "layerkv, save_decode_blocks false (saves prompts only)",
+    MOONCAKE: "vLLM MooncakeStoreConnector",
+    MOONCAKE_SAVE_DECODE: "MooncakeStoreConnector, save_decode_cache",
+    LMCACHE: "LMCache 0.5.6 (multiprocess)",
+}
 CAPACITY, EVICTION, TWO_SERVERS, DECODE = "capacity", "eviction", "two-servers", "decode"
 SCENARIOS = (CAPACITY, EVICTION, TWO_SERVERS, DECODE)
 
@@ -89,8 +94,12 @@ class Scenario:
     pool_fraction: float | None = None  # of the working set; None: room for everything
 
 
-SCENARIO_OF = {CAPACITY: Scenario(CAPACITY), EVICTION: Scenario(EVICTION, pool_fraction=0.5),
-               TWO_SERVERS: Scenario(TWO_SERVERS, num_servers=2), DECODE: Scenario(DECODE, local_fraction=1.0)}
+SCENARIO_OF = {
+    CAPACITY: Scenario(CAPACITY),
+    EVICTION: Scenario(EVICTION, pool_fraction=0.5),
+    TWO_SERVERS: Scenario(TWO_SERVERS, num_servers=2),
+    DECODE: Scenario(DECODE, local_fraction=1.0),
+}
 # `decode` runs alone, with a workload of its own: every prompt distinct (no hit), long answers,
 # a fixed number of requests in flight: what a connector costs the steps that move nothing
 DECODE_WORKLOAD = Workload(48, 256, 32, 256, 48, math.inf, max_concurrency=16)
@@ -108,8 +117,16 @@ class LoadPlan:
     sample_every_s: float = 2.0  # RSS / gauge sampling period
 
     @classmethod
-    def build(cls, *, tiny: bool, scenarios: tuple[str, ...] = (), contenders: tuple[str, ...] = (),
-              soak_s: float = 0.0, request_rate: float | None = None, num_requests: int | None = None) -> LoadPlan:
+    def build(
+        cls,
+        *,
+        tiny: bool,
+        scenarios: tuple[str, ...] = (),
+        contenders: tuple[str, ...] = (),
+        soak_s: float = 0.0,
+        request_rate: float | None = None,
+        num_requests: int | None = None,
+    ) -> LoadPlan:
         """The full plan, or `tiny` (the smoke of `make test`: a small model, 24 requests)."""
         for name, given, known in (("scenario", scenarios, SCENARIOS), ("contender", contenders, CONTENDERS)):
             unknown = sorted(set(given) - set(known))
@@ -130,8 +147,15 @@ class LoadPlan:
         if soak_s > 0:
             workload, scenarios = workload.for_duration(soak_s), (CAPACITY,)
         chosen = tuple(c for c in CONTENDERS if c in contenders) if contenders else (NONE, LAYERKV, MOONCAKE)
-        return cls(model, workload, tuple(s for s in SCENARIOS if s in scenarios) if scenarios else SCENARIOS[:3],
-                   chosen, soak_s, idle_s=10.0 if tiny else 20.0, sample_every_s=1.0 if tiny else 2.0)
+        return cls(
+            model,
+            workload,
+            tuple(s for s in SCENARIOS if s in scenarios) if scenarios else SCENARIOS[:3],
+            chosen,
+            soak_s,
+            idle_s=10.0 if tiny else 20.0,
+            sample_every_s=1.0 if tiny else 2.0,
+        )
 
     def local_blocks(self, scenario: Scenario) -> int:
         """Each server's KV cache in blocks (vLLM's --num-gpu-blocks-override): the scenario's share
@@ -154,15 +178,42 @@ class LoadPlan:
         latency percentile the report shows, per-request results kept (--save-detailed: TTFTs,
         texts, errors), no ready-check request (it would warm one prefix)."""
         w = self.workload
-        return ["--base-url", base_url, "--model", served_name, "--tokenizer", model_path,
-                "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(w.prefix_tokens),
-                "--prefix-repetition-suffix-len", str(w.suffix_tokens),
-                "--prefix-repetition-num-prefixes", str(w.num_prefixes),
-                "--prefix-repetition-output-len", str(w.output_tokens), "--num-prompts", str(w.num_requests),
-                "--request-rate", str(w.request_rate), "--seed", str(w.seed), "--ignore-eos", "--temperature", "0",
-                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-                "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-detailed",
-                *(["--max-concurrency", str(w.max_concurrency)] if w.max_concurrency else [])]
+        return [
+            "--base-url",
+            base_url,
+            "--model",
+            served_name,
+            "--tokenizer",
+            model_path,
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            str(w.prefix_tokens),
+            "--prefix-repetition-suffix-len",
+            str(w.suffix_tokens),
+            "--prefix-repetition-num-prefixes",
+            str(w.num_prefixes),
+            "--prefix-repetition-output-len",
+            str(w.output_tokens),
+            "--num-prompts",
+            str(w.num_requests),
+            "--request-rate",
+            str(w.request_rate),
+            "--seed",
+            str(w.seed),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,99",
+            "--ready-check-timeout-sec",
+            "0",
+            "--disable-tqdm",
+            "--save-detailed",
+            *(["--max-concurrency", str(w.max_concurrency)] if w.max_concurrency else []),
+        ]
 
     def client_timeout_s(self) -> float:
         """A bound for one client run: the arrivals, then generous service time per request."""

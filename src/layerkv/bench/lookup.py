@@ -16,17 +16,18 @@ from layerkv.bench.backends import Backend, open_backends
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, ratio
 from layerkv.bench.plots import bar_plot
 from layerkv.config import LayerKVConfig
-from layerkv.objects.keys import block_keys
-from layerkv.messages import Deployment, RequestView
 from layerkv.connector.scheduler import SchedulerConnector
+from layerkv.messages import Deployment, RequestView
+from layerkv.objects.keys import block_keys
 from layerkv.store.checked import CheckedStore
 
 NAME = "lookup"
 BLOCK_SIZE = 16
 HIT_RATES = (0.0, 0.1, 0.5, 1.0)
 OBJECT_NBYTES = 64  # the lookup only asks whether keys exist; tiny objects suffice
-DEPLOYMENT = Deployment(model_id="bench/lookup", kv_dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_heads=8,
-                        kv_signature="bench-lookup")
+DEPLOYMENT = Deployment(
+    model_id="bench/lookup", kv_dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_heads=8, kv_signature="bench-lookup"
+)
 
 
 def _hashes(tag: str, num_blocks: int) -> list[bytes]:
@@ -73,14 +74,28 @@ def measure(backend: Backend, prompt_tokens: int, window_blocks: int, reps: int,
                         hit = next((i for i, f in enumerate(flags) if not f), len(flags))
                     times.append(time.perf_counter() - start)
                     backend_calls = store.stats()["batch_is_exist"].calls
-                    counts = (connector.stats().exists_calls - before[0], connector.stats().keys_queried - before[1], backend_calls, hit)
+                    counts = (
+                        connector.stats().exists_calls - before[0],
+                        connector.stats().keys_queried - before[1],
+                        backend_calls,
+                        hit,
+                    )
                 assert counts is not None
-                rows.append({
-                    "backend": backend.name, "prompt_tokens": prompt_tokens, "blocks": num_blocks, "hit_rate": hit_rate,
-                    "variant": variant, "window_blocks": window_blocks if variant == "windowed" else num_blocks,
-                    "hit_blocks": counts[3], "exists_calls": counts[0], "backend_exists_calls": counts[2],
-                    "keys_queried": counts[1], "ms": statistics.median(times) * 1e3,
-                })
+                rows.append(
+                    {
+                        "backend": backend.name,
+                        "prompt_tokens": prompt_tokens,
+                        "blocks": num_blocks,
+                        "hit_rate": hit_rate,
+                        "variant": variant,
+                        "window_blocks": window_blocks if variant == "windowed" else num_blocks,
+                        "hit_blocks": counts[3],
+                        "exists_calls": counts[0],
+                        "backend_exists_calls": counts[2],
+                        "keys_queried": counts[1],
+                        "ms": statistics.median(times) * 1e3,
+                    }
+                )
     finally:
         store.batch_remove(keys)
     return rows
@@ -95,7 +110,9 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             for prompt_tokens in prompts:
                 for window in windows:
                     progress.case(f"{NAME} {backend.name} {prompt_tokens} tokens window {window}")
-                    result.rows.extend(measure(backend, prompt_tokens, window, options.reps, one_query=window == windows[0]))
+                    result.rows.extend(
+                        measure(backend, prompt_tokens, window, options.reps, one_query=window == windows[0])
+                    )
     result.notes += [
         "windowed = SchedulerConnector.get_num_new_matched_tokens (exists_window_blocks per query, stops at the "
         "first window with a miss); one query = PoolLookup.present over every block, then the first miss.",
@@ -106,13 +123,43 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     for backend in sorted({r["backend"] for r in result.rows}):
         big = max(r["prompt_tokens"] for r in result.rows)
         for hit in HIT_RATES:
-            w = next(r for r in result.rows if r["backend"] == backend and r["prompt_tokens"] == big and r["hit_rate"] == hit and r["variant"] == "windowed" and r["window_blocks"] == 32)
-            o = next(r for r in result.rows if r["backend"] == backend and r["prompt_tokens"] == big and r["hit_rate"] == hit and r["variant"] == "one query")
-            result.summary[f"{backend}.{big}tok.hit{int(hit * 100)}.keys_one_over_windowed"] = ratio(o["keys_queried"], w["keys_queried"])
+            w = next(
+                r
+                for r in result.rows
+                if r["backend"] == backend
+                and r["prompt_tokens"] == big
+                and r["hit_rate"] == hit
+                and r["variant"] == "windowed"
+                and r["window_blocks"] == 32
+            )
+            o = next(
+                r
+                for r in result.rows
+                if r["backend"] == backend
+                and r["prompt_tokens"] == big
+                and r["hit_rate"] == hit
+                and r["variant"] == "one query"
+            )
+            result.summary[f"{backend}.{big}tok.hit{int(hit * 100)}.keys_one_over_windowed"] = ratio(
+                o["keys_queried"], w["keys_queried"]
+            )
             result.summary[f"{backend}.{big}tok.hit{int(hit * 100)}.time_one_over_windowed"] = ratio(o["ms"], w["ms"])
-    big_rows = [r for r in result.rows if r["prompt_tokens"] == max(r["prompt_tokens"] for r in result.rows) and r["window_blocks"] in (32, r["blocks"])]
+    big_rows = [
+        r
+        for r in result.rows
+        if r["prompt_tokens"] == max(r["prompt_tokens"] for r in result.rows)
+        and r["window_blocks"] in (32, r["blocks"])
+    ]
     labels = [f"{r['backend']} {int(r['hit_rate'] * 100)}%" for r in big_rows if r["variant"] == "windowed"]
     groups = {v: [r["ms"] for r in big_rows if r["variant"] == v] for v in ("windowed", "one query")}
-    result.plots.append(bar_plot(options.out_dir / "lookup_ms.png", labels, groups,
-                                 title=f"hit lookup on a {big_rows[0]['prompt_tokens']}-token prompt", ylabel="ms", logy=True))
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "lookup_ms.png",
+            labels,
+            groups,
+            title=f"hit lookup on a {big_rows[0]['prompt_tokens']}-token prompt",
+            ylabel="ms",
+            logy=True,
+        )
+    )
     return result

@@ -46,8 +46,13 @@ def _ip(*args: str, netns_pid: int | None = None) -> None:
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(["unshare", "--net", "--", "sleep", "86400"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    return subprocess.Popen(
+        ["unshare", "--net", "--", "sleep", "86400"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
 
 
 def _wait_own_netns(pid: int, timeout_s: float = 5.0) -> None:
@@ -96,7 +101,18 @@ class Cluster:
         self._test_port = ""
         try:
             _wait_own_netns(self._switch.pid)
-            _ip("link", "add", "br0", "type", "bridge", "forward_delay", "0", "stp_state", "0", netns_pid=self._switch.pid)
+            _ip(
+                "link",
+                "add",
+                "br0",
+                "type",
+                "bridge",
+                "forward_delay",
+                "0",
+                "stp_state",
+                "0",
+                netns_pid=self._switch.pid,
+            )
             _ip("link", "set", "br0", "up", netns_pid=self._switch.pid)
             for i, name in enumerate(names, start=1):
                 self.hosts[name] = self._add_host(name, f"{SUBNET}.{i}", i)
@@ -157,16 +173,41 @@ class Cluster:
         """Shape what the switch sends to host `name` (its downlink; TEST_HOST: this process's)
         to `rate` (e.g. 1gbit)."""
         port = self._port(name)
-        argv = ["nsenter", f"--net=/proc/{self._switch.pid}/ns/net", "--", "tc", "qdisc", "replace", "dev", port,
-                "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+        argv = [
+            "nsenter",
+            f"--net=/proc/{self._switch.pid}/ns/net",
+            "--",
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            port,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "256kb",
+            "latency",
+            "50ms",
+        ]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
 
     def unlimit(self, name: str) -> None:
         """Remove the shaping `limit` put on host `name`'s downlink."""
-        argv = ["nsenter", f"--net=/proc/{self._switch.pid}/ns/net", "--", "tc", "qdisc", "del", "dev",
-                self._port(name), "root"]
+        argv = [
+            "nsenter",
+            f"--net=/proc/{self._switch.pid}/ns/net",
+            "--",
+            "tc",
+            "qdisc",
+            "del",
+            "dev",
+            self._port(name),
+            "root",
+        ]
         subprocess.run(argv, capture_output=True, text=True, timeout=10)  # none there: nothing to remove
 
     def close(self) -> None:

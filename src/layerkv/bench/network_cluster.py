@@ -33,7 +33,12 @@ def main(job_path: str) -> int:
                 pool.cluster.limit("consumer", rate)
             else:
                 pool.cluster.unlimit("consumer")
-            host_job = {"prompt_tokens": job["prompt_tokens"], "quick": job["quick"], "tiny": job["tiny"], "write": i == 0}
+            host_job = {
+                "prompt_tokens": job["prompt_tokens"],
+                "quick": job["quick"],
+                "tiny": job["tiny"],
+                "write": i == 0,
+            }
             proc = pool.run_module("consumer", "layerkv.bench.network_host", host_job, f"consumer-{i}")
             try:
                 cells = json.loads(proc.line("@@", CELL_TIMEOUT_S))

@@ -18,9 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from layerkv.bench.overlap import (BLOCK_SIZE, HIT_FRACTION, LoadAllFirst, _best, _model, ttft_compute_alone,
-                                   ttft_recompute)
 from layerkv.bench.common import BenchOptions
+from layerkv.bench.overlap import (
+    BLOCK_SIZE,
+    HIT_FRACTION,
+    LoadAllFirst,
+    _best,
+    _model,
+    ttft_compute_alone,
+    ttft_recompute,
+)
 from layerkv.config import LayerKVConfig
 from layerkv.connector import SchedulerConnector, WorkerConnector
 from layerkv.messages import KVRole
@@ -38,8 +45,12 @@ class NetworkRig:
         self.model, _ = _model(options)
         self.weights = init_weights(self.model)
         self.prompt_tokens = prompt_tokens
-        self.engine_config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=prompt_tokens // BLOCK_SIZE + 8,
-                                          max_num_batched_tokens=prompt_tokens, model_id=f"bench/network-{prompt_tokens}")
+        self.engine_config = EngineConfig(
+            block_size=BLOCK_SIZE,
+            num_blocks=prompt_tokens // BLOCK_SIZE + 8,
+            max_num_batched_tokens=prompt_tokens,
+            model_id=f"bench/network-{prompt_tokens}",
+        )
         self.prompt = np.random.default_rng(prompt_tokens).integers(0, self.model.vocab_size, prompt_tokens).tolist()
         self.prefix_tokens = int(prompt_tokens * HIT_FRACTION) // BLOCK_SIZE * BLOCK_SIZE
         self.prefix_bytes = 0
@@ -50,10 +61,14 @@ class NetworkRig:
         config = LayerKVConfig.from_dict({"backend": "mooncake", **({"transfer_plan": plan} if plan else {})}, env={})
 
         def store() -> CheckedStore:
-            return CheckedStore(self.store, max_batch_keys=config.max_transfer_blocks, call_timeout_s=config.store_call_timeout_s)
+            return CheckedStore(
+                self.store, max_batch_keys=config.max_transfer_blocks, call_timeout_s=config.store_call_timeout_s
+            )
 
         scheduler = SchedulerConnector(config, make_deployment(self.model, self.engine_config, 0, role), store())
-        workers: list[Any] = [WorkerConnector(config, make_deployment(self.model, self.engine_config, 0, role), store())]
+        workers: list[Any] = [
+            WorkerConnector(config, make_deployment(self.model, self.engine_config, 0, role), store())
+        ]
         if load_all:
             workers = [LoadAllFirst(w) for w in workers]
         return Engine(self.model, self.engine_config, scheduler, workers, weights=self.weights)
@@ -64,7 +79,9 @@ class NetworkRig:
             producer.generate([self.prompt[: self.prefix_tokens + 1]], 1)
             stats = producer.runner.worker_hooks[0].stats()
             if stats.committed_keys < self.prefix_tokens // BLOCK_SIZE:
-                raise RuntimeError(f"network: {stats.committed_keys} blocks committed, expected {self.prefix_tokens // BLOCK_SIZE}")
+                raise RuntimeError(
+                    f"network: {stats.committed_keys} blocks committed, expected {self.prefix_tokens // BLOCK_SIZE}"
+                )
         finally:
             producer.shutdown()
 
@@ -85,7 +102,9 @@ class NetworkRig:
             worker = engine.runner.worker_hooks[0]
             stats = worker.stats().as_dict()
             self.prefix_bytes = int(stats.get("loaded_bytes", 0)) or self.prefix_bytes
-            plans = {k.removeprefix("load_plans_"): int(v) for k, v in stats.items() if k.startswith("load_plans_") and v}
+            plans = {
+                k.removeprefix("load_plans_"): int(v) for k, v in stats.items() if k.startswith("load_plans_") and v
+            }
             return float(out.ttft_s), float(worker.load_s[0]) if load_all else float("nan"), plans
         finally:
             engine.shutdown()
@@ -99,9 +118,19 @@ def measure(store: MooncakeStore, options: BenchOptions, prompt_tokens: int, wri
     load_all, transfer, _ = _best(lambda: rig.pooled(True), reps)
     defaults, _, plans = _best(lambda: rig.pooled(False), reps)
     layerwise, _, _ = _best(lambda: rig.pooled(False, "layers"), reps)
-    return {"prompt_tokens": prompt_tokens, "prefix_tokens": rig.prefix_tokens, "recompute_s": _best(rig.recompute, reps),
-            "ceiling_s": _best(rig.ceiling, reps), "layerkv_s": defaults, "layerwise_s": layerwise, "load_all_s": load_all, "transfer_s": transfer,
-            "plans": plans, "prefix_bytes": rig.prefix_bytes, "model_layers": rig.model.num_layers}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "prefix_tokens": rig.prefix_tokens,
+        "recompute_s": _best(rig.recompute, reps),
+        "ceiling_s": _best(rig.ceiling, reps),
+        "layerkv_s": defaults,
+        "layerwise_s": layerwise,
+        "load_all_s": load_all,
+        "transfer_s": transfer,
+        "plans": plans,
+        "prefix_bytes": rig.prefix_bytes,
+        "model_layers": rig.model.num_layers,
+    }
 
 
 def main(job_path: str) -> int:

@@ -27,8 +27,13 @@ from layerkv.bench.vllm_engines import EngineProcess, link_layerkv
 from layerkv.bench.vllm_model import native_dtype
 
 CONTENDERS = (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
-HOST_OF = {"plain": "consumer", "layerkv-producer": "producer", "layerkv": "consumer",
-           "mooncake-producer": "producer", "mooncake": "consumer"}
+HOST_OF = {
+    "plain": "consumer",
+    "layerkv-producer": "producer",
+    "layerkv": "consumer",
+    "mooncake-producer": "producer",
+    "mooncake": "consumer",
+}
 HOSTS = ("producer", "consumer")  # the engine hosts this part adds to the cluster
 
 
@@ -36,8 +41,9 @@ def grid(quick: bool, tiny: bool = False) -> Grid:
     """Suite serving's model (8 layers x 1024), prefixes of 512 and 2,048 tokens, 32 computed;
     one repeat per rate (`quick`) or two. `tiny` (tests): one 512-token prefix, 2 layers x 256."""
     if tiny:
-        return Grid((512,), (32,), 1, num_layers=2, hidden_size=256, dtype=native_dtype(), load_repeats=0,
-                    contenders=CONTENDERS)
+        return Grid(
+            (512,), (32,), 1, num_layers=2, hidden_size=256, dtype=native_dtype(), load_repeats=0, contenders=CONTENDERS
+        )
     return Grid((512, 2048), (32,), 1 if quick else 2, dtype=native_dtype(), load_repeats=0, contenders=CONTENDERS)
 
 
@@ -48,8 +54,11 @@ class ClusterEngines:
         self.grid, self.work = grid_, work
         self.pythonpath = link_layerkv(work)
         self.model = make_model(engine_python, self.pythonpath, work, grid_)
-        self.reader = PoolReader(pool.metrics_url, dict(pool.config, local_hostname=TEST_HOST_ADDR, global_segment_size=0),
-                                 grid_.kv_bytes_per_token * BLOCK_SIZE + 4096)
+        self.reader = PoolReader(
+            pool.metrics_url,
+            dict(pool.config, local_hostname=TEST_HOST_ADDR, global_segment_size=0),
+            grid_.kv_bytes_per_token * BLOCK_SIZE + 4096,
+        )
         self.prefix_keys: dict[tuple[int, int], list[str]] = {}
         self.engines: dict[str, EngineProcess] = {}
         try:
@@ -71,8 +80,9 @@ class ClusterEngines:
         layerkv_config.write_text(json.dumps(client))
         # as suite serving: "standalone-store" mounts nothing, every object lives on the storage host
         connector_config = self.work / f"mooncake-connector-{host.name}.json"
-        connector_config.write_text(json.dumps({**client, "mode": "standalone-store", "global_segment_size": 0,
-                                                "local_buffer_size": 512 << 20}))
+        connector_config.write_text(
+            json.dumps({**client, "mode": "standalone-store", "global_segment_size": 0, "local_buffer_size": 512 << 20})
+        )
         kwargs, env = engine_spec(self.grid, self.model, self.pythonpath, name, layerkv_config, connector_config)
         env["MC_TCP_BIND_ADDRESS"] = host.addr  # vLLM's own sockets stay on the host's loopback
         return EngineProcess(name, str(python), kwargs, env, self.work)
@@ -85,8 +95,9 @@ class ClusterEngines:
         self.reader.close()
 
 
-def run(pool: ClusterPool, engine_python: str, rates: list[str], quick: bool, work: Path,
-        tiny: bool = False) -> dict[str, Any]:
+def run(
+    pool: ClusterPool, engine_python: str, rates: list[str], quick: bool, work: Path, tiny: bool = False
+) -> dict[str, Any]:
     """Every rate's cells: {"rows": suite serving's rows with a `link` column, "summary":
     per rate, "startup_s"}. The pool needs hosts "producer" and "consumer"."""
     grid_ = grid(quick, tiny)
@@ -114,5 +125,4 @@ def run(pool: ClusterPool, engine_python: str, rates: list[str], quick: bool, wo
         for name in ("consumer", TEST_HOST):
             pool.cluster.unlimit(name)
         engines.close()
-    return {"rows": rows, "summary": summary,
-            "startup_s": {name: e.startup_s for name, e in engines.engines.items()}}
+    return {"rows": rows, "summary": summary, "startup_s": {name: e.startup_s for name, e in engines.engines.items()}}

@@ -18,7 +18,17 @@ from layerkv.config import LayerKVConfig
 from layerkv.objects.manifest import is_manifest_key
 from layerkv.store.checked import CheckedStore
 from layerkv.store.embedded import EmbeddedStore
-from layerkv.store.faults import ALL_METHODS, GET_INTO, GET_RANGES, IS_EXIST, PUT_FROM, PUT_RANGES, PUT_START, GET_START, FaultyStore
+from layerkv.store.faults import (
+    ALL_METHODS,
+    GET_INTO,
+    GET_RANGES,
+    GET_START,
+    IS_EXIST,
+    PUT_FROM,
+    PUT_RANGES,
+    PUT_START,
+    FaultyStore,
+)
 
 NAME = "objects"
 BLOCK_SIZE = 16
@@ -66,11 +76,23 @@ def layerkv_counts(shape: Shape) -> tuple[Row, Row]:
     from layerkv.engine import EngineConfig, ModelConfig
     from layerkv.engine.pooled import pooled_engine
 
-    model = ModelConfig(num_layers=shape.num_layers, hidden_size=32, num_heads=shape.tp_size * 2, num_kv_heads=shape.tp_size,
-                        head_dim=8, intermediate_size=32 * shape.tp_size, vocab_size=128)
+    model = ModelConfig(
+        num_layers=shape.num_layers,
+        hidden_size=32,
+        num_heads=shape.tp_size * 2,
+        num_kv_heads=shape.tp_size,
+        head_dim=8,
+        intermediate_size=32 * shape.tp_size,
+        vocab_size=128,
+    )
     tokens = shape.num_blocks * BLOCK_SIZE + 1
-    engine_config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=shape.num_blocks + 8, max_num_batched_tokens=tokens,
-                                 tp_size=shape.tp_size, model_id="bench/objects")
+    engine_config = EngineConfig(
+        block_size=BLOCK_SIZE,
+        num_blocks=shape.num_blocks + 8,
+        max_num_batched_tokens=tokens,
+        tp_size=shape.tp_size,
+        model_id="bench/objects",
+    )
     # the layerwise data path (one range call per layer), not the adaptive plan: this suite counts calls
     config = LayerKVConfig.from_dict({"max_transfer_blocks": MAX_BATCH_KEYS, "transfer_plan": "layers"}, env={})
     backend = EmbeddedStore(capacity_bytes=1 << 30)
@@ -79,8 +101,9 @@ def layerkv_counts(shape: Shape) -> tuple[Row, Row]:
     rows = []
     try:
         for phase in ("save", "load"):
-            engine = pooled_engine(model, engine_config, config,
-                                   store_factory=lambda: CheckedStore(faulty, max_batch_keys=MAX_BATCH_KEYS))
+            engine = pooled_engine(
+                model, engine_config, config, store_factory=lambda: CheckedStore(faulty, max_batch_keys=MAX_BATCH_KEYS)
+            )
             faulty.clear_calls()
             out = engine.generate([prompt], 1)[0]
             rows.append(count(faulty) | {"loaded_tokens": out.num_external_tokens})
@@ -102,8 +125,10 @@ class PerLayerObjects:
         blocks = shape.num_blocks + 8
         rng = np.random.default_rng(7)
         # per rank, per layer: [K|V, blocks, entry bytes] like one layer of the paged cache
-        self.src = [[rng.integers(0, 255, (2, blocks, entry_nbytes), dtype=np.uint8) for _ in range(shape.num_layers)]
-                    for _ in range(shape.tp_size)]
+        self.src = [
+            [rng.integers(0, 255, (2, blocks, entry_nbytes), dtype=np.uint8) for _ in range(shape.num_layers)]
+            for _ in range(shape.tp_size)
+        ]
         self.dst = [[np.zeros_like(a) for a in rank] for rank in self.src]
         self.staging = np.zeros((shape.num_blocks, 2 * entry_nbytes), dtype=np.uint8)  # [blocks, layer object bytes]
         store.register_buffer(self.staging.ctypes.data, self.staging.nbytes)
@@ -115,8 +140,13 @@ class PerLayerObjects:
 
     def all_keys(self) -> list[str]:
         # scheduler order: per block, every layer and rank
-        return [k for i in range(self.shape.num_blocks) for l in range(self.shape.num_layers)
-                for r in range(self.shape.tp_size) for k in (self.keys(l, r)[i],)]
+        return [
+            k
+            for i in range(self.shape.num_blocks)
+            for li in range(self.shape.num_layers)
+            for r in range(self.shape.tp_size)
+            for k in (self.keys(li, r)[i],)
+        ]
 
     def save(self) -> None:
         self.store.batch_is_exist(self.all_keys())
@@ -124,7 +154,9 @@ class PerLayerObjects:
             for layer_idx, cache in enumerate(self.src[rank]):
                 self.staging[:] = np.concatenate([cache[0, self.block_ids], cache[1, self.block_ids]], axis=1)  # gather
                 n = self.staging.shape[1]
-                got = self.store.batch_put_from(self.keys(layer_idx, rank), [row.ctypes.data for row in self.staging], [n] * len(self.block_ids))
+                got = self.store.batch_put_from(
+                    self.keys(layer_idx, rank), [row.ctypes.data for row in self.staging], [n] * len(self.block_ids)
+                )
                 if any(r != 0 for r in got):
                     raise RuntimeError(f"per-layer put of layer {layer_idx} rank {rank} returned {sorted(set(got))}")
 
@@ -136,12 +168,18 @@ class PerLayerObjects:
         for rank in range(self.shape.tp_size):
             for layer_idx, cache in enumerate(self.dst[rank]):
                 n = self.staging.shape[1]
-                got = self.store.batch_get_into(self.keys(layer_idx, rank), [row.ctypes.data for row in self.staging], [n] * len(self.block_ids))
+                got = self.store.batch_get_into(
+                    self.keys(layer_idx, rank), [row.ctypes.data for row in self.staging], [n] * len(self.block_ids)
+                )
                 if any(r != n for r in got):
                     raise RuntimeError(f"per-layer get of layer {layer_idx} rank {rank} returned {sorted(set(got))}")
                 cache[0, self.block_ids] = self.staging[:, :half]  # scatter
                 cache[1, self.block_ids] = self.staging[:, half:]
-        return all(np.array_equal(s[:, self.block_ids], d[:, self.block_ids]) for rs, rd in zip(self.src, self.dst) for s, d in zip(rs, rd))
+        return all(
+            np.array_equal(s[:, self.block_ids], d[:, self.block_ids])
+            for rs, rd in zip(self.src, self.dst)
+            for s, d in zip(rs, rd)
+        )
 
     def close(self) -> None:
         self.store.unregister_buffer(self.staging.ctypes.data)
@@ -178,26 +216,44 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         lk_save, lk_load = layerkv_counts(shape)
         pl_save, pl_load = per_layer_counts(shape)
         base = {"shape": shape.label, "layers": shape.num_layers, "blocks": shape.num_blocks, "ranks": shape.tp_size}
-        for scheme, save, load in (("block x rank (layerkv)", lk_save, lk_load), ("block x layer x rank", pl_save, pl_load)):
+        for scheme, save, load in (
+            ("block x rank (layerkv)", lk_save, lk_load),
+            ("block x layer x rank", pl_save, pl_load),
+        ):
             result.rows.append(base | {"scheme": scheme, "phase": "save"} | save)
             result.rows.append(base | {"scheme": scheme, "phase": "load"} | load)
         result.summary[f"{shape.label}.objects_ratio"] = ratio(pl_save["objects_created"], lk_save["objects_created"])
         result.summary[f"{shape.label}.metadata_calls_ratio(save+load)"] = ratio(
-            pl_save["metadata_calls"] + pl_load["metadata_calls"], lk_save["metadata_calls"] + lk_load["metadata_calls"])
+            pl_save["metadata_calls"] + pl_load["metadata_calls"], lk_save["metadata_calls"] + lk_load["metadata_calls"]
+        )
         result.summary[f"{shape.label}.exists_keys_ratio(save+load)"] = ratio(
-            pl_save["exists_keys"] + pl_load["exists_keys"], lk_save["exists_keys"] + lk_load["exists_keys"])
+            pl_save["exists_keys"] + pl_load["exists_keys"], lk_save["exists_keys"] + lk_load["exists_keys"]
+        )
     result.notes += [
         "layerkv rows: the reference engine (tp ranks = storage ranks) serving a prompt of B full blocks + 1 token, "
-        "once as producer (save phase) and once fresh as consumer (load phase), through CheckedStore(FaultyStore(embedded)); "
+        "once as producer (save phase) and once fresh as consumer (load phase), through "
+        "CheckedStore(FaultyStore(embedded)); "
         "counts are from the FaultyStore call log (after CheckedStore splits batches at 64 keys).",
         "per-layer rows: PerLayerObjects in this module (key ...@layer_<l>@<rank>, gather + batch_put_from per layer; "
-        "batch_get_into + scatter per layer; exists over every block x layer x rank key), same store stack; bytes verified.",
-        "metadata_calls = every store call except range calls (exists, session start/end/revoke, whole-object put/get); "
+        "batch_get_into + scatter per layer; exists over every block x layer x rank key), same store stack; bytes "
+        "verified.",
+        "metadata_calls = every store call except range calls (exists, session start/end/revoke, whole-object "
+        "put/get); "
         "on Mooncake a whole-object put also makes put start + put end master RPCs internally.",
     ]
     labels = [f"{r['shape']} {r['phase']}" for r in result.rows if r["scheme"].startswith("block x rank")]
-    groups = {s: [r["objects_created"] + r["exists_keys"] for r in result.rows if r["scheme"] == s]
-              for s in ("block x rank (layerkv)", "block x layer x rank")}
-    result.plots.append(bar_plot(options.out_dir / "objects.png", labels, groups,
-                                 title="objects created + keys queried per step", ylabel="count", logy=True))
+    groups = {
+        s: [r["objects_created"] + r["exists_keys"] for r in result.rows if r["scheme"] == s]
+        for s in ("block x rank (layerkv)", "block x layer x rank")
+    }
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "objects.png",
+            labels,
+            groups,
+            title="objects created + keys queried per step",
+            ylabel="count",
+            logy=True,
+        )
+    )
     return result

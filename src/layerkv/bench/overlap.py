@@ -57,14 +57,35 @@ def _model(options: BenchOptions, deep: bool = False):  # type: ignore[no-untype
     from layerkv.engine import ModelConfig
 
     if options.tiny:
-        return ModelConfig(num_layers=4 if deep else 2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                           intermediate_size=128, vocab_size=256), 128
+        return ModelConfig(
+            num_layers=4 if deep else 2,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=256,
+        ), 128
     if deep:
-        model = ModelConfig(num_layers=32, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                            intermediate_size=384, vocab_size=2048)
+        model = ModelConfig(
+            num_layers=32,
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            intermediate_size=384,
+            vocab_size=2048,
+        )
     else:
-        model = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
-                            intermediate_size=768, vocab_size=2048)
+        model = ModelConfig(
+            num_layers=8,
+            hidden_size=256,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=32,
+            intermediate_size=768,
+            vocab_size=2048,
+        )
     return model, (1024 if options.quick else 2048)
 
 
@@ -97,18 +118,25 @@ class _Rig:
         self.model, self.prompt_tokens = _model(options, deep)
         self.weights = init_weights(self.model)
         num_blocks = self.prompt_tokens // BLOCK_SIZE + 8
-        self.engine_config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_batched_tokens=self.prompt_tokens,
-                                          model_id="bench/overlap")
+        self.engine_config = EngineConfig(
+            block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=self.prompt_tokens,
+            model_id="bench/overlap",
+        )
         rng = np.random.default_rng(3)
         self.prompt = rng.integers(0, self.model.vocab_size, self.prompt_tokens).tolist()
         self.prefix_tokens = int(self.prompt_tokens * HIT_FRACTION) // BLOCK_SIZE * BLOCK_SIZE
         self.pool = EmbeddedStore(capacity_bytes=1 << 30)
-        producer = self._pooled(LayerKVConfig.from_dict({}, env={}), FaultyStore(self.pool.client()), role=KVRole.PRODUCER)
+        producer = self._pooled(
+            LayerKVConfig.from_dict({}, env={}), FaultyStore(self.pool.client()), role=KVRole.PRODUCER
+        )
         producer.generate([self.prompt[: self.prefix_tokens + 1]], 1)  # saves the prefix blocks
         producer.shutdown()
 
-    def _pooled(self, config: LayerKVConfig, faulty: FaultyStore, load_all: bool = False,
-                role: KVRole = KVRole.CONSUMER):  # type: ignore[no-untyped-def]
+    def _pooled(
+        self, config: LayerKVConfig, faulty: FaultyStore, load_all: bool = False, role: KVRole = KVRole.CONSUMER
+    ):  # type: ignore[no-untyped-def]
         """Consumers only load: the pool keeps exactly the producer's prefix across runs."""
         from layerkv.engine import Engine, make_deployment
 
@@ -116,7 +144,9 @@ class _Rig:
             return CheckedStore(faulty, max_batch_keys=config.max_transfer_blocks)
 
         scheduler = SchedulerConnector(config, make_deployment(self.model, self.engine_config, 0, role), store())
-        workers: list[Any] = [WorkerConnector(config, make_deployment(self.model, self.engine_config, 0, role), store())]
+        workers: list[Any] = [
+            WorkerConnector(config, make_deployment(self.model, self.engine_config, 0, role), store())
+        ]
         if load_all:
             workers = [LoadAllFirst(w) for w in workers]
         return Engine(self.model, self.engine_config, scheduler, workers, weights=self.weights)
@@ -128,7 +158,9 @@ class _Rig:
         """The 10 % suffix computed over a prefix already in the local cache (no transfer)."""
         return ttft_compute_alone(self.model, self.engine_config, self.weights, self.prompt, self.prefix_tokens)
 
-    def ttft_pooled(self, prefetch_layers: int, delay_s: float, load_all: bool) -> tuple[float, float, int, float, float, int]:
+    def ttft_pooled(
+        self, prefetch_layers: int, delay_s: float, load_all: bool
+    ) -> tuple[float, float, int, float, float, int]:
         """(TTFT, transfer-alone seconds or nan, range calls, seconds the compute thread waited
         for layers, seconds the receive thread spent verifying staged layers and copying them
         into the cache, bytes it copied) of one fresh consumer engine."""
@@ -146,8 +178,14 @@ class _Rig:
             worker = engine.runner.worker_hooks[0]
             transfer_s = worker.load_s[0] if load_all else float("nan")
             stats = worker.stats()
-            return (out.ttft_s, transfer_s, len(faulty.calls(GET_RANGES)), stats.load_wait_s, stats.load_copy_s,
-                    stats.load_copied_bytes)
+            return (
+                out.ttft_s,
+                transfer_s,
+                len(faulty.calls(GET_RANGES)),
+                stats.load_wait_s,
+                stats.load_copy_s,
+                stats.load_copied_bytes,
+            )
         finally:
             engine.shutdown()
             faulty.close()
@@ -184,12 +222,21 @@ def _best(fn: Callable[[], Any], reps: int) -> Any:
 
 
 CONDITIONS = (("no delay", None), ("transfer ~ compute", 1.0), ("transfer ~ 2x compute", 2.0))
-SAVE_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (("staged", "defaults (staged images)", {}),
-                 ("direct", "register_kv_cache, per-layer writes", {"transfer_plan": "layers", "register_kv_cache": True}))
+SAVE_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("staged", "defaults (staged images)", {}),
+    ("direct", "register_kv_cache, per-layer writes", {"transfer_plan": "layers", "register_kv_cache": True}),
+)
 
 
-def _conditions(rig: _Rig, result: SuiteResult, progress: Progress, reps: int, prefetches: tuple[int, ...],
-                conditions: tuple[tuple[str, float | None], ...], tag: str = "") -> float:
+def _conditions(
+    rig: _Rig,
+    result: SuiteResult,
+    progress: Progress,
+    reps: int,
+    prefetches: tuple[int, ...],
+    conditions: tuple[tuple[str, float | None], ...],
+    tag: str = "",
+) -> float:
     """Rows and headlines of `conditions` on `rig`'s model (`tag` names a second model in both);
     returns the recompute-all TTFT."""
     recompute = _best(rig.ttft_recompute, reps)
@@ -199,13 +246,29 @@ def _conditions(rig: _Rig, result: SuiteResult, progress: Progress, reps: int, p
         delay_s = 0.0 if target is None else max(0.0, (target * compute - transfer0) / max(1, range_calls))
         condition = f"{label}{tag}"
         progress.case(f"{NAME} {condition}")
-        t_all, transfer, _, _, copy_s, copied = _best(lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps)
-        rows: list[Row] = [_row(condition, delay_s, "recompute all", recompute, compute, transfer, recompute),
-                           _row(condition, delay_s, "load all, then compute", t_all, compute, transfer, recompute, copy_s, copied)]
+        t_all, transfer, _, _, copy_s, copied = _best(
+            lambda: rig.ttft_pooled(rig.model.num_layers, delay_s, True), reps
+        )
+        rows: list[Row] = [
+            _row(condition, delay_s, "recompute all", recompute, compute, transfer, recompute),
+            _row(condition, delay_s, "load all, then compute", t_all, compute, transfer, recompute, copy_s, copied),
+        ]
         for p in prefetches:
             t_lw, _, _, wait_s, copy_s, copied = _best(lambda: rig.ttft_pooled(p, delay_s, False), reps)
-            rows.append(_row(condition, delay_s, f"layerwise prefetch {p}", t_lw, compute, transfer, recompute, copy_s, copied,
-                             wait_s))
+            rows.append(
+                _row(
+                    condition,
+                    delay_s,
+                    f"layerwise prefetch {p}",
+                    t_lw,
+                    compute,
+                    transfer,
+                    recompute,
+                    copy_s,
+                    copied,
+                    wait_s,
+                )
+            )
         result.rows += rows
         best = min(rows[2:], key=lambda r: r["ttft_ms"])
         key = condition.replace(" ", "_").replace("~", "eq").replace(",", "")
@@ -230,11 +293,21 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         progress.case(f"{NAME} saves")
         for key, label, extra in SAVE_VARIANTS:
             saving = _best(lambda: rig.ttft_saving(extra), reps)
-            result.rows.append({"condition": "saves (whole prompt computed, every block saved)", "delay_ms_per_range_call": 0.0,
-                                "variant": f"saving, {label}", "ttft_ms": saving * 1e3,
-                                "compute_alone_ms": recompute * 1e3, "transfer_alone_ms": float("nan"),
-                                "hidden_fraction": float("nan"), "speedup_vs_recompute": ratio(recompute, saving),
-                                "staging_copy_ms": 0.0, "staging_copy_gb_s": 0.0, "compute_wait_ms": float("nan")})
+            result.rows.append(
+                {
+                    "condition": "saves (whole prompt computed, every block saved)",
+                    "delay_ms_per_range_call": 0.0,
+                    "variant": f"saving, {label}",
+                    "ttft_ms": saving * 1e3,
+                    "compute_alone_ms": recompute * 1e3,
+                    "transfer_alone_ms": float("nan"),
+                    "hidden_fraction": float("nan"),
+                    "speedup_vs_recompute": ratio(recompute, saving),
+                    "staging_copy_ms": 0.0,
+                    "staging_copy_gb_s": 0.0,
+                    "compute_wait_ms": float("nan"),
+                }
+            )
             result.summary[f"saves.{key}_over_no_pool_ttft"] = ratio(saving * 1e3, recompute * 1e3)
     finally:
         rig.close()
@@ -249,11 +322,14 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "torch runs with 1 intra-op thread here: with 2 threads on this 2-CPU machine the receive thread's wake-ups "
         "were delayed by hundreds of ms in some runs (TTFT of every pooled variant swung 3-10x).",
         f"model: {rig.model.num_layers} layers, hidden {rig.model.hidden_size}, {rig.prompt_tokens}-token prompt, "
-        f"{rig.prefix_tokens} tokens ({HIT_FRACTION:.0%}) in the pool (embedded store), tp 1; best of {reps} fresh engines per variant (the machine's CPUs are shared; medians swing).",
-        f"rows `..., {deep.model.num_layers} layers`: the same with a model of {deep.model.num_layers} layers of hidden "
+        f"{rig.prefix_tokens} tokens ({HIT_FRACTION:.0%}) in the pool (embedded store), tp 1; best of {reps} fresh "
+        "engines per variant (the machine's CPUs are shared; medians swing).",
+        f"rows `..., {deep.model.num_layers} layers`: the same with a model of {deep.model.num_layers} layers of "
+        "hidden "
         f"{deep.model.hidden_size} (as deep as a real model). A step's first layer can hide only behind the compute "
         f"before layer 0, so at most about 1 - 1/layers of the transfer can be hidden: "
-        f"{1 - 1 / rig.model.num_layers:.1%} at {rig.model.num_layers} layers, {1 - 1 / deep.model.num_layers:.1%} at {deep.model.num_layers}.",
+        f"{1 - 1 / rig.model.num_layers:.1%} at {rig.model.num_layers} layers, {1 - 1 / deep.model.num_layers:.1%} at "
+        f"{deep.model.num_layers}.",
         "load all, then compute = a WorkerConnector wrapper whose start_load_kv waits for every layer before the "
         "forward starts (prefetch_layers = num_layers); its load time is `transfer alone`. compute alone = the same "
         "suffix computed over a prefix already in the engine's local prefix cache.",
@@ -269,17 +345,43 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "which returns once every layer is copied or written; staged writes then go on in the background).",
     ]
     labels = [f"{r['condition']}: {r['variant']}" for r in result.rows]
-    result.plots.append(bar_plot(options.out_dir / "overlap_ttft.png", labels, {"TTFT ms": [r["ttft_ms"] for r in result.rows]},
-                                 title="TTFT with a 90 % pool hit", ylabel="ms"))
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "overlap_ttft.png",
+            labels,
+            {"TTFT ms": [r["ttft_ms"] for r in result.rows]},
+            title="TTFT with a 90 % pool hit",
+            ylabel="ms",
+        )
+    )
     return result
 
 
-def _row(condition: str, delay_s: float, variant: str, ttft_s: float, compute_s: float, transfer_s: float, recompute_s: float,
-         copy_s: float = 0.0, copied_bytes: int = 0, wait_s: float = float("nan")) -> Row:
-    hidden = (transfer_s + compute_s - ttft_s) / transfer_s if variant.startswith("layerwise") and transfer_s > 0 else float("nan")
+def _row(
+    condition: str,
+    delay_s: float,
+    variant: str,
+    ttft_s: float,
+    compute_s: float,
+    transfer_s: float,
+    recompute_s: float,
+    copy_s: float = 0.0,
+    copied_bytes: int = 0,
+    wait_s: float = float("nan"),
+) -> Row:
+    hidden = (
+        (transfer_s + compute_s - ttft_s) / transfer_s
+        if variant.startswith("layerwise") and transfer_s > 0
+        else float("nan")
+    )
     return {
-        "condition": condition, "delay_ms_per_range_call": delay_s * 1e3, "variant": variant, "ttft_ms": ttft_s * 1e3,
-        "compute_alone_ms": compute_s * 1e3, "transfer_alone_ms": transfer_s * 1e3, "hidden_fraction": hidden,
+        "condition": condition,
+        "delay_ms_per_range_call": delay_s * 1e3,
+        "variant": variant,
+        "ttft_ms": ttft_s * 1e3,
+        "compute_alone_ms": compute_s * 1e3,
+        "transfer_alone_ms": transfer_s * 1e3,
+        "hidden_fraction": hidden,
         "speedup_vs_recompute": ratio(recompute_s, ttft_s),
         # receive thread: verifying staged layers and copying them out of staging into the cache
         "staging_copy_ms": copy_s * 1e3,

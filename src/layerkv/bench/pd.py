@@ -50,20 +50,27 @@ def grid(options: BenchOptions) -> Grid:
     """Suite serving's model (8 layers x 1024, 8 KV heads); `tiny` (tests): 2 layers x 256."""
     repeats = 1 if options.quick or options.tiny else 3
     if options.tiny:
-        return Grid((512,), (SUFFIX_TOKENS,), repeats, num_layers=2, hidden_size=256, dtype=native_dtype(), load_repeats=0)
+        return Grid(
+            (512,), (SUFFIX_TOKENS,), repeats, num_layers=2, hidden_size=256, dtype=native_dtype(), load_repeats=0
+        )
     return Grid((512, 2048), (SUFFIX_TOKENS,), repeats, dtype=native_dtype(), load_repeats=0)
 
 
-def _spec(g: Grid, model: Path, pythonpath: Path, name: str, layerkv_config: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def _spec(
+    g: Grid, model: Path, pythonpath: Path, name: str, layerkv_config: Path
+) -> tuple[dict[str, Any], dict[str, str]]:
     """LLM kwargs and environment: "plain" as suite serving's; "prefill" / "decode" layerkv with
     store_shards 2, the prefill at TP=2 (one core per rank)."""
     kwargs, env = engine_spec(g, model, pythonpath, "plain", layerkv_config, layerkv_config)
     if name == "plain":
         return kwargs, env
     kwargs["kv_transfer_config"] = {
-        "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-        "kv_role": "kv_producer" if name == "prefill" else "kv_consumer", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {**LAYERKV_EXTRA, "tenant": "bench-pd", "store_shards": STORE_SHARDS}}
+        "kv_connector": "LayerKVConnector",
+        "kv_connector_module_path": "layerkv.integrations.vllm",
+        "kv_role": "kv_producer" if name == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {**LAYERKV_EXTRA, "tenant": "bench-pd", "store_shards": STORE_SHARDS},
+    }
     env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
     if name == "prefill":
         kwargs["tensor_parallel_size"] = STORE_SHARDS
@@ -98,12 +105,17 @@ def _one(engines: dict[str, EngineProcess], prefix_tokens: int, repeat: int) -> 
     rec = engines["plain"].generate([prompt], max_tokens=1, reset_prefix_cache=True)
     (alone,) = rec["outputs"]
     return {
-        "prefix_tokens": prefix_tokens, "repeat": repeat, "prefill_ms": pre["wall_ms"],
-        "decode_ttft_ms": got["first_token_ms"], "pd_ms": pre["wall_ms"] + at_once["wall_ms"],
-        "decode_settled_ttft_ms": settled["first_token_ms"], "recompute_ttft_ms": alone["first_token_ms"],
+        "prefix_tokens": prefix_tokens,
+        "repeat": repeat,
+        "prefill_ms": pre["wall_ms"],
+        "decode_ttft_ms": got["first_token_ms"],
+        "pd_ms": pre["wall_ms"] + at_once["wall_ms"],
+        "decode_settled_ttft_ms": settled["first_token_ms"],
+        "recompute_ttft_ms": alone["first_token_ms"],
         "decode_wait_ms": after.get("scheduler_prefill_wait_ms", 0.0) - before.get("scheduler_prefill_wait_ms", 0.0),
         "decode_waits": after.get("scheduler_prefill_waits", 0.0) - before.get("scheduler_prefill_waits", 0.0),
-        "hit_tokens": got["num_cached_tokens"], "settled_hit_tokens": settled["num_cached_tokens"],
+        "hit_tokens": got["num_cached_tokens"],
+        "settled_hit_tokens": settled["num_cached_tokens"],
         "same_first_token": got["token_ids"][:1] == made["token_ids"][:1] == alone["token_ids"][:1],
     }
 
@@ -159,18 +171,32 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "engine start-up (s): " + ", ".join(f"{k} {v:.0f}" for k, v in about["startup_s"].items() if v is not None),
     ]
     labels = [f"prefix {p}" for p in g.prefixes]
-    result.plots.append(bar_plot(options.out_dir / "pd_ttft.png", labels, {
-        key: [result.summary.get(f"p{p} {key}", float("nan")) for p in g.prefixes]
-        for key in ("decode_ttft_ms", "decode_settled_ttft_ms", "recompute_ttft_ms", "pd_ms", "prefill_ms")},
-        title="P/D: decode TTFT against a decode server that recomputes (median)", ylabel="ms"))
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "pd_ttft.png",
+            labels,
+            {
+                key: [result.summary.get(f"p{p} {key}", float("nan")) for p in g.prefixes]
+                for key in ("decode_ttft_ms", "decode_settled_ttft_ms", "recompute_ttft_ms", "pd_ms", "prefill_ms")
+            },
+            title="P/D: decode TTFT against a decode server that recomputes (median)",
+            ylabel="ms",
+        )
+    )
     return result
 
 
 def _summarise(result: SuiteResult, g: Grid) -> None:
     for prefix in g.prefixes:
         rows = [r for r in result.rows if r["prefix_tokens"] == prefix]
-        for key in ("prefill_ms", "decode_ttft_ms", "pd_ms", "decode_settled_ttft_ms", "recompute_ttft_ms",
-                    "decode_wait_ms"):
+        for key in (
+            "prefill_ms",
+            "decode_ttft_ms",
+            "pd_ms",
+            "decode_settled_ttft_ms",
+            "recompute_ttft_ms",
+            "decode_wait_ms",
+        ):
             values = [r[key] for r in rows if r[key] is not None]
             if values:
                 result.summary[f"p{prefix} {key}"] = statistics.median(values)

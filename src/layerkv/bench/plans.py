@@ -22,14 +22,14 @@ from layerkv.bench.backends import Backend, open_backends
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult, gbps, kib, median_s, ratio
 from layerkv.bench.steps import drive_step
 from layerkv.config import LayerKVConfig
-from layerkv.objects.keys import block_keys
+from layerkv.connector.worker import WorkerConnector
 from layerkv.messages import Deployment
 from layerkv.metadata import BlockSpec, StepPlan, StepVerdict
 from layerkv.objects.encryption import LayerCipher
+from layerkv.objects.keys import block_keys
 from layerkv.objects.seal import NONCE_NBYTES, Sealer, context
-from layerkv.store.checked import CheckedStore
 from layerkv.objects.tenant_key import write_key_file
-from layerkv.connector.worker import WorkerConnector
+from layerkv.store.checked import CheckedStore
 
 NAME = "plans"
 KiB = 1 << 10
@@ -60,16 +60,25 @@ class _Worker:
 
     def __init__(self, backend: Backend, case: Case, tag: str, **config: Any) -> None:
         self.case = case
-        self.config = LayerKVConfig.from_dict({"max_transfer_blocks": MAX_BATCH_KEYS, "read_layers_per_range": 4, **config}, env={})
+        self.config = LayerKVConfig.from_dict(
+            {"max_transfer_blocks": MAX_BATCH_KEYS, "read_layers_per_range": 4, **config}, env={}
+        )
         width = case.entry_nbytes // BLOCK_SIZE
-        self.deployment = Deployment(model_id=f"bench/plans-{tag}", kv_dtype="uint8", block_size=BLOCK_SIZE, num_kv_heads=1,
-                                     kv_signature=f"plans:{case.num_layers}x{case.entry_nbytes}")
+        self.deployment = Deployment(
+            model_id=f"bench/plans-{tag}",
+            kv_dtype="uint8",
+            block_size=BLOCK_SIZE,
+            num_kv_heads=1,
+            kv_signature=f"plans:{case.num_layers}x{case.entry_nbytes}",
+        )
         self.store = CheckedStore(backend.store, max_batch_keys=MAX_BATCH_KEYS, call_timeout_s=10.0)
         self.worker = WorkerConnector(self.config, self.deployment, self.store)
         rng = np.random.default_rng(case.entry_nbytes + case.num_layers)
         # per layer [K|V, blocks, block_size, width] uint8
-        self.caches = {f"model.layers.{l}.attn": rng.integers(0, 255, (2, case.num_keys, BLOCK_SIZE, width), dtype=np.uint8)
-                       for l in range(case.num_layers)}
+        self.caches = {
+            f"model.layers.{li}.attn": rng.integers(0, 255, (2, case.num_keys, BLOCK_SIZE, width), dtype=np.uint8)
+            for li in range(case.num_layers)
+        }
         self.worker.register_kv_caches(self.caches, case.num_keys)
         self.names = list(self.caches)
         self.seq = itertools.count()
@@ -78,14 +87,31 @@ class _Worker:
         """Save step, then the step carrying its commit verdict; until readable."""
         seq = next(self.seq)
         spec = BlockSpec("r", hashes, tuple(range(len(hashes))))
-        drive_step(self.worker, StepPlan(step_seq=seq, num_tokens=len(hashes) * BLOCK_SIZE, saves=(spec,)), self.names,
-                   load=False, save=True)
-        drive_step(self.worker, StepPlan(step_seq=next(self.seq), verdicts=(StepVerdict(seq),)), self.names, load=False, save=False)
+        drive_step(
+            self.worker,
+            StepPlan(step_seq=seq, num_tokens=len(hashes) * BLOCK_SIZE, saves=(spec,)),
+            self.names,
+            load=False,
+            save=True,
+        )
+        drive_step(
+            self.worker,
+            StepPlan(step_seq=next(self.seq), verdicts=(StepVerdict(seq),)),
+            self.names,
+            load=False,
+            save=False,
+        )
         self.worker.flush()
 
     def load(self, hashes: tuple[bytes, ...]) -> None:
         spec = BlockSpec("r", hashes, tuple(range(len(hashes))))
-        drive_step(self.worker, StepPlan(step_seq=next(self.seq), num_tokens=1, loads=(spec,)), self.names, load=True, save=False)
+        drive_step(
+            self.worker,
+            StepPlan(step_seq=next(self.seq), num_tokens=1, loads=(spec,)),
+            self.names,
+            load=True,
+            save=False,
+        )
 
     def keys(self, hashes: tuple[bytes, ...]) -> list[str]:
         return block_keys(self.worker.namespace, hashes, 0)
@@ -118,26 +144,59 @@ def _whole(backend: Backend, case: Case, nbytes: int, reps: int) -> tuple[float,
     return put_s, get_s
 
 
-def _keyed_rows(backend: Backend, case: Case, tag: str, label: str, extra: dict[str, object], base: Row, payload: int,
-                put_s: float, get_s: float, reps: int, progress: Progress) -> list[Row]:
+def _keyed_rows(
+    backend: Backend,
+    case: Case,
+    tag: str,
+    label: str,
+    extra: dict[str, object],
+    base: Row,
+    payload: int,
+    put_s: float,
+    get_s: float,
+    reps: int,
+    progress: Progress,
+) -> list[Row]:
     """The default plan's save and load with a tenant key (`extra`) on both sides."""
     keyed = _Worker(backend, case, tag, transfer_plan="auto", **extra)
     try:
         hashes = _hashes(f"{tag}:{label}", case.num_keys)
         s = median_s(lambda: keyed.save(hashes), reps, setup=lambda: keyed.store.batch_remove(keyed.keys(hashes)))
-        rows: list[Row] = [{**base, "direction": "put", "path": f"layerkv save (auto), {label}", "ms": s * 1e3,
-                            "gbps": gbps(payload, s), "vs_whole": ratio(put_s, s)}]
+        rows: list[Row] = [
+            {
+                **base,
+                "direction": "put",
+                "path": f"layerkv save (auto), {label}",
+                "ms": s * 1e3,
+                "gbps": gbps(payload, s),
+                "vs_whole": ratio(put_s, s),
+            }
+        ]
         keyed.save(hashes)
-        rows.append(_load_row(backend, case, tag, "auto", extra, keyed, hashes, base, payload, get_s, reps, progress, label))
+        rows.append(
+            _load_row(backend, case, tag, "auto", extra, keyed, hashes, base, payload, get_s, reps, progress, label)
+        )
         keyed.store.batch_remove(keyed.keys(hashes))
         return rows
     finally:
         keyed.close()
 
 
-def _load_row(backend: Backend, case: Case, tag: str, plan: str, extra: dict[str, object], producer: _Worker,
-              hashes: tuple[bytes, ...], base: Row, payload: int, get_s: float, reps: int, progress: Progress,
-              key_label: str = "") -> Row:
+def _load_row(
+    backend: Backend,
+    case: Case,
+    tag: str,
+    plan: str,
+    extra: dict[str, object],
+    producer: _Worker,
+    hashes: tuple[bytes, ...],
+    base: Row,
+    payload: int,
+    get_s: float,
+    reps: int,
+    progress: Progress,
+    key_label: str = "",
+) -> Row:
     """One load plan's row: a fresh reader (same key as the producer) loading `hashes`."""
     label = f"layerkv load ({plan})" + (f", {key_label}" if key_label else "")
     progress.case(f"{NAME} {backend.name} load {plan}{', ' + key_label if key_label else ''}")
@@ -149,9 +208,16 @@ def _load_row(backend: Backend, case: Case, tag: str, plan: str, extra: dict[str
         s = median_s(lambda: reader.load(hashes), reps)
         same = all(np.array_equal(reader.caches[n], producer.caches[n]) for n in reader.names)
         stats = reader.worker.stats()
-        return {**base, "direction": "get", "path": label, "ms": s * 1e3, "gbps": gbps(payload, s),
-                "vs_whole": ratio(get_s, s), "verified": same and stats.load_failed_blocks == 0,
-                "plans l/g/w": f"{stats.load_plans_layers}/{stats.load_plans_groups}/{stats.load_plans_whole}"}
+        return {
+            **base,
+            "direction": "get",
+            "path": label,
+            "ms": s * 1e3,
+            "gbps": gbps(payload, s),
+            "vs_whole": ratio(get_s, s),
+            "verified": same and stats.load_failed_blocks == 0,
+            "plans l/g/w": f"{stats.load_plans_layers}/{stats.load_plans_groups}/{stats.load_plans_whole}",
+        }
     finally:
         reader.close()
 
@@ -165,8 +231,22 @@ def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> lis
     put_s, get_s = _whole(backend, case, object_nbytes, reps)
     base = {"backend": backend.name, "entry": kib(case.entry_nbytes), "keys": case.num_keys, "layers": case.num_layers}
     rows: list[Row] = [
-        {**base, "direction": "get", "path": "whole object", "ms": get_s * 1e3, "gbps": gbps(payload, get_s), "vs_whole": 1.0},
-        {**base, "direction": "put", "path": "whole object", "ms": put_s * 1e3, "gbps": gbps(payload, put_s), "vs_whole": 1.0},
+        {
+            **base,
+            "direction": "get",
+            "path": "whole object",
+            "ms": get_s * 1e3,
+            "gbps": gbps(payload, get_s),
+            "vs_whole": 1.0,
+        },
+        {
+            **base,
+            "direction": "put",
+            "path": "whole object",
+            "ms": put_s * 1e3,
+            "gbps": gbps(payload, put_s),
+            "vs_whole": 1.0,
+        },
     ]
     try:
         for plan in SAVE_PLANS:
@@ -180,9 +260,19 @@ def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> lis
             fresh()
             saver.save(run_hashes[-1])  # warm-up
             s = median_s(lambda: saver.save(run_hashes[-1]), reps, setup=fresh)
-            assert saver.store.batch_is_exist(saver.keys(run_hashes[-1])) == [1] * case.num_keys, "saved objects not readable"
-            rows.append({**base, "direction": "put", "path": f"layerkv save ({plan})", "ms": s * 1e3,
-                         "gbps": gbps(payload, s), "vs_whole": ratio(put_s, s)})
+            assert saver.store.batch_is_exist(saver.keys(run_hashes[-1])) == [1] * case.num_keys, (
+                "saved objects not readable"
+            )
+            rows.append(
+                {
+                    **base,
+                    "direction": "put",
+                    "path": f"layerkv save ({plan})",
+                    "ms": s * 1e3,
+                    "gbps": gbps(payload, s),
+                    "vs_whole": ratio(put_s, s),
+                }
+            )
             for h in run_hashes:
                 saver.store.batch_remove(saver.keys(h))
             if saver is not producer:
@@ -195,7 +285,8 @@ def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> lis
             key_file = str(write_key_file(Path(tmp) / "tenant.key").path)
             variants: list[tuple[str, dict[str, object]]] = [
                 ("tenant key", {"tenant_key_file": key_file}),
-                ("encrypted", {"tenant_key_file": key_file, "encrypt_objects": True})]
+                ("encrypted", {"tenant_key_file": key_file, "encrypt_objects": True}),
+            ]
             for label, extra in variants:
                 rows += _keyed_rows(backend, case, tag, label, extra, base, payload, put_s, get_s, reps, progress)
         producer.store.batch_remove(producer.keys(hashes))
@@ -208,7 +299,7 @@ def tag_rows(options: BenchOptions) -> list[Row]:
     """GB/s of Sealer.layer_tags over 64 layers of one size (what a save or a load computes per
     layer of each key), unkeyed and keyed, on this thread."""
     out: list[Row] = []
-    for nbytes in ((16 * KiB,) if options.tiny else (4 * KiB, 64 * KiB, 1024 * KiB)):
+    for nbytes in (16 * KiB,) if options.tiny else (4 * KiB, 64 * KiB, 1024 * KiB):
         rows = np.random.default_rng(nbytes).integers(0, 255, (64, nbytes), dtype=np.uint8)
         contexts = [context(f"bench@{i}@0", bytes(NONCE_NBYTES)) for i in range(64)]
         chunks = [[r] for r in rows]
@@ -217,10 +308,16 @@ def tag_rows(options: BenchOptions) -> list[Row]:
             times[name] = median_s(functools.partial(sealer.layer_tags, contexts, 3, chunks), options.reps)
         cipher = Sealer(bytes(32), LayerCipher(bytes(32)))  # encrypts in place: a fresh copy per run
         times["encrypted"] = median_s(lambda: cipher.seal_layers(contexts, 3, list(rows.copy())), options.reps)
-        out.append({"layer_nbytes": nbytes, "unkeyed_gbps": gbps(rows.nbytes, times["unkeyed"]),
-                    "keyed_gbps": gbps(rows.nbytes, times["keyed"]), "encrypted_gbps": gbps(rows.nbytes, times["encrypted"]),
-                    "keyed_vs_unkeyed": ratio(times["keyed"], times["unkeyed"]),
-                    "encrypted_vs_unkeyed": ratio(times["encrypted"], times["unkeyed"])})
+        out.append(
+            {
+                "layer_nbytes": nbytes,
+                "unkeyed_gbps": gbps(rows.nbytes, times["unkeyed"]),
+                "keyed_gbps": gbps(rows.nbytes, times["keyed"]),
+                "encrypted_gbps": gbps(rows.nbytes, times["encrypted"]),
+                "keyed_vs_unkeyed": ratio(times["keyed"], times["unkeyed"]),
+                "encrypted_vs_unkeyed": ratio(times["encrypted"], times["unkeyed"]),
+            }
+        )
     return out
 
 
@@ -235,8 +332,10 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             result.summary[f"{row['backend']} {row['entry']} load auto vs whole"] = row["vs_whole"]
         if row["path"] == "layerkv save (auto)":
             result.summary[f"{row['backend']} {row['entry']} save auto vs whole"] = row["vs_whole"]
-    result.tables["Layer tags per core, one thread: xxh3-128 (no key), BLAKE3-keyed MAC (tenant key), "
-                  "AES-256-GCM (encrypt_objects; the copy it encrypts included)"] = tag_rows(options)
+    result.tables[
+        "Layer tags per core, one thread: xxh3-128 (no key), BLAKE3-keyed MAC (tenant key), "
+        "AES-256-GCM (encrypt_objects; the copy it encrypts included)"
+    ] = tag_rows(options)
     for row in result.tables[next(iter(result.tables))]:
         result.summary[f"tags {kib(row['layer_nbytes'])} keyed / unkeyed time"] = row["keyed_vs_unkeyed"]
     result.notes = [

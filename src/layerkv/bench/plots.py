@@ -17,8 +17,17 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def line_plot(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[float]], *, title: str, xlabel: str,
-              ylabel: str, logx: bool = False, logy: bool = False) -> str:
+def line_plot(
+    path: Path,
+    xs: Sequence[float],
+    series: Mapping[str, Sequence[float]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = False,
+    logy: bool = False,
+) -> str:
     """One line per series over the shared xs."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -29,8 +38,15 @@ def line_plot(path: Path, xs: Sequence[float], series: Mapping[str, Sequence[flo
     return _labelled(plt, fig, ax, path, title, xlabel, ylabel, logy)
 
 
-def xy_plot(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], *, title: str, xlabel: str,
-            ylabel: str, logy: bool = False) -> str:
+def xy_plot(
+    path: Path,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logy: bool = False,
+) -> str:
     """One line per series, each over its own xs: {label: (xs, ys)}."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -39,8 +55,15 @@ def xy_plot(path: Path, series: Mapping[str, tuple[Sequence[float], Sequence[flo
     return _labelled(plt, fig, ax, path, title, xlabel, ylabel, logy)
 
 
-def bar_plot(path: Path, labels: Sequence[str], groups: Mapping[str, Sequence[float]], *, title: str, ylabel: str,
-             logy: bool = False) -> str:
+def bar_plot(
+    path: Path,
+    labels: Sequence[str],
+    groups: Mapping[str, Sequence[float]],
+    *,
+    title: str,
+    ylabel: str,
+    logy: bool = False,
+) -> str:
     """Grouped bars: one group per label, one bar per series."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.0, 4.0))

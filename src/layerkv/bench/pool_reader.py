@@ -43,8 +43,9 @@ class PoolReader:
             self._client.register_buffer(self._buffer.ctypes.data, need)
         base = self._buffer.ctypes.data
         start = time.perf_counter()
-        got = self._client.batch_get_into(keys, [base + i * self._object_bytes for i in range(len(keys))],
-                                          [self._object_bytes] * len(keys))
+        got = self._client.batch_get_into(
+            keys, [base + i * self._object_bytes for i in range(len(keys))], [self._object_bytes] * len(keys)
+        )
         elapsed_ms = (time.perf_counter() - start) * 1e3
         return elapsed_ms, sum(1 for n in got if isinstance(n, int) and n > 0)
 

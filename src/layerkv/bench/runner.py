@@ -18,7 +18,9 @@ from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult
 
 
-def run_bench(suites: Sequence[str], options: BenchOptions, *, progress: bool = True, command: str = "") -> dict[str, Any]:
+def run_bench(
+    suites: Sequence[str], options: BenchOptions, *, progress: bool = True, command: str = ""
+) -> dict[str, Any]:
     """Run `suites` (names from SUITES and OPT_IN_SUITES, in that order; none: all of SUITES),
     write the files, return the JSON dict."""
     known = SUITES + OPT_IN_SUITES
@@ -75,7 +77,10 @@ def markdown(doc: dict[str, Any]) -> str:
     if doc.get("command"):
         lines += [f"Command: `{doc['command']}`", ""]
     m = doc["machine"]
-    lines += [f"Machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}; total {doc['total_seconds']:.0f} s", ""]
+    lines += [
+        f"Machine: {m['cpus']} CPUs, Python {m['python']}, {m['platform']}; total {doc['total_seconds']:.0f} s",
+        "",
+    ]
     for name, suite in doc["suites"].items():
         lines += [f"## {name}", "", f"({suite['seconds']:.1f} s)", ""]
         lines += [f"* {note}" for note in suite["notes"]]
@@ -97,14 +102,21 @@ def table(rows: list[Row]) -> list[str]:
     if not rows:
         return []
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    out = ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" if _numeric(rows, c) else "---" for c in columns) + "|"]
+    out = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---:" if _numeric(rows, c) else "---" for c in columns) + "|",
+    ]
     out += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
     out.append("")
     return out
 
 
 def _numeric(rows: list[Row], column: str) -> bool:
-    return all(isinstance(r.get(column), (int, float)) and not isinstance(r.get(column), bool) for r in rows if r.get(column) is not None)
+    return all(
+        isinstance(r.get(column), (int, float)) and not isinstance(r.get(column), bool)
+        for r in rows
+        if r.get(column) is not None
+    )
 
 
 def _fmt(value: Any) -> str:

@@ -34,10 +34,17 @@ class _Setup:
 
     def __init__(self, num_layers: int, max_tokens: int) -> None:
         self.num_blocks = max_tokens // BLOCK_SIZE + 4
-        self.caches = {f"model.layers.{i}.self_attn.attn": np.zeros((2, self.num_blocks, BLOCK_SIZE, 1, 32), dtype=np.float16)
-                       for i in range(num_layers)}
-        deployment = Deployment(model_id="bench/scale", kv_dtype="float16", block_size=BLOCK_SIZE, num_kv_heads=1,
-                                kv_signature=f"scale-L{num_layers}")
+        self.caches = {
+            f"model.layers.{i}.self_attn.attn": np.zeros((2, self.num_blocks, BLOCK_SIZE, 1, 32), dtype=np.float16)
+            for i in range(num_layers)
+        }
+        deployment = Deployment(
+            model_id="bench/scale",
+            kv_dtype="float16",
+            block_size=BLOCK_SIZE,
+            num_kv_heads=1,
+            kv_signature=f"scale-L{num_layers}",
+        )
         config = LayerKVConfig.from_dict({}, env={})
         self.backend = EmbeddedStore(capacity_bytes=1 << 30)
         self.store = CheckedStore(self.backend, max_batch_keys=config.max_transfer_blocks)
@@ -64,12 +71,17 @@ class _Setup:
         self.worker.flush()
         times["save_ms"] = time.perf_counter() - start
         start = time.perf_counter()
-        hit, _ = self.scheduler.get_num_new_matched_tokens(RequestView(f"r{run}", prompt_tokens + 1, prompt_tokens + 1, hashes), 0)
+        hit, _ = self.scheduler.get_num_new_matched_tokens(
+            RequestView(f"r{run}", prompt_tokens + 1, prompt_tokens + 1, hashes), 0
+        )
         times["lookup_ms"] = time.perf_counter() - start
         if hit != num * BLOCK_SIZE:
             raise RuntimeError(f"scale: lookup found {hit} tokens of {num * BLOCK_SIZE} just saved")
         start = time.perf_counter()
-        self.step(StepPlan(step_seq=next(_seqs), loads=(BlockSpec(f"r{run}", hashes, ids),), ended_req_ids=frozenset({"r"})), load=True)
+        self.step(
+            StepPlan(step_seq=next(_seqs), loads=(BlockSpec(f"r{run}", hashes, ids),), ended_req_ids=frozenset({"r"})),
+            load=True,
+        )
         times["load_ms"] = time.perf_counter() - start
         stats = self.worker.stats()
         if stats.load_failed_blocks or stats.save_failed_keys:
@@ -99,9 +111,16 @@ def measure(setup: _Setup, num_layers: int, prompt_tokens: int, reps: int) -> Ro
     finally:
         tracemalloc.stop()
     kv_nbytes = (prompt_tokens // BLOCK_SIZE) * num_layers * 2 * BLOCK_SIZE * 32 * 2
-    return {"prompt_tokens": prompt_tokens, "layers": num_layers, "blocks": prompt_tokens // BLOCK_SIZE, "kv_mib": kv_nbytes / (1 << 20),
-            **best, "python_peak_mib": peak / (1 << 20), "python_peak_over_kv": peak / kv_nbytes,
-            "us_per_block_layer_load": best["load_ms"] * 1e3 / ((prompt_tokens // BLOCK_SIZE) * num_layers)}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "layers": num_layers,
+        "blocks": prompt_tokens // BLOCK_SIZE,
+        "kv_mib": kv_nbytes / (1 << 20),
+        **best,
+        "python_peak_mib": peak / (1 << 20),
+        "python_peak_over_kv": peak / kv_nbytes,
+        "us_per_block_layer_load": best["load_ms"] * 1e3 / ((prompt_tokens // BLOCK_SIZE) * num_layers),
+    }
 
 
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
@@ -125,21 +144,46 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result.notes += [
         "one pass = a save step (put sessions, one range call per layer per 64 blocks, commit), the scheduler lookup "
         "(windowed exists) and a load step (get sessions, layerwise reads) of every block of the prompt through the "
-        "connectors; caches [2, blocks, 16, 1, 32] float16 per layer (1 KiB per entry); embedded store; best of the passes.",
+        "connectors; caches [2, blocks, 16, 1, 32] float16 per layer (1 KiB per entry); embedded store; best of the "
+        "passes.",
         "python_peak_mib = tracemalloc peak during one pass (layerkv's Python objects: range lists, keys, plans; "
         "the KV bytes live in numpy / the store arena and are not traced).",
     ]
-    by_len = sorted((r for r in result.rows if r["layers"] == min(grid, key=lambda l: -len(grid[l]))), key=lambda r: r["prompt_tokens"])
+    by_len = sorted(
+        (r for r in result.rows if r["layers"] == min(grid, key=lambda li: -len(grid[li]))),
+        key=lambda r: r["prompt_tokens"],
+    )
     if by_len:
-        result.summary["load_ms_growth_per_token_doubling"] = (by_len[-1]["load_ms"] / by_len[0]["load_ms"]) ** (1 / max(1e-9, np.log2(by_len[-1]["prompt_tokens"] / by_len[0]["prompt_tokens"])))
+        result.summary["load_ms_growth_per_token_doubling"] = (by_len[-1]["load_ms"] / by_len[0]["load_ms"]) ** (
+            1 / max(1e-9, np.log2(by_len[-1]["prompt_tokens"] / by_len[0]["prompt_tokens"]))
+        )
         result.summary[f"load_ms@{by_len[-1]['prompt_tokens']}tok_L{by_len[-1]['layers']}"] = by_len[-1]["load_ms"]
-        result.summary[f"python_peak_mib@{by_len[-1]['prompt_tokens']}tok_L{by_len[-1]['layers']}"] = by_len[-1]["python_peak_mib"]
+        result.summary[f"python_peak_mib@{by_len[-1]['prompt_tokens']}tok_L{by_len[-1]['layers']}"] = by_len[-1][
+            "python_peak_mib"
+        ]
         xs = [r["prompt_tokens"] for r in by_len]
-        result.plots.append(line_plot(options.out_dir / "scale_time.png", xs,
-                                      {k: [r[k] for r in by_len] for k in ("save_ms", "lookup_ms", "load_ms")},
-                                      title=f"layerkv cost vs prompt length ({by_len[0]['layers']} layers)",
-                                      xlabel="prompt tokens", ylabel="ms", logx=True, logy=True))
-        result.plots.append(line_plot(options.out_dir / "scale_memory.png", xs, {"python peak MiB": [r["python_peak_mib"] for r in by_len],
-                                                                                "KV MiB": [r["kv_mib"] for r in by_len]},
-                                      title="memory vs prompt length", xlabel="prompt tokens", ylabel="MiB", logx=True, logy=True))
+        result.plots.append(
+            line_plot(
+                options.out_dir / "scale_time.png",
+                xs,
+                {k: [r[k] for r in by_len] for k in ("save_ms", "lookup_ms", "load_ms")},
+                title=f"layerkv cost vs prompt length ({by_len[0]['layers']} layers)",
+                xlabel="prompt tokens",
+                ylabel="ms",
+                logx=True,
+                logy=True,
+            )
+        )
+        result.plots.append(
+            line_plot(
+                options.out_dir / "scale_memory.png",
+                xs,
+                {"python peak MiB": [r["python_peak_mib"] for r in by_len], "KV MiB": [r["kv_mib"] for r in by_len]},
+                title="memory vs prompt length",
+                xlabel="prompt tokens",
+                ylabel="MiB",
+                logx=True,
+                logy=True,
+            )
+        )
     return result

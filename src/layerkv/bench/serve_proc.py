@@ -28,8 +28,9 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{port}"
         self._stop_requested = False
         with open(self.log_path, "wb") as log:
-            self._popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                           env=env, start_new_session=True)
+            self._popen = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:
@@ -99,7 +100,7 @@ def group_rss_bytes(pgid: int) -> int:
             continue
         try:
             stat = Path(entry.path, "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
             if int(fields[2]) != pgid:
                 continue
             total += int(Path(entry.path, "statm").read_text().split()[1]) * PAGE_BYTES

@@ -34,10 +34,31 @@ from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
 from layerkv.bench.pool_reader import PoolReader
-from layerkv.bench.serving_grid import (BLOCK_SIZE, LOAD_MAX_TOKENS, LOAD_MISS_EVERY, LOAD_PREFIX_TOKENS,
-                                       LOAD_PREFIXES, LOAD_SUFFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids)
-from layerkv.bench.serving_report import (CEILING, LAYERKV, LAYERKV_DIRECT, LAYERKV_ENCRYPTED, LAYERKV_KEYED, MOONCAKE,
-                                         RECOMPUTE, TRANSFER, LoadRun, Run, Step)
+from layerkv.bench.serving_grid import (
+    BLOCK_SIZE,
+    LOAD_MAX_TOKENS,
+    LOAD_MISS_EVERY,
+    LOAD_PREFIX_TOKENS,
+    LOAD_PREFIXES,
+    LOAD_SUFFIX_TOKENS,
+    Grid,
+    load_prompts,
+    prefix_ids,
+    suffix_ids,
+)
+from layerkv.bench.serving_report import (
+    CEILING,
+    LAYERKV,
+    LAYERKV_DIRECT,
+    LAYERKV_ENCRYPTED,
+    LAYERKV_KEYED,
+    MOONCAKE,
+    RECOMPUTE,
+    TRANSFER,
+    LoadRun,
+    Run,
+    Step,
+)
 from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
 from layerkv.bench.vllm_model import save_in
 
@@ -46,16 +67,29 @@ LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-s
 DIRECT_EXTRA = {"register_kv_cache": True}  # contender LAYERKV_DIRECT
 KEYED_EXTRA = {"tenant_key_file": "<work dir>/tenant.key"}  # LAYERKV_KEYED (its producer too); the path is set per run
 ENCRYPTED_EXTRA = {**KEYED_EXTRA, "encrypt_objects": True}  # LAYERKV_ENCRYPTED (its producer too)
-ENGINE_OF = {RECOMPUTE: "plain", CEILING: "plain", LAYERKV: "layerkv", LAYERKV_DIRECT: "layerkv-direct",
-             MOONCAKE: "mooncake", LAYERKV_KEYED: "layerkv-keyed", LAYERKV_ENCRYPTED: "layerkv-encrypted"}
+ENGINE_OF = {
+    RECOMPUTE: "plain",
+    CEILING: "plain",
+    LAYERKV: "layerkv",
+    LAYERKV_DIRECT: "layerkv-direct",
+    MOONCAKE: "mooncake",
+    LAYERKV_KEYED: "layerkv-keyed",
+    LAYERKV_ENCRYPTED: "layerkv-encrypted",
+}
 # each producer's local-cache reference runs, in the order they run, and the contender they stand for
-REFERENCES = (("layerkv-producer", LAYERKV), ("mooncake-producer", MOONCAKE), ("layerkv-keyed-producer", LAYERKV_KEYED),
-              ("layerkv-encrypted-producer", LAYERKV_ENCRYPTED))
+REFERENCES = (
+    ("layerkv-producer", LAYERKV),
+    ("mooncake-producer", MOONCAKE),
+    ("layerkv-keyed-producer", LAYERKV_KEYED),
+    ("layerkv-encrypted-producer", LAYERKV_ENCRYPTED),
+)
 
 
 def make_model(python: str, pythonpath: Path, work_dir: Path, grid: Grid) -> Path:
     """The grid's random-weight Llama in work_dir/model, made by the engine's Python."""
-    return save_in(python, engine_env(pythonpath, {}), work_dir / "model", grid.num_layers, grid.hidden_size, grid.dtype)
+    return save_in(
+        python, engine_env(pythonpath, {}), work_dir / "model", grid.num_layers, grid.hidden_size, grid.dtype
+    )
 
 
 def omp_bind() -> str:
@@ -68,7 +102,9 @@ def omp_bind() -> str:
 class Rig:
     """The model, the pool (a `layerkv master` child) and the six engines, started once."""
 
-    def __init__(self, options: BenchOptions, grid: Grid, vllm_version: str, work_dir: Path, progress: Progress) -> None:
+    def __init__(
+        self, options: BenchOptions, grid: Grid, vllm_version: str, work_dir: Path, progress: Progress
+    ) -> None:
         from layerkv.store.local_master import LocalMaster
 
         self.grid, self.work_dir = grid, work_dir
@@ -79,8 +115,9 @@ class Rig:
         progress.case(f"{NAME}: pool")
         self.master = LocalMaster(segment_size=str(grid.pool_bytes()))
         self.engines: dict[str, EngineProcess] = {}
-        self.reader = PoolReader(self.master.info["metrics_url"], self.master.client_config,
-                                 grid.kv_bytes_per_token * BLOCK_SIZE + 4096)  # header <= 4 KiB
+        self.reader = PoolReader(
+            self.master.info["metrics_url"], self.master.client_config, grid.kv_bytes_per_token * BLOCK_SIZE + 4096
+        )  # header <= 4 KiB
         self.prefix_keys: dict[tuple[int, int], list[str]] = {}  # (prefix tokens, repeat) -> its layerkv objects
         self.stopped_counters: dict[str, dict[str, Any]] = {}
         try:
@@ -89,8 +126,16 @@ class Rig:
             # vLLM's connector refuses global_segment_size 0 in its "embedded" mode; "standalone-store"
             # mounts nothing, like layerkv's clients: every object of both lives in the master's segment.
             connector_config = work_dir / "mooncake-connector.json"
-            connector_config.write_text(json.dumps({**self.master.client_config, "mode": "standalone-store",
-                                                    "global_segment_size": 0, "local_buffer_size": 512 << 20}))
+            connector_config.write_text(
+                json.dumps(
+                    {
+                        **self.master.client_config,
+                        "mode": "standalone-store",
+                        "global_segment_size": 0,
+                        "local_buffer_size": 512 << 20,
+                    }
+                )
+            )
             progress.case(f"{NAME}: starting {len(grid.engines)} vLLM engines")
             for name in grid.engines:
                 kwargs, env = self._spec(name, layerkv_config, connector_config)
@@ -103,8 +148,15 @@ class Rig:
 
     def _spec(self, name: str, layerkv_config: Path, connector_config: Path) -> tuple[dict[str, Any], dict[str, str]]:
         keyed = name.startswith(("layerkv-keyed", "layerkv-encrypted"))
-        return engine_spec(self.grid, self.model, self.pythonpath, name, layerkv_config, connector_config,
-                           self.key_file() if keyed else None)
+        return engine_spec(
+            self.grid,
+            self.model,
+            self.pythonpath,
+            name,
+            layerkv_config,
+            connector_config,
+            self.key_file() if keyed else None,
+        )
 
     def key_file(self) -> Path:
         """The keyed engines' tenant key (one for all of them: a producer and its consumer share it)."""
@@ -129,15 +181,29 @@ class Rig:
         self.master.stop()
 
 
-def engine_spec(grid: Grid, model: Path, pythonpath: Path, name: str, layerkv_config: Path, connector_config: Path,
-            key_file: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def engine_spec(
+    grid: Grid,
+    model: Path,
+    pythonpath: Path,
+    name: str,
+    layerkv_config: Path,
+    connector_config: Path,
+    key_file: Path | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The LLM kwargs and environment of engine `name` (ENGINES of serving_grid) on `model`, its
     pool clients configured by `layerkv_config` (layerkv) / `connector_config` (vLLM's
     MooncakeStoreConnector); `key_file`: the keyed engines' tenant key."""
     g = grid
     kwargs: dict[str, Any] = dict(
-        model=str(model), skip_tokenizer_init=True, dtype=g.dtype, block_size=BLOCK_SIZE, enforce_eager=True,
-        max_model_len=g.max_model_len, max_num_batched_tokens=g.max_model_len, gpu_memory_utilization=0.3, seed=0,
+        model=str(model),
+        skip_tokenizer_init=True,
+        dtype=g.dtype,
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=g.max_model_len,
+        max_num_batched_tokens=g.max_model_len,
+        gpu_memory_utilization=0.3,
+        seed=0,
         disable_log_stats=False,
     )
     env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
@@ -145,11 +211,16 @@ def engine_spec(grid: Grid, model: Path, pythonpath: Path, name: str, layerkv_co
         role = "kv_producer" if name.endswith("producer") else "kv_consumer"
         extra: dict[str, Any] = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
         if name.startswith(("layerkv-keyed", "layerkv-encrypted")):
-            extra.update(ENCRYPTED_EXTRA if name.startswith("layerkv-encrypted") else KEYED_EXTRA,
-                         tenant_key_file=str(key_file))
+            extra.update(
+                ENCRYPTED_EXTRA if name.startswith("layerkv-encrypted") else KEYED_EXTRA, tenant_key_file=str(key_file)
+            )
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "LayerKVConnector", "kv_connector_module_path": "layerkv.integrations.vllm",
-            "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+            "kv_connector": "LayerKVConnector",
+            "kv_connector_module_path": "layerkv.integrations.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
         env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
     elif name.startswith("mooncake"):
         producer = name.endswith("producer")
@@ -157,17 +228,28 @@ def engine_spec(grid: Grid, model: Path, pythonpath: Path, name: str, layerkv_co
         extra = {"lookup_rpc_port": os.getpid() * 4 + (1 if producer else 2)}
         if producer:
             extra["enable_lookup"] = False  # never loads: its reference runs are local-cache runs
-        kwargs["kv_transfer_config"] = {"kv_connector": "MooncakeStoreConnector",
-                                        "kv_role": "kv_producer" if producer else "kv_consumer",
-                                        "kv_connector_extra_config": extra}
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_producer" if producer else "kv_consumer",
+            "kv_connector_extra_config": extra,
+        }
         env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
     return kwargs, engine_env(pythonpath, env)
 
 
 def _run(contender: str, step: Step, reply: dict[str, Any], reference: bool = False) -> Run:
     (out,) = reply["outputs"]
-    return Run(contender, step.cell, step.repeat, float(reply["wall_ms"]), int(out["num_cached_tokens"]),
-               tuple(out["token_ids"]), tuple(out["logprobs"]), reference, out["first_token_ms"])
+    return Run(
+        contender,
+        step.cell,
+        step.repeat,
+        float(reply["wall_ms"]),
+        int(out["num_cached_tokens"]),
+        tuple(out["token_ids"]),
+        tuple(out["logprobs"]),
+        reference,
+        out["first_token_ms"],
+    )
 
 
 class Engines(Protocol):
@@ -234,9 +316,17 @@ def measure_load(rig: Rig, repeat: int, contenders: tuple[str, ...]) -> list[Loa
             e["plain"].generate(prefixes, reset_prefix_cache=True)
         reply = e[engine].generate(prompts, reset_prefix_cache=contender != CEILING, max_tokens=LOAD_MAX_TOKENS)
         outs = reply["outputs"]
-        runs.append(LoadRun(contender, repeat, float(reply["wall_ms"]), LOAD_MAX_TOKENS,
-                            tuple(o["first_token_ms"] for o in outs if o["first_token_ms"] is not None),
-                            tuple(o["num_cached_tokens"] for o in outs), tuple(tuple(o["token_ids"]) for o in outs)))
+        runs.append(
+            LoadRun(
+                contender,
+                repeat,
+                float(reply["wall_ms"]),
+                LOAD_MAX_TOKENS,
+                tuple(o["first_token_ms"] for o in outs if o["first_token_ms"] is not None),
+                tuple(o["num_cached_tokens"] for o in outs),
+                tuple(tuple(o["token_ids"]) for o in outs),
+            )
+        )
     return runs
 
 
@@ -278,16 +368,22 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             progress.case(f"{NAME}: warm-up, prefix {prefix}")
             measure(rig, Step((prefix, min(grid.suffixes)), -1 - k, grid.contenders))
         for i, step in enumerate(steps):
-            progress.case(f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}")
+            progress.case(
+                f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}"
+            )
             runs += measure(rig, step)
         load_error = _measure_loads(rig, progress, load_runs)
         counters = _counters(rig)
         rig.master.check_alive()  # numbers measured without a pool are not results
     except BaseException:
         rig.close()
-        (options.out_dir / "serving_runs.partial.json").write_text(json.dumps([asdict(r) for r in runs], indent=1) + "\n")
-        print(f"layerkv bench serving: engine logs kept in {work_dir}; runs so far in "
-              f"{options.out_dir / 'serving_runs.partial.json'}")
+        (options.out_dir / "serving_runs.partial.json").write_text(
+            json.dumps([asdict(r) for r in runs], indent=1) + "\n"
+        )
+        print(
+            f"layerkv bench serving: engine logs kept in {work_dir}; runs so far in "
+            f"{options.out_dir / 'serving_runs.partial.json'}"
+        )
         raise
     rig.close()
     startup_s = {name: engine.startup_s for name, engine in rig.engines.items()}
@@ -295,10 +391,12 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result = SuiteResult(NAME)
     result.rows, result.summary = report.suite_rows(runs, cells)
     if load_runs:
-        result.tables[f"Throughput under load: {grid.load_requests} concurrent requests, "
-                      f"{100 - 100 // LOAD_MISS_EVERY} % over {LOAD_PREFIXES} shared {LOAD_PREFIX_TOKENS}-token "
-                      f"prefixes, the rest with a prefix of their own; {LOAD_SUFFIX_TOKENS} own tokens each, "
-                      f"{LOAD_MAX_TOKENS} generated"] = report.load_rows(load_runs)
+        result.tables[
+            f"Throughput under load: {grid.load_requests} concurrent requests, "
+            f"{100 - 100 // LOAD_MISS_EVERY} % over {LOAD_PREFIXES} shared {LOAD_PREFIX_TOKENS}-token "
+            f"prefixes, the rest with a prefix of their own; {LOAD_SUFFIX_TOKENS} own tokens each, "
+            f"{LOAD_MAX_TOKENS} generated"
+        ] = report.load_rows(load_runs)
     raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs], "counters": counters}
     (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
     if MOONCAKE not in grid.contenders:
@@ -308,10 +406,13 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             "AES-256-GCM per layer, decrypted in private memory); each has its own kv_producer with the same key "
             "settings, whose local-cache runs are its bit references. Recompute, the local-cache ceiling and "
             "MooncakeStoreConnector are left out (six engines is what this machine's memory holds), so their "
-            "ratio columns are empty; the cost is the summary's '<keyed> / layerkv' per cell.")
+            "ratio columns are empty; the cost is the summary's '<keyed> / layerkv' per cell."
+        )
     result.notes += _notes(grid, rig, startup_s)
-    result.notes += [f"{name} engine's connector counters at the end (non-zero): " + report.counters_text(values)
-                     for name, values in counters.items()]
+    result.notes += [
+        f"{name} engine's connector counters at the end (non-zero): " + report.counters_text(values)
+        for name, values in counters.items()
+    ]
     if load_error:
         result.notes.append(f"throughput under load FAILED (the TTFT grid above is complete): {load_error}")
     result.plots += _plots(options.out_dir, result, cells)
@@ -352,7 +453,8 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
         "bits equal the same connector's producer serving the prefix from its local cache (same schedule); not "
         "compared with recompute, whose numerics differ without a connector. All runs: serving_runs.json.",
         f"Throughput under load: {grid.load_requests} requests in one `generate` (submitted at once) per contender, "
-        f"{grid.load_repeats} repeats; every {LOAD_MISS_EVERY}th request's prefix is its own (a pool miss); batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
+        f"{grid.load_repeats} repeats; every {LOAD_MISS_EVERY}th request's prefix is its own (a pool miss); "
+        "batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
         "first token per request (its RequestStateStats), mean and p90 over all requests; requests sharing a prefix "
         "also share vLLM's local prefix cache within the batch, in every contender. Tokens (16 per request, greedy, "
         "random weights) are compared per request with recompute's and with the local-prefix-cache ceiling's: under "
@@ -364,8 +466,11 @@ def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str
 def _counters(rig: Rig) -> dict[str, dict[str, Any]]:
     """Each connector engine's counters; an engine that cannot tell reports {"error": ...}
     (the measurements stand without them)."""
-    return {name: rig.stopped_counters.get(name) or _engine_counters(rig.engines[name])
-            for name in rig.grid.engines if name != "plain"}
+    return {
+        name: rig.stopped_counters.get(name) or _engine_counters(rig.engines[name])
+        for name in rig.grid.engines
+        if name != "plain"
+    }
 
 
 def _engine_counters(engine: EngineProcess) -> dict[str, Any]:
@@ -383,18 +488,41 @@ def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> 
         return [rows[(p, s, contender)][key] if (p, s, contender) in rows else math.nan for p, s in cells]
 
     ran = {r["contender"] for r in result.rows}
-    ttft = bar_plot(out_dir / "serving_ttft.png", labels,
-                    {c: series(c, "ttft_ms_median") for c in report.ALL_CONTENDERS if c in ran},
-                    title="TTFT in vLLM (median)", ylabel="ms", logy=True)
+    ttft = bar_plot(
+        out_dir / "serving_ttft.png",
+        labels,
+        {c: series(c, "ttft_ms_median") for c in report.ALL_CONTENDERS if c in ran},
+        title="TTFT in vLLM (median)",
+        ylabel="ms",
+        logy=True,
+    )
     if MOONCAKE not in ran:  # --tenant-keys: each keyed contender over no key
-        keyed = {f"{c} / {LAYERKV}": [result.summary.get(f"p{p} s{s} {c} / {LAYERKV}", math.nan) for p, s in cells]
-                 for c in (LAYERKV_KEYED, LAYERKV_ENCRYPTED)}
-        return [ttft, bar_plot(out_dir / "serving_ratio.png", labels, keyed, ylabel="ratio",
-                               title="TTFT with a tenant key / encrypted over no key (median / median)")]
-    ratios = {f"{LAYERKV} / {MOONCAKE}": series(LAYERKV, "x_mooncake_connector"),
-              f"{LAYERKV_DIRECT} / {MOONCAKE}": series(LAYERKV_DIRECT, "x_mooncake_connector"),
-              f"{LAYERKV} / bound": series(LAYERKV, "x_bound"),
-              f"{LAYERKV} / ceiling": series(LAYERKV, "x_ceiling"), f"{MOONCAKE} / ceiling": series(MOONCAKE, "x_ceiling")}
-    ratio = bar_plot(out_dir / "serving_ratio.png", labels, ratios,
-                     title="TTFT ratios (median / median; < 1: the first is faster)", ylabel="ratio")
+        keyed = {
+            f"{c} / {LAYERKV}": [result.summary.get(f"p{p} s{s} {c} / {LAYERKV}", math.nan) for p, s in cells]
+            for c in (LAYERKV_KEYED, LAYERKV_ENCRYPTED)
+        }
+        return [
+            ttft,
+            bar_plot(
+                out_dir / "serving_ratio.png",
+                labels,
+                keyed,
+                ylabel="ratio",
+                title="TTFT with a tenant key / encrypted over no key (median / median)",
+            ),
+        ]
+    ratios = {
+        f"{LAYERKV} / {MOONCAKE}": series(LAYERKV, "x_mooncake_connector"),
+        f"{LAYERKV_DIRECT} / {MOONCAKE}": series(LAYERKV_DIRECT, "x_mooncake_connector"),
+        f"{LAYERKV} / bound": series(LAYERKV, "x_bound"),
+        f"{LAYERKV} / ceiling": series(LAYERKV, "x_ceiling"),
+        f"{MOONCAKE} / ceiling": series(MOONCAKE, "x_ceiling"),
+    }
+    ratio = bar_plot(
+        out_dir / "serving_ratio.png",
+        labels,
+        ratios,
+        title="TTFT ratios (median / median; < 1: the first is faster)",
+        ylabel="ratio",
+    )
     return [ttft, ratio]

@@ -13,13 +13,28 @@ from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30
-ENGINES = ("plain", "layerkv-producer", "layerkv", "layerkv-direct", "mooncake-producer", "mooncake",
-           "layerkv-keyed-producer", "layerkv-keyed", "layerkv-encrypted-producer", "layerkv-encrypted")
+ENGINES = (
+    "plain",
+    "layerkv-producer",
+    "layerkv",
+    "layerkv-direct",
+    "mooncake-producer",
+    "mooncake",
+    "layerkv-keyed-producer",
+    "layerkv-keyed",
+    "layerkv-encrypted-producer",
+    "layerkv-encrypted",
+)
 # the engines a contender needs (a pool contender: its producer, which fills the pool, and its consumer)
-ENGINES_OF = {report.RECOMPUTE: ("plain",), report.CEILING: ("plain",), report.LAYERKV: ("layerkv-producer", "layerkv"),
-              LAYERKV_DIRECT: ("layerkv-producer", "layerkv-direct"), report.MOONCAKE: ("mooncake-producer", "mooncake"),
-              report.LAYERKV_KEYED: ("layerkv-keyed-producer", "layerkv-keyed"),
-              report.LAYERKV_ENCRYPTED: ("layerkv-encrypted-producer", "layerkv-encrypted")}
+ENGINES_OF = {
+    report.RECOMPUTE: ("plain",),
+    report.CEILING: ("plain",),
+    report.LAYERKV: ("layerkv-producer", "layerkv"),
+    LAYERKV_DIRECT: ("layerkv-producer", "layerkv-direct"),
+    report.MOONCAKE: ("mooncake-producer", "mooncake"),
+    report.LAYERKV_KEYED: ("layerkv-keyed-producer", "layerkv-keyed"),
+    report.LAYERKV_ENCRYPTED: ("layerkv-encrypted-producer", "layerkv-encrypted"),
+}
 LOAD_PREFIXES, LOAD_PREFIX_TOKENS, LOAD_SUFFIX_TOKENS, LOAD_MAX_TOKENS = 4, 2048, 128, 16
 LOAD_MISS_EVERY = 5  # every 5th request of the load batch has a prefix of its own (80 % pool hits)
 
@@ -48,20 +63,38 @@ class Grid:
         grid = cls._for_mode(options)
         uneven = [n for n in options.serving_prefixes if n % BLOCK_SIZE]
         if uneven:
-            raise ValueError(f"--prefix {uneven[0]}: a prefix must be whole {BLOCK_SIZE}-token blocks (only whole "
-                             "blocks are cached)")
-        return replace(grid, prefixes=options.serving_prefixes or grid.prefixes,
-                       suffixes=options.serving_suffixes or grid.suffixes,
-                       repeats=options.serving_repeats or grid.repeats)
+            raise ValueError(
+                f"--prefix {uneven[0]}: a prefix must be whole {BLOCK_SIZE}-token blocks (only whole blocks are cached)"
+            )
+        return replace(
+            grid,
+            prefixes=options.serving_prefixes or grid.prefixes,
+            suffixes=options.serving_suffixes or grid.suffixes,
+            repeats=options.serving_repeats or grid.repeats,
+        )
 
     @classmethod
     def _for_mode(cls, options: BenchOptions) -> Grid:
         if options.tenant_keys:  # what a tenant key and encryption cost, side by side with no key
-            return cls((512, 2048), (32, 512), 1 if options.quick else 3, dtype=native_dtype(), load_requests=8,
-                       load_repeats=0, contenders=report.KEY_CONTENDERS)
+            return cls(
+                (512, 2048),
+                (32, 512),
+                1 if options.quick else 3,
+                dtype=native_dtype(),
+                load_requests=8,
+                load_repeats=0,
+                contenders=report.KEY_CONTENDERS,
+            )
         if options.quick:
-            return cls((512, 2048), (32, 512), 1, dtype=native_dtype(), load_requests=8, load_repeats=0,
-                       contenders=tuple(c for c in report.CONTENDERS if c != LAYERKV_DIRECT))
+            return cls(
+                (512, 2048),
+                (32, 512),
+                1,
+                dtype=native_dtype(),
+                load_requests=8,
+                load_repeats=0,
+                contenders=tuple(c for c in report.CONTENDERS if c != LAYERKV_DIRECT),
+            )
         # 8,192-token prefixes are left out: six engines hold ~15 GB of this machine's 23 GB and
         # that row's pool would need ~5 GB more (Grid.pool_bytes)
         return cls((512, 2048), (32, 512, 2048), 3, dtype=native_dtype(), load_requests=12)
@@ -89,8 +122,9 @@ class Grid:
         that does not fit waits in vLLM's queue). Every GiB is allocated
         and zeroed in each of the six engines."""
         own_prefixes = self.load_requests // LOAD_MISS_EVERY
-        load_tokens = ((LOAD_PREFIXES + own_prefixes) * LOAD_PREFIX_TOKENS
-                       + self.load_requests * (LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS))
+        load_tokens = (LOAD_PREFIXES + own_prefixes) * LOAD_PREFIX_TOKENS + self.load_requests * (
+            LOAD_SUFFIX_TOKENS + LOAD_MAX_TOKENS
+        )
         return max(1, math.ceil(max(self.max_model_len, load_tokens) * self.kv_bytes_per_token * 1.1 / GiB))
 
     def pool_bytes(self) -> int:

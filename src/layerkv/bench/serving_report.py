@@ -32,8 +32,13 @@ ALL_CONTENDERS: tuple[str, ...] = (*CONTENDERS, LAYERKV_KEYED, LAYERKV_ENCRYPTED
 POOL_CONTENDERS: tuple[str, ...] = (LAYERKV, LAYERKV_DIRECT, MOONCAKE, LAYERKV_KEYED, LAYERKV_ENCRYPTED)
 # whose local-cache reference run a pool contender's bits are compared with: its connector's producer
 # (keyed contenders have producers with the same key: nobody else's objects verify)
-REFERENCE_OF = {LAYERKV: LAYERKV, LAYERKV_DIRECT: LAYERKV, MOONCAKE: MOONCAKE, LAYERKV_KEYED: LAYERKV_KEYED,
-                LAYERKV_ENCRYPTED: LAYERKV_ENCRYPTED}
+REFERENCE_OF = {
+    LAYERKV: LAYERKV,
+    LAYERKV_DIRECT: LAYERKV,
+    MOONCAKE: MOONCAKE,
+    LAYERKV_KEYED: LAYERKV_KEYED,
+    LAYERKV_ENCRYPTED: LAYERKV_ENCRYPTED,
+}
 # not an engine: a bare client reading the prefix's layerkv objects whole into memory, no compute
 TRANSFER = "transfer alone"
 Cell = tuple[int, int]  # (prefix tokens, suffix tokens)
@@ -64,8 +69,9 @@ class Step:
     contenders: tuple[str, ...]
 
 
-def schedule(prefixes: Sequence[int], suffixes: Sequence[int], repeats: int,
-             contenders: Sequence[str] = CONTENDERS) -> list[Step]:
+def schedule(
+    prefixes: Sequence[int], suffixes: Sequence[int], repeats: int, contenders: Sequence[str] = CONTENDERS
+) -> list[Step]:
     """Repeats outermost (each cell's repeats spread over the whole run), every contender of a
     cell back to back, their order rotated by one per repeat and cell, so that slow phases of
     this shared machine hit every contender alike and none is always first."""
@@ -121,8 +127,11 @@ def cell_report(runs: Sequence[Run], cell: Cell) -> CellReport:
     ceiling, MooncakeStoreConnector and the bound max(ceiling, transfer alone), and the
     correctness columns. Summary: the same ratios keyed `p{prefix} s{suffix} a/b`."""
     timed = [r for r in runs if r.cell == cell and not r.reference]
-    medians = {c: statistics.median(r.ttft_ms for r in timed if r.contender == c)
-               for c in (*ALL_CONTENDERS, TRANSFER) if any(r.contender == c for r in timed)}
+    medians = {
+        c: statistics.median(r.ttft_ms for r in timed if r.contender == c)
+        for c in (*ALL_CONTENDERS, TRANSFER)
+        if any(r.contender == c for r in timed)
+    }
     # without the ceiling (the --tenant-keys grid) there is no bound to report
     bound = max(medians[CEILING], medians.get(TRANSFER, 0.0)) if CEILING in medians else 0.0
     report = CellReport()
@@ -130,21 +139,37 @@ def cell_report(runs: Sequence[Run], cell: Cell) -> CellReport:
         mine = [r for r in timed if r.contender == contender]
         tokens_equal, bits_equal = correctness(runs, contender, cell)
         expected = expected_cached_tokens(contender, cell[0])
-        report.rows.append({
-            "prefix_tokens": cell[0], "suffix_tokens": cell[1], "contender": contender,
-            "ttft_ms_median": median_ms, "ttft_ms_min": min(r.ttft_ms for r in mine), "ttft_ms_max": max(r.ttft_ms for r in mine),
-            "runs": len(mine), "runs_cache_as_expected": sum(r.cached_tokens == expected for r in mine),
-            "x_recompute": ratio(median_ms, medians.get(RECOMPUTE, 0.0)),
-            "x_ceiling": ratio(median_ms, medians.get(CEILING, 0.0)),
-            "x_mooncake_connector": ratio(median_ms, medians.get(MOONCAKE, 0.0)),
-            "x_bound": ratio(median_ms, bound),
-            "tokens_equal_recompute": tokens_equal,
-            "bits_equal_local_cache_run": bits_equal,
-        })
+        report.rows.append(
+            {
+                "prefix_tokens": cell[0],
+                "suffix_tokens": cell[1],
+                "contender": contender,
+                "ttft_ms_median": median_ms,
+                "ttft_ms_min": min(r.ttft_ms for r in mine),
+                "ttft_ms_max": max(r.ttft_ms for r in mine),
+                "runs": len(mine),
+                "runs_cache_as_expected": sum(r.cached_tokens == expected for r in mine),
+                "x_recompute": ratio(median_ms, medians.get(RECOMPUTE, 0.0)),
+                "x_ceiling": ratio(median_ms, medians.get(CEILING, 0.0)),
+                "x_mooncake_connector": ratio(median_ms, medians.get(MOONCAKE, 0.0)),
+                "x_bound": ratio(median_ms, bound),
+                "tokens_equal_recompute": tokens_equal,
+                "bits_equal_local_cache_run": bits_equal,
+            }
+        )
     tag = f"p{cell[0]} s{cell[1]}"
-    for num, den in ((LAYERKV, MOONCAKE), (LAYERKV_DIRECT, MOONCAKE), (LAYERKV, LAYERKV_DIRECT), (LAYERKV, CEILING),
-                     (LAYERKV_DIRECT, CEILING), (MOONCAKE, CEILING), (LAYERKV, RECOMPUTE), (MOONCAKE, RECOMPUTE),
-                     (LAYERKV_KEYED, LAYERKV), (LAYERKV_ENCRYPTED, LAYERKV)):
+    for num, den in (
+        (LAYERKV, MOONCAKE),
+        (LAYERKV_DIRECT, MOONCAKE),
+        (LAYERKV, LAYERKV_DIRECT),
+        (LAYERKV, CEILING),
+        (LAYERKV_DIRECT, CEILING),
+        (MOONCAKE, CEILING),
+        (LAYERKV, RECOMPUTE),
+        (MOONCAKE, RECOMPUTE),
+        (LAYERKV_KEYED, LAYERKV),
+        (LAYERKV_ENCRYPTED, LAYERKV),
+    ):
         if num in medians and den in medians:
             report.summary[f"{tag} {num} / {den}"] = ratio(medians[num], medians[den])
     if bound > 0:
@@ -176,9 +201,12 @@ def suite_rows(runs: Sequence[Run], cells: Sequence[Cell]) -> tuple[list[Row], d
     pool_rows = [r for r in rows if r["contender"] in POOL_CONTENDERS]
     ran = {r["contender"] for r in rows}
     if RECOMPUTE in ran:
-        summary["all tokens equal recompute"] = float(all(r["tokens_equal_recompute"] is True for r in rows
-                                                          if r["contender"] not in (RECOMPUTE, TRANSFER)))
-    summary["all pool runs bit-identical to local-cache runs"] = float(bool(pool_rows) and all(r["bits_equal_local_cache_run"] is True for r in pool_rows))
+        summary["all tokens equal recompute"] = float(
+            all(r["tokens_equal_recompute"] is True for r in rows if r["contender"] not in (RECOMPUTE, TRANSFER))
+        )
+    summary["all pool runs bit-identical to local-cache runs"] = float(
+        bool(pool_rows) and all(r["bits_equal_local_cache_run"] is True for r in pool_rows)
+    )
     summary["all runs hit the cache as expected"] = float(all(r["runs_cache_as_expected"] == r["runs"] for r in rows))
     if MOONCAKE in ran:
         summary[f"cells where {LAYERKV} beats {MOONCAKE}"] = float(wins)
@@ -225,17 +253,28 @@ def load_rows(runs: Sequence[LoadRun]) -> list[Row]:
         wall_ms = statistics.median(r.wall_ms for r in mine)
         num_requests = len(mine[0].token_ids)
         ttfts = [t for r in mine for t in r.ttft_ms]
-        compared = [(a, b) for r in mine if r.repeat in recompute for a, b in zip(r.token_ids, recompute[r.repeat].token_ids)]
-        vs_ceiling = [(a, b) for r in mine if r.repeat in ceiling for a, b in zip(r.token_ids, ceiling[r.repeat].token_ids)]
-        rows.append({
-            "contender": contender, "requests": num_requests, "repeats": len(mine), "batch_ms_median": wall_ms,
-            "requests_per_s": num_requests / wall_ms * 1000, "tokens_per_s": num_requests * mine[0].max_tokens / wall_ms * 1000,
-            "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else float("nan"), "ttft_ms_p90": percentile(ttfts, 90),
-            "requests_with_cache_hit": sum(c > 0 for r in mine for c in r.cached_tokens),
-            "requests_tokens_equal_recompute": sum(a == b for a, b in compared) if contender != RECOMPUTE else None,
-            "requests_compared": len(compared) if contender != RECOMPUTE else None,
-            "requests_tokens_equal_ceiling": sum(a == b for a, b in vs_ceiling) if contender != CEILING else None,
-        })
+        compared = [
+            (a, b) for r in mine if r.repeat in recompute for a, b in zip(r.token_ids, recompute[r.repeat].token_ids)
+        ]
+        vs_ceiling = [
+            (a, b) for r in mine if r.repeat in ceiling for a, b in zip(r.token_ids, ceiling[r.repeat].token_ids)
+        ]
+        rows.append(
+            {
+                "contender": contender,
+                "requests": num_requests,
+                "repeats": len(mine),
+                "batch_ms_median": wall_ms,
+                "requests_per_s": num_requests / wall_ms * 1000,
+                "tokens_per_s": num_requests * mine[0].max_tokens / wall_ms * 1000,
+                "ttft_ms_mean": statistics.fmean(ttfts) if ttfts else float("nan"),
+                "ttft_ms_p90": percentile(ttfts, 90),
+                "requests_with_cache_hit": sum(c > 0 for r in mine for c in r.cached_tokens),
+                "requests_tokens_equal_recompute": sum(a == b for a, b in compared) if contender != RECOMPUTE else None,
+                "requests_compared": len(compared) if contender != RECOMPUTE else None,
+                "requests_tokens_equal_ceiling": sum(a == b for a, b in vs_ceiling) if contender != CEILING else None,
+            }
+        )
     return rows
 
 
@@ -251,8 +290,12 @@ def counters_text(values: dict[str, Any]) -> str:
         if name.startswith("vllm:layerkv"):
             label = labels.removeprefix("counter=")
         else:
-            label = name.removeprefix("vllm:mooncake_store_").removesuffix("_total") + "{" + ",".join(
-                part.partition("=")[2] for part in labels.split(",") if part) + "}"
+            label = (
+                name.removeprefix("vllm:mooncake_store_").removesuffix("_total")
+                + "{"
+                + ",".join(part.partition("=")[2] for part in labels.split(",") if part)
+                + "}"
+            )
         if value:
             shown.append(f"{label}={value:g}")
     return ", ".join(shown) or "none"

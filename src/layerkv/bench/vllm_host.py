@@ -27,8 +27,9 @@ def _params(max_tokens: int, kv_transfer_params: dict[str, Any] | None = None) -
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True,
-                          extra_args=extra)
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, logprobs=1, detokenize=False, ignore_eos=True, extra_args=extra
+    )
 
 
 def _output(out: Any) -> dict[str, Any]:

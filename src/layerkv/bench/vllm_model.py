@@ -30,8 +30,9 @@ def native_dtype() -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str, max_positions: int = 16384,
-                      lm_head_scale: float = 1.0) -> Path:
+def save_random_llama(
+    path: Path, num_layers: int, hidden_size: int, dtype: str, max_positions: int = 16384, lm_head_scale: float = 1.0
+) -> Path:
     """A random-weight Llama (head_dim 128, as many KV heads as heads) saved into `path`.
     `lm_head_scale` > 1 sharpens its next-token distribution (a random model's is nearly flat):
     greedy tokens then survive the rounding differences of another batch or chunking."""
@@ -40,9 +41,13 @@ def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str,
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 128,
-        num_key_value_heads=hidden_size // 128, max_position_embeddings=max_positions,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 11 // 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 128,
+        num_key_value_heads=hidden_size // 128,
+        max_position_embeddings=max_positions,
     )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -53,7 +58,7 @@ def save_random_llama(path: Path, num_layers: int, hidden_size: int, dtype: str,
 
 def word(token_id: int) -> str:
     """Token id t >= 3 <-> a 3-letter word (base 26); ids 0-2 are <unk>, <s>, </s>."""
-    return "".join(chr(ord("a") + (token_id // 26 ** k) % 26) for k in (2, 1, 0))
+    return "".join(chr(ord("a") + (token_id // 26**k) % 26) for k in (2, 1, 0))
 
 
 def save_word_tokenizer(path: Path, word_of: Callable[[int], str] = word, max_length: int = 16384) -> None:
@@ -69,21 +74,46 @@ def save_word_tokenizer(path: Path, word_of: Callable[[int], str] = word, max_le
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
-        "eos_token": "</s>", "model_max_length": max_length, "add_bos_token": False,
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": max_length,
+                "add_bos_token": False,
+            }
+        )
+    )
 
 
-def save_in(python: str, env: dict[str, str], path: Path, num_layers: int, hidden_size: int, dtype: str,
-            *extra: str) -> Path:
+def save_in(
+    python: str, env: dict[str, str], path: Path, num_layers: int, hidden_size: int, dtype: str, *extra: str
+) -> Path:
     """`save_random_llama` (+ `extra` flags of main()) run by another Python (an engine's venv, which
     has transformers); RuntimeError with its stderr if it fails. Returns `path`."""
     import subprocess
 
-    made = subprocess.run([python, "-m", "layerkv.bench.vllm_model", str(path), "--layers", str(num_layers),
-                           "--hidden", str(hidden_size), "--dtype", dtype, *extra],
-                          env=env, capture_output=True, text=True, timeout=600)
+    made = subprocess.run(
+        [
+            python,
+            "-m",
+            "layerkv.bench.vllm_model",
+            str(path),
+            "--layers",
+            str(num_layers),
+            "--hidden",
+            str(hidden_size),
+            "--dtype",
+            dtype,
+            *extra,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if made.returncode != 0:
         raise RuntimeError(f"making the model failed (exit {made.returncode}):\n{made.stderr[-3000:]}")
     return path

@@ -11,7 +11,9 @@ MOONCAKE_LOG_LEVELS = ("quiet", "error", "warning", "info")  # = layerkv.store.n
 def add_mooncake_log_flag(parser: Any) -> None:
     """--mooncake-log: Mooncake's native (glog) lines on this terminal. Cheap: no imports."""
     parser.add_argument(
-        "--mooncake-log", choices=MOONCAKE_LOG_LEVELS, default=None,
+        "--mooncake-log",
+        choices=MOONCAKE_LOG_LEVELS,
+        default=None,
         help="Mooncake's own log on stderr: quiet (default: hide its start-up chatter, show errors after), "
-             "error, warning or info; also $LAYERKV_MOONCAKE_LOG",
+        "error, warning or info; also $LAYERKV_MOONCAKE_LOG",
     )

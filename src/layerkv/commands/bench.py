@@ -9,13 +9,25 @@ import shlex
 import sys
 from pathlib import Path
 
+from layerkv.bench import OPT_IN_SUITES, SUITES  # cheap: the package imports nothing heavy
 from layerkv.commands import add_mooncake_log_flag
 
-from layerkv.bench import OPT_IN_SUITES, SUITES  # cheap: the package imports nothing heavy
-
 DEFAULT_ENGINE_PYTHON = ".venv-vllm-cpu/bin/python"  # what `make test-env` builds
-LOAD_SCENARIOS = ("capacity", "eviction", "two-servers", "decode")  # layerkv.bench.load_plan's (not imported: cheap parser)
-LOAD_CONTENDERS = ("none", "layerkv", "layerkv-consumer", "layerkv-prompts", "mooncake", "mooncake-save-decode", "lmcache")
+LOAD_SCENARIOS = (
+    "capacity",
+    "eviction",
+    "two-servers",
+    "decode",
+)  # layerkv.bench.load_plan's (not imported: cheap parser)
+LOAD_CONTENDERS = (
+    "none",
+    "layerkv",
+    "layerkv-consumer",
+    "layerkv-prompts",
+    "mooncake",
+    "mooncake-save-decode",
+    "lmcache",
+)
 _UNITS_S = {"s": 1, "m": 60, "h": 3600}
 
 
@@ -42,40 +54,85 @@ def positive_int(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="measure data path, descriptor / lookup overhead, object counts, overlap, scale",
-                       description="Run benchmark suites (all by default) and write results.json, results.md and PNGs.")
-    p.add_argument("suites", nargs="*", metavar="SUITE",
-                   help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
-                        "serving (real vLLM engines, see --engine-python), pd (prefill/decode, real vLLM engines), "
-                        "network (hosts as network namespaces: needs root), "
-                        "load (`vllm serve` servers under vLLM's benchmark client; see the load options), "
-                        "decode (a connector's host cost per decode step under vLLM's real scheduler and hooks)")
-    p.add_argument("--quick", action="store_true", help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)")
+    p = sub.add_parser(
+        "bench",
+        help="measure data path, descriptor / lookup overhead, object counts, overlap, scale",
+        description="Run benchmark suites (all by default) and write results.json, results.md and PNGs.",
+    )
+    p.add_argument(
+        "suites",
+        nargs="*",
+        metavar="SUITE",
+        help=f"suites to run (default: all of {', '.join(SUITES)}); only when named: "
+        "serving (real vLLM engines, see --engine-python), pd (prefill/decode, real vLLM engines), "
+        "network (hosts as network namespaces: needs root), "
+        "load (`vllm serve` servers under vLLM's benchmark client; see the load options), "
+        "decode (a connector's host cost per decode step under vLLM's real scheduler and hooks)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sweeps, 3 repetitions (< 5 min on 2 cores; serving: 2 repetitions, ~5 min)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake backends (embedded store only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--engine-python", default=DEFAULT_ENGINE_PYTHON,
-                   help="suites serving, pd, network: the Python that runs vLLM (with vllm and mooncake installed; "
-                        "default: %(default)s)")
-    p.add_argument("--tenant-keys", action="store_true",
-                   help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "
-                        "(instead of recompute, the local cache and MooncakeStoreConnector)")
+    p.add_argument(
+        "--engine-python",
+        default=DEFAULT_ENGINE_PYTHON,
+        help="suites serving, pd, network: the Python that runs vLLM (with vllm and mooncake installed; "
+        "default: %(default)s)",
+    )
+    p.add_argument(
+        "--tenant-keys",
+        action="store_true",
+        help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "
+        "(instead of recompute, the local cache and MooncakeStoreConnector)",
+    )
     serving = p.add_argument_group("suite serving")
-    serving.add_argument("--prefix", action="append", type=positive_int, default=[], metavar="TOKENS",
-                         help="prefix length(s) of the TTFT grid (repeat the flag; default: the mode's, 512 and 2048)")
-    serving.add_argument("--suffix", action="append", type=positive_int, default=[], metavar="TOKENS",
-                         help="computed suffix length(s) of the TTFT grid (repeat the flag; default: the mode's)")
-    serving.add_argument("--repeats", type=positive_int, default=None,
-                         help="repeats per cell (default: 1 with --quick, 3 otherwise)")
+    serving.add_argument(
+        "--prefix",
+        action="append",
+        type=positive_int,
+        default=[],
+        metavar="TOKENS",
+        help="prefix length(s) of the TTFT grid (repeat the flag; default: the mode's, 512 and 2048)",
+    )
+    serving.add_argument(
+        "--suffix",
+        action="append",
+        type=positive_int,
+        default=[],
+        metavar="TOKENS",
+        help="computed suffix length(s) of the TTFT grid (repeat the flag; default: the mode's)",
+    )
+    serving.add_argument(
+        "--repeats", type=positive_int, default=None, help="repeats per cell (default: 1 with --quick, 3 otherwise)"
+    )
     load = p.add_argument_group("suite load")
-    load.add_argument("--scenario", action="append", default=[], choices=LOAD_SCENARIOS,
-                      help="scenario(s) to run (repeat the flag; default: capacity, eviction, two-servers; decode runs "
-                           "alone: distinct prompts, long answers, 16 in flight: TPOT / ITL of steps that move nothing)")
-    load.add_argument("--contender", action="append", default=[], choices=LOAD_CONTENDERS,
-                      help="contender(s) (repeat the flag; default: none, layerkv, mooncake; lmcache builds "
-                           ".venv-lmcache unless --lmcache-python is given)")
-    load.add_argument("--soak", type=duration_s, default=0.0, metavar="DURATION",
-                      help="hold the capacity scenario this long (e.g. 30m, 2h, 900s) and report RSS growth")
+    load.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        choices=LOAD_SCENARIOS,
+        help="scenario(s) to run (repeat the flag; default: capacity, eviction, two-servers; decode runs "
+        "alone: distinct prompts, long answers, 16 in flight: TPOT / ITL of steps that move nothing)",
+    )
+    load.add_argument(
+        "--contender",
+        action="append",
+        default=[],
+        choices=LOAD_CONTENDERS,
+        help="contender(s) (repeat the flag; default: none, layerkv, mooncake; lmcache builds "
+        ".venv-lmcache unless --lmcache-python is given)",
+    )
+    load.add_argument(
+        "--soak",
+        type=duration_s,
+        default=0.0,
+        metavar="DURATION",
+        help="hold the capacity scenario this long (e.g. 30m, 2h, 900s) and report RSS growth",
+    )
     load.add_argument("--rate", type=float, default=None, help="requests per second (Poisson; default: the plan's)")
     load.add_argument("--requests", type=int, default=None, help="requests per run (default: the plan's)")
     load.add_argument("--lmcache-python", default="", help="a Python with vllm-cpu and lmcache 0.5.6 installed")
@@ -96,18 +153,43 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"layerkv bench: unknown suite(s) {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
-    options = BenchOptions(quick=args.quick, out_dir=args.out, mooncake=not args.no_mooncake, tiny=args.tiny,
-                           engine_python=args.engine_python, tenant_keys=args.tenant_keys,
-                           load_scenarios=tuple(args.scenario), load_contenders=tuple(args.contender),
-                           soak_s=args.soak, request_rate=args.rate, num_requests=args.requests,
-                           lmcache_python=args.lmcache_python, serving_prefixes=tuple(args.prefix),
-                           serving_suffixes=tuple(args.suffix), serving_repeats=args.repeats)
-    command = "layerkv " + shlex.join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("layerkv") else \
-        "layerkv bench " + shlex.join([*args.suites, *(["--quick"] if args.quick else []),
-                                       *(["--tenant-keys"] if args.tenant_keys else []),
-                                       *[f"--prefix={n}" for n in args.prefix], *[f"--suffix={n}" for n in args.suffix],
-                                       *([f"--repeats={args.repeats}"] if args.repeats else []), "--out", str(args.out)])
+    options = BenchOptions(
+        quick=args.quick,
+        out_dir=args.out,
+        mooncake=not args.no_mooncake,
+        tiny=args.tiny,
+        engine_python=args.engine_python,
+        tenant_keys=args.tenant_keys,
+        load_scenarios=tuple(args.scenario),
+        load_contenders=tuple(args.contender),
+        soak_s=args.soak,
+        request_rate=args.rate,
+        num_requests=args.requests,
+        lmcache_python=args.lmcache_python,
+        serving_prefixes=tuple(args.prefix),
+        serving_suffixes=tuple(args.suffix),
+        serving_repeats=args.repeats,
+    )
+    command = (
+        "layerkv " + shlex.join(sys.argv[1:])
+        if sys.argv and sys.argv[0].endswith("layerkv")
+        else "layerkv bench "
+        + shlex.join(
+            [
+                *args.suites,
+                *(["--quick"] if args.quick else []),
+                *(["--tenant-keys"] if args.tenant_keys else []),
+                *[f"--prefix={n}" for n in args.prefix],
+                *[f"--suffix={n}" for n in args.suffix],
+                *([f"--repeats={args.repeats}"] if args.repeats else []),
+                "--out",
+                str(args.out),
+            ]
+        )
+    )
     doc = run_bench(args.suites, options, progress=not args.no_progress, command=command)
-    print(f"layerkv bench: {len(doc['suites'])} suite(s) in {doc['total_seconds']:.0f} s; "
-          f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots")
+    print(
+        f"layerkv bench: {len(doc['suites'])} suite(s) in {doc['total_seconds']:.0f} s; "
+        f"wrote {args.out / 'results.json'}, {args.out / 'results.md'} and plots"
+    )
     return 0

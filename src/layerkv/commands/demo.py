@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from layerkv.config import PlanMode
 from layerkv.commands import add_mooncake_log_flag
+from layerkv.config import PlanMode
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
@@ -15,15 +15,32 @@ if TYPE_CHECKING:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="producer fills the pool, consumer loads layer by layer; outputs verified")
-    p.add_argument("--store", choices=("embedded", "mooncake"), default="embedded",
-                   help="embedded (in-process, default) or mooncake (starts a local master unless MOONCAKE_CONFIG_PATH is set)")
+    p.add_argument(
+        "--store",
+        choices=("embedded", "mooncake"),
+        default="embedded",
+        help="embedded (in-process, default) or mooncake (starts a local master unless MOONCAKE_CONFIG_PATH is set)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the reference engine (default 1)")
-    p.add_argument("--transfer-plan", choices=tuple(m.value for m in PlanMode), default=None,
-                   help="how loads read (config transfer_plan; default auto: chosen per step from measured costs)")
-    p.add_argument("--read-layers-per-range", type=int, default=None, metavar="K",
-                   help="with --transfer-plan groups: K layers per range into staging (config read_layers_per_range)")
-    p.add_argument("--device", default="cpu", metavar="DEVICE",
-                   help="where the engines run: cpu (default, float32) or cuda / cuda:N (bfloat16; docs/gpu.md)")
+    p.add_argument(
+        "--transfer-plan",
+        choices=tuple(m.value for m in PlanMode),
+        default=None,
+        help="how loads read (config transfer_plan; default auto: chosen per step from measured costs)",
+    )
+    p.add_argument(
+        "--read-layers-per-range",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --transfer-plan groups: K layers per range into staging (config read_layers_per_range)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help="where the engines run: cpu (default, float32) or cuda / cuda:N (bfloat16; docs/gpu.md)",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
     add_mooncake_log_flag(p)
     p.add_argument("--synthetic", action="store_true", help="datapath only: synthetic KV caches, no engine")
@@ -75,17 +92,31 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_demo(config: LayerKVConfig, args: argparse.Namespace) -> DemoResult:
     """run_demo at its default sizes, or (--tiny, for tests) a 3-layer model and 2 short prompts."""
-    from layerkv.demos.demo import run_demo
-
     import dataclasses
 
-    from layerkv.demos.demo import DEMO_MODEL
+    from layerkv.demos.demo import DEMO_MODEL, run_demo
     from layerkv.engine import ModelConfig
 
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     if not args.tiny:
-        return run_demo(config, tp_size=args.tp, progress=not args.json, model=dataclasses.replace(DEMO_MODEL, dtype=dtype),
-                        device=args.device)
-    model = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, dtype=dtype)
-    return run_demo(config, tp_size=args.tp, progress=not args.json, model=model, num_docs=2, prefix_tokens=48,
-                    question_tokens=8, max_tokens=3, device=args.device)
+        return run_demo(
+            config,
+            tp_size=args.tp,
+            progress=not args.json,
+            model=dataclasses.replace(DEMO_MODEL, dtype=dtype),
+            device=args.device,
+        )
+    model = ModelConfig(
+        num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128, dtype=dtype
+    )
+    return run_demo(
+        config,
+        tp_size=args.tp,
+        progress=not args.json,
+        model=model,
+        num_docs=2,
+        prefix_tokens=48,
+        question_tokens=8,
+        max_tokens=3,
+        device=args.device,
+    )

@@ -35,13 +35,18 @@ NUM_KEYS = 4  # probe round trip; throughput writes 2 * NUM_KEYS more objects (~
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "doctor", help="probe a Mooncake deployment (methods, sessions, codes, throughput)",
+        "doctor",
+        help="probe a Mooncake deployment (methods, sessions, codes, throughput)",
         description="Probe the Mooncake deployment in a Mooncake JSON config and report PASS/FAIL per check.",
     )
     parser.add_argument("--config", default=None, help="Mooncake JSON config (default: $MOONCAKE_CONFIG_PATH)")
-    parser.add_argument("--device", default=None, metavar="DEVICE",
-                        help="only a KV round trip with the caches on DEVICE (cpu, cuda, cuda:N) through layerkv's "
-                             "data path, on the --config deployment or an embedded store")
+    parser.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="only a KV round trip with the caches on DEVICE (cpu, cuda, cuda:N) through layerkv's "
+        "data path, on the --config deployment or an embedded store",
+    )
     add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
@@ -107,9 +112,13 @@ def check_master(master_address: str, metadata_url: str | None) -> CheckResult:
         return CheckResult("master", bool(rpc), detail + (f"; metadata {metadata_url}" if metadata_url else ""))
     http = _serving_pids(url.port or 80)
     if rpc and http and rpc != http:
-        return CheckResult("master", False, f"{detail}, but metadata {metadata_url} by {_holders(url.port or 80)}: "
-                           "two processes, so this config mixes two deployments; use the config printed by the "
-                           "`layerkv master` that owns both ports")
+        return CheckResult(
+            "master",
+            False,
+            f"{detail}, but metadata {metadata_url} by {_holders(url.port or 80)}: "
+            "two processes, so this config mixes two deployments; use the config printed by the "
+            "`layerkv master` that owns both ports",
+        )
     same = "the same process" if rpc and rpc == http else _holders(url.port or 80)
     return CheckResult("master", bool(rpc), f"{detail}; metadata {metadata_url} by {same}")
 
@@ -194,12 +203,16 @@ class Probe:
         return ([[b + o for o in offsets] for b in bases], [[ENTRY_NBYTES] * 2] * num_keys, [offsets] * num_keys)
 
     def _put_layers(self, keys: list[str]) -> list[list[int]]:
-        return [self.store.batch_put_from_multi_buffer_ranges(keys, *self._ranges(self.src, layer, len(keys)))
-                for layer in range(NUM_LAYERS)]
+        return [
+            self.store.batch_put_from_multi_buffer_ranges(keys, *self._ranges(self.src, layer, len(keys)))
+            for layer in range(NUM_LAYERS)
+        ]
 
     def _get_layers(self, keys: list[str]) -> list[list[int]]:
-        return [self.store.batch_get_into_multi_buffer_ranges(keys, *self._ranges(self.dst, layer, len(keys)))
-                for layer in range(NUM_LAYERS)]
+        return [
+            self.store.batch_get_into_multi_buffer_ranges(keys, *self._ranges(self.dst, layer, len(keys)))
+            for layer in range(NUM_LAYERS)
+        ]
 
     def put_session(self) -> CheckResult:
         start = self.store.batch_put_session_start(self.keys, [OBJECT_NBYTES] * NUM_KEYS)
@@ -209,11 +222,17 @@ class Probe:
         bad = [(layer, codes) for layer, codes in enumerate(per_layer) if codes != [LAYER_NBYTES] * NUM_KEYS]
         if bad:
             self.store.batch_put_session_revoke(self.keys)  # never commit a partly written object
-            return CheckResult("put session", False, f"range writes (want {LAYER_NBYTES} B/key): layer {bad[0][0]} -> {_names(bad[0][1])}")
+            return CheckResult(
+                "put session",
+                False,
+                f"range writes (want {LAYER_NBYTES} B/key): layer {bad[0][0]} -> {_names(bad[0][1])}",
+            )
         end = self.store.batch_put_session_end(self.keys)
         exists = self.store.batch_is_exist(self.keys)
         ok = end == [0] * NUM_KEYS and exists == [1] * NUM_KEYS
-        return CheckResult("put session", ok, f"{NUM_KEYS} keys x {NUM_LAYERS} layers, end {_names(end)}, exists {exists}")
+        return CheckResult(
+            "put session", ok, f"{NUM_KEYS} keys x {NUM_LAYERS} layers, end {_names(end)}, exists {exists}"
+        )
 
     def get_session(self) -> CheckResult:
         start = self.store.batch_get_session_start(self.keys)
@@ -223,21 +242,38 @@ class Probe:
             return CheckResult("get session", False, f"get start returned {_names(start)}")
         bad = [(layer, codes) for layer, codes in enumerate(per_layer) if codes != [LAYER_NBYTES] * NUM_KEYS]
         if bad:
-            return CheckResult("get session", False, f"range reads (want {LAYER_NBYTES} B/key): layer {bad[0][0]} -> {_names(bad[0][1])}")
+            return CheckResult(
+                "get session",
+                False,
+                f"range reads (want {LAYER_NBYTES} B/key): layer {bad[0][0]} -> {_names(bad[0][1])}",
+            )
         payload = np.ones(len(self.src), bool)
         for i in range(NUM_KEYS):
-            payload[i * OBJECT_NBYTES:i * OBJECT_NBYTES + HEADER_NBYTES] = False  # headers never written
+            payload[i * OBJECT_NBYTES : i * OBJECT_NBYTES + HEADER_NBYTES] = False  # headers never written
         same = bool(np.array_equal(self.src[payload], self.dst[payload]))
-        return CheckResult("get session", same and end == 0,
-                           f"bytes {'identical' if same else 'DIFFER'}, session end {end}")
+        return CheckResult(
+            "get session", same and end == 0, f"bytes {'identical' if same else 'DIFFER'}, session end {end}"
+        )
 
     def codes(self) -> CheckResult:
         ptr = self.dst.ctypes.data
         wanted = {
-            "range overflow": (Code.INVALID_PARAMS, lambda: self._in_get_session(
-                lambda: self.store.batch_get_into_multi_buffer_ranges(self.keys[:1], [[ptr]], [[4096]], [[OBJECT_NBYTES - 100]]))),
-            "missing key": (Code.OBJECT_NOT_FOUND, lambda: self.store.batch_get_session_start([self.keys[0] + "-absent"])),
-            "existing key": (Code.OBJECT_EXISTS, lambda: self.store.batch_put_session_start(self.keys[:1], [OBJECT_NBYTES])),
+            "range overflow": (
+                Code.INVALID_PARAMS,
+                lambda: self._in_get_session(
+                    lambda: self.store.batch_get_into_multi_buffer_ranges(
+                        self.keys[:1], [[ptr]], [[4096]], [[OBJECT_NBYTES - 100]]
+                    )
+                ),
+            ),
+            "missing key": (
+                Code.OBJECT_NOT_FOUND,
+                lambda: self.store.batch_get_session_start([self.keys[0] + "-absent"]),
+            ),
+            "existing key": (
+                Code.OBJECT_EXISTS,
+                lambda: self.store.batch_put_session_start(self.keys[:1], [OBJECT_NBYTES]),
+            ),
         }
         got = {name: fn()[0] for name, (_, fn) in wanted.items()}
         wrong = [f"{n}: {code_name(got[n])} (want {code_name(c)})" for n, (c, _) in wanted.items() if got[n] != c]
@@ -252,7 +288,7 @@ class Probe:
             self.store.batch_get_session_end(self.keys[:1])
 
     def throughput(self) -> CheckResult:
-        whole, ranged = self.bench_keys[:NUM_KEYS], self.bench_keys[NUM_KEYS:2 * NUM_KEYS]
+        whole, ranged = self.bench_keys[:NUM_KEYS], self.bench_keys[NUM_KEYS : 2 * NUM_KEYS]
         nbytes = NUM_KEYS * OBJECT_NBYTES
         ptrs = [self.src.ctypes.data + i * OBJECT_NBYTES for i in range(NUM_KEYS)]
         dptrs = [self.dst.ctypes.data + i * OBJECT_NBYTES for i in range(NUM_KEYS)]
@@ -263,8 +299,11 @@ class Probe:
         timings = {"whole put": put_whole, "whole get": get_whole, "ranged put": put_ranged, "ranged get": get_ranged}
         failed = [name for name, (ok, _) in timings.items() if not ok]
         rates = ", ".join(f"{name} {nbytes / max(dt, 1e-9) / 1e6:.0f} MB/s" for name, (_, dt) in timings.items())
-        return CheckResult("throughput", not failed, (f"failed: {', '.join(failed)}; " if failed else "")
-                           + f"{nbytes / (1 << 20):.1f} MiB each: {rates}")
+        return CheckResult(
+            "throughput",
+            not failed,
+            (f"failed: {', '.join(failed)}; " if failed else "") + f"{nbytes / (1 << 20):.1f} MiB each: {rates}",
+        )
 
     def _ranged_put(self, keys: list[str]) -> bool:
         if self.store.batch_put_session_start(keys, [OBJECT_NBYTES] * len(keys)) != [0] * len(keys):
@@ -284,7 +323,9 @@ class Probe:
         removed = self.store.batch_remove(keys)
         left = [k for k, e in zip(keys, self.store.batch_is_exist(keys)) if e != 0]
         gone = sum(1 for c in removed if c == 0)
-        return CheckResult("cleanup", not left, f"removed {gone} probe keys" + (f"; still present: {left}" if left else ""))
+        return CheckResult(
+            "cleanup", not left, f"removed {gone} probe keys" + (f"; still present: {left}" if left else "")
+        )
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[bool, float]:
@@ -297,4 +338,3 @@ def _timed(fn: Callable[[], Any]) -> tuple[bool, float]:
 
 def _names(codes: list[int]) -> str:
     return "[" + ", ".join(code_name(c) if c < 0 else str(c) for c in codes) + "]"
-

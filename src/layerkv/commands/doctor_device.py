@@ -34,7 +34,9 @@ def unavailable(device: str) -> str | None:
         return f"--device {device}: the CUDA device is cuda or cuda:N (N a device index)"
     count = torch.cuda.device_count()
     if index and int(index) >= count:
-        return f"--device {device}: torch sees {count} CUDA device{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1})"
+        return (
+            f"--device {device}: torch sees {count} CUDA device{'s' if count != 1 else ''} (cuda:0..cuda:{count - 1})"
+        )
     return None
 
 
@@ -45,15 +47,29 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
     if why is not None:
         return CheckResult(name, False, why)
     from layerkv.engine import EngineConfig, ModelConfig
-    from layerkv.engine.pooled import pooled_engine
     from layerkv.engine.engine import Engine
+    from layerkv.engine.pooled import pooled_engine
     from layerkv.store.factory import open_checked_store
 
     dtype = "float32" if device == "cpu" else "bfloat16"
-    model = ModelConfig(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512,
-                        vocab_size=512, seed=3, dtype=dtype)
-    engine_config = EngineConfig(block_size=BLOCK, num_blocks=32, max_num_batched_tokens=256, device=device,
-                                 model_id=f"layerkv/doctor-{time.time_ns()}")  # a namespace of its own
+    model = ModelConfig(
+        num_layers=4,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=512,
+        seed=3,
+        dtype=dtype,
+    )
+    engine_config = EngineConfig(
+        block_size=BLOCK,
+        num_blocks=32,
+        max_num_batched_tokens=256,
+        device=device,
+        model_id=f"layerkv/doctor-{time.time_ns()}",
+    )  # a namespace of its own
     settings: dict[str, Any] = {"transfer_plan": "groups", "embedded_capacity_bytes": 64 << 20}
     if mooncake_config:
         settings.update(backend="mooncake", mooncake_config_path=mooncake_config)
@@ -87,9 +103,16 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
         for opened in stores:
             opened.close()
     if got.num_external_tokens != PROMPT_BLOCKS * BLOCK or loaded == 0:
-        return CheckResult(name, False, f"the consumer loaded {got.num_external_tokens} tokens ({loaded} bytes), "
-                                        f"expected {PROMPT_BLOCKS * BLOCK}")
+        return CheckResult(
+            name,
+            False,
+            f"the consumer loaded {got.num_external_tokens} tokens ({loaded} bytes), expected {PROMPT_BLOCKS * BLOCK}",
+        )
     if not all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)):
         return CheckResult(name, False, "the loaded KV gave other logits than local compute")
-    return CheckResult(name, True, f"{PROMPT_BLOCKS} blocks x {model.num_layers} layers ({loaded} bytes, {dtype}) "
-                                   f"saved, loaded and equal to local compute in {time.monotonic() - began:.2f} s")
+    return CheckResult(
+        name,
+        True,
+        f"{PROMPT_BLOCKS} blocks x {model.num_layers} layers ({loaded} bytes, {dtype}) "
+        f"saved, loaded and equal to local compute in {time.monotonic() - began:.2f} s",
+    )

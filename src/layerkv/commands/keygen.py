@@ -11,7 +11,8 @@ from typing import Any
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "keygen", help="write a tenant key file (config tenant_key_file)",
+        "keygen",
+        help="write a tenant key file (config tenant_key_file)",
         description="Write a new tenant key (32 random bytes, hex) to FILE with mode 0600; refuses an existing "
         "file unless --rotate, which puts a new key first and keeps the older ones after it (they still verify). "
         "Give the file to every engine of the tenant (config tenant_key_file or $LAYERKV_TENANT_KEY_FILE).",

@@ -39,24 +39,42 @@ def add_parser(subparsers: Any) -> None:
         "mounts the global segment; print the Mooncake client config (one JSON line); stop on Ctrl-C. "
         "Fails (exit 1) if a port is taken or the master dies.",
     )
-    parser.add_argument("--host", type=host_address, default=LOOPBACK,
-                        help="the IPv4 address of this host that the master publishes and other hosts dial (default "
-                             "127.0.0.1: this host only). Mooncake listens on every interface whatever this says: "
-                             "expose it only on a network of trusted peers (docs/deployment.md)")
+    parser.add_argument(
+        "--host",
+        type=host_address,
+        default=LOOPBACK,
+        help="the IPv4 address of this host that the master publishes and other hosts dial (default "
+        "127.0.0.1: this host only). Mooncake listens on every interface whatever this says: "
+        "expose it only on a network of trusted peers (docs/deployment.md)",
+    )
     parser.add_argument("--port", type=int, default=DEFAULT_RPC_PORT, help="master RPC port (0: any free port)")
-    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP metadata port (0: any free port)")
-    parser.add_argument("--segment-size", default="1GB",
-                        help="global segment mounted by this process (e.g. 512MB, 1GB; 0: none, storage on other hosts)")
+    parser.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP metadata port (0: any free port)"
+    )
+    parser.add_argument(
+        "--segment-size",
+        default="1GB",
+        help="global segment mounted by this process (e.g. 512MB, 1GB; 0: none, storage on other hosts)",
+    )
     parser.add_argument("--client-segment-size", default="0", help="global_segment_size in the printed client config")
     parser.add_argument("--lease-ttl-ms", type=int, default=None, help="master --default_kv_lease_ttl")
     parser.add_argument("--config-out", type=Path, default=None, help="also write the client config JSON here")
-    parser.add_argument("--info-out", type=Path, default=None,
-                        help="write the deployment's addresses here (JSON: master, metadata_url, metrics_url, pid)")
+    parser.add_argument(
+        "--info-out",
+        type=Path,
+        default=None,
+        help="write the deployment's addresses here (JSON: master, metadata_url, metrics_url, pid)",
+    )
     parser.add_argument("--log-file", type=Path, default=None, help="mooncake_master log (default: a temp file)")
-    parser.add_argument("--tenant", action="append", default=[], metavar="NAME=SIZE",
-                        help="multi-tenant mode: this tenant (a layerkv `tenant` / mooncake_tenant_id) may hold up to "
-                             "SIZE (e.g. 512MB); repeat per tenant. Tenants then never see each other's objects and "
-                             "others cannot write; Mooncake does not authenticate tenant ids (docs/security.md)")
+    parser.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="multi-tenant mode: this tenant (a layerkv `tenant` / mooncake_tenant_id) may hold up to "
+        "SIZE (e.g. 512MB); repeat per tenant. Tenants then never see each other's objects and "
+        "others cannot write; Mooncake does not authenticate tenant ids (docs/security.md)",
+    )
     add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
@@ -88,23 +106,43 @@ def run(args: argparse.Namespace) -> int:
     master: MasterProcess | None = None
     holder = None
     try:
-        master = start_master(args.lease_ttl_ms, rpc_port=args.port or None, http_port=args.http_port or None,
-                              log_path=args.log_file, tenant_quotas=quotas, host=args.host)
+        master = start_master(
+            args.lease_ttl_ms,
+            rpc_port=args.port or None,
+            http_port=args.http_port or None,
+            log_path=args.log_file,
+            tenant_quotas=quotas,
+            host=args.host,
+        )
         if segment_bytes:  # 0: storage lives only in holders on other hosts (`layerkv segment`)
-            holder = MooncakeStore.from_mooncake_config(master.config(global_segment_size=segment_bytes),
-                                                        tenant_id=next(iter(quotas)) if quotas else None)
+            holder = MooncakeStore.from_mooncake_config(
+                master.config(global_segment_size=segment_bytes), tenant_id=next(iter(quotas)) if quotas else None
+            )
         master.check_serving()  # still ours after the holder mounted: only then announce it
-        client_config = master.config(global_segment_size=client_segment_bytes,
-                                      local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES)
+        client_config = master.config(
+            global_segment_size=client_segment_bytes, local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES
+        )
         if args.info_out is not None:  # before the config line: whoever reads that line may read this
-            args.info_out.write_text(json.dumps({"master": master.address, "metadata_url": master.metadata_url,
-                                                 "metrics_url": master.metrics_url, "pid": master.pid}) + "\n")
+            args.info_out.write_text(
+                json.dumps(
+                    {
+                        "master": master.address,
+                        "metadata_url": master.metadata_url,
+                        "metrics_url": master.metrics_url,
+                        "pid": master.pid,
+                    }
+                )
+                + "\n"
+            )
         _announce(master, client_config, segment_bytes, args.config_out)
         while not stop.wait(timeout=WATCH_INTERVAL_S):
             if not master.running():
-                print(f"layerkv master: {master.describe_exit()} after start; clients of {master.address} "
-                      f"have no pool now.\nlog {master.log_path} (last lines):\n{master.log_tail()}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"layerkv master: {master.describe_exit()} after start; clients of {master.address} "
+                    f"have no pool now.\nlog {master.log_path} (last lines):\n{master.log_tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
         print("layerkv master: stopping", file=sys.stderr, flush=True)
         return 0
@@ -112,8 +150,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerkv master: {exc}\n{_port_fix(exc.port, args)}", file=sys.stderr)
         return 1
     except (StoreError, ConfigError) as exc:
-        died = f"\n{master.describe_exit()}; log {master.log_path}:\n{master.log_tail()}" \
-            if master is not None and not master.running() else ""
+        died = (
+            f"\n{master.describe_exit()}; log {master.log_path}:\n{master.log_tail()}"
+            if master is not None and not master.running()
+            else ""
+        )
         print(f"layerkv master: {exc}{died}", file=sys.stderr)
         return 1
     finally:
@@ -141,18 +182,26 @@ def _port_fix(port: int, args: argparse.Namespace) -> str:
     flag = {args.port: "--port", args.http_port: "--http-port"}.get(port)
     if flag is None:  # an auto-picked port lost three times in a row
         return "Fix: run `layerkv master` again (it picks other free ports)."
-    return (f"Fix: if that is another `layerkv master`, use the config it printed; or start this one on "
-            f"other ports with {flag} <port> (0 picks a free one), e.g. `layerkv master --port 0 --http-port 0`.")
+    return (
+        f"Fix: if that is another `layerkv master`, use the config it printed; or start this one on "
+        f"other ports with {flag} <port> (0 picks a free one), e.g. `layerkv master --port 0 --http-port 0`."
+    )
 
 
-def _announce(master: MasterProcess, client_config: dict[str, Any], segment_bytes: int, config_out: Path | None) -> None:
+def _announce(
+    master: MasterProcess, client_config: dict[str, Any], segment_bytes: int, config_out: Path | None
+) -> None:
     line = json.dumps(client_config)
     if config_out is not None:
         config_out.write_text(json.dumps(client_config, indent=2) + "\n")
     print(
-        f"layerkv master: mooncake_master pid {master.pid} serving {master.address} and metadata {master.metadata_url}, "
-        + (f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}" if segment_bytes
-           else "no segment here (storage: `layerkv segment` on other hosts)")
+        f"layerkv master: mooncake_master pid {master.pid} serving {master.address} and metadata "
+        f"{master.metadata_url}, "
+        + (
+            f"{segment_bytes / (1 << 20):.0f} MiB segment held by pid {os.getpid()}"
+            if segment_bytes
+            else "no segment here (storage: `layerkv segment` on other hosts)"
+        )
         + f"; log {master.log_path}.\n"
         f"Metrics and the key listing (/get_all_keys, unauthenticated) on {master.metrics_url}.\n"
         f"Clients: save the JSON below and export MOONCAKE_CONFIG_PATH=<file>"

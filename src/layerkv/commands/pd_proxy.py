@@ -11,7 +11,8 @@ from typing import Any
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "pd-proxy", help="prefill/decode proxy in front of two vLLM servers",
+        "pd-proxy",
+        help="prefill/decode proxy in front of two vLLM servers",
         description="Send each completion first to the prefill server (max_tokens 1), then with its "
         "kv_transfer_params to the decode server, whose answer the client gets (docs/vllm.md).",
     )
@@ -28,8 +29,11 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     proxy = PDProxy(args.prefill, args.decode, args.host, args.port, args.timeout_s)
-    print(f"layerkv pd-proxy: {proxy.url} -> prefill {proxy.prefill_url}, decode {proxy.decode_url}. Ctrl-C stops.",
-          file=sys.stderr, flush=True)
+    print(
+        f"layerkv pd-proxy: {proxy.url} -> prefill {proxy.prefill_url}, decode {proxy.decode_url}. Ctrl-C stops.",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         proxy.serve_forever()
     except KeyboardInterrupt:

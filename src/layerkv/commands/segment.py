@@ -32,11 +32,19 @@ def add_parser(subparsers: Any) -> None:
         "client config `layerkv master --host` printed), published at --host; hold it until Ctrl-C.",
     )
     parser.add_argument("--config", type=Path, required=True, help="the Mooncake client config of the pool (JSON)")
-    parser.add_argument("--host", type=host_address, required=True,
-                        help="this host's IPv4 address, reachable from the engines' hosts (local_hostname)")
+    parser.add_argument(
+        "--host",
+        type=host_address,
+        required=True,
+        help="this host's IPv4 address, reachable from the engines' hosts (local_hostname)",
+    )
     parser.add_argument("--size", default="1GB", help="the segment this process holds (e.g. 512MB, 4GB)")
-    parser.add_argument("--give-up-s", type=float, default=120.0,
-                        help="exit 1 once the master has not answered for this long (default 120)")
+    parser.add_argument(
+        "--give-up-s",
+        type=float,
+        default=120.0,
+        help="exit 1 once the master has not answered for this long (default 120)",
+    )
     add_mooncake_log_flag(parser)
     parser.set_defaults(func=run)
 
@@ -67,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerkv segment: {exc}", file=sys.stderr)
         return 1
     try:
-        print(json.dumps({"segment": holder.segment_name, "host": args.host, "bytes": size, "master": master,
-                          "pid": os.getpid()}), flush=True)
+        print(
+            json.dumps(
+                {"segment": holder.segment_name, "host": args.host, "bytes": size, "master": master, "pid": os.getpid()}
+            ),
+            flush=True,
+        )
         silent_s = 0.0
         while not stop.wait(timeout=WATCH_INTERVAL_S):
             if tcp_reachable(master_host, int(master_port), 1.0) is None:
@@ -76,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
                 continue
             silent_s += WATCH_INTERVAL_S
             if silent_s >= args.give_up_s:
-                print(f"layerkv segment: master {master} has not answered for {silent_s:.0f} s; giving up",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"layerkv segment: master {master} has not answered for {silent_s:.0f} s; giving up",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
         print("layerkv segment: stopping", file=sys.stderr, flush=True)
         return 0

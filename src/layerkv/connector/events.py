@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from layerkv.messages import BlockHash, ReqId

@@ -35,7 +35,9 @@ def loads_before_scheduling(num_tokens_left: int, decode_tokens: int) -> bool:
     return 0 < num_tokens_left <= decode_tokens
 
 
-def mark(plan: Any, step: SchedulerStep, loading: AbstractSet[ReqId], decode_tokens: int, every_step: bool = False) -> Any:
+def mark(
+    plan: Any, step: SchedulerStep, loading: AbstractSet[ReqId], decode_tokens: int, every_step: bool = False
+) -> Any:
     """`plan` with its asynchronous loads named (the requests of `loading`, 0 tokens in `step`)
     and `loads_first` set when a request it loads for computes `decode_tokens` or fewer tokens in
     `step`, or for any load with `every_step` (vLLM's FULL mode replays mixed batches too).
@@ -44,8 +46,11 @@ def mark(plan: Any, step: SchedulerStep, loading: AbstractSet[ReqId], decode_tok
         return plan
     async_ids = frozenset(spec.req_id for spec in plan.loads if spec.req_id in loading)
     sync_ids = {spec.req_id for spec in plan.loads} - async_ids
-    first = bool(sync_ids) and every_step or any(
-        0 < r.num_scheduled_tokens <= decode_tokens for r in step.requests if r.req_id in sync_ids)
+    first = (
+        bool(sync_ids)
+        and every_step
+        or any(0 < r.num_scheduled_tokens <= decode_tokens for r in step.requests if r.req_id in sync_ids)
+    )
     if not (async_ids or first):
         return plan
     return dataclasses.replace(plan, async_req_ids=async_ids, loads_first=first)

@@ -47,7 +47,7 @@ class SaveHandoff:
     def passed(self, layer_idx: int) -> None:
         """The compute reached `layer_idx`: the layers before it that were saved are complete."""
         if self._unhanded:
-            for earlier in sorted(l for l in self._unhanded if l < layer_idx):
+            for earlier in sorted(li for li in self._unhanded if li < layer_idx):
                 self._hand(earlier)
 
     def finish(self, num_layers: int) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from layerkv.messages import RequestView, ReqId, SchedulerStep, WorkerReport
+from layerkv.messages import ReqId, RequestView, SchedulerStep, WorkerReport
 
 
 class SchedulerHooks(Protocol):
@@ -29,7 +29,9 @@ class SchedulerHooks(Protocol):
         tokens: not known yet, ask again next step (the engine schedules the request later)."""
         ...
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None: ...
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int
+    ) -> None: ...
 
     def build_connector_meta(self, step: SchedulerStep) -> Any:
         """A picklable metadata object for the workers of this step."""
@@ -93,7 +95,9 @@ class NullScheduler:
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int
+    ) -> None:
         return None
 
     def build_connector_meta(self, step: SchedulerStep) -> Any:

@@ -10,7 +10,8 @@ sliding-window group's objects of the blocks outside its window are asked for to
 (vLLM's null block stands for a sliding-window block outside the window) are neither loaded nor
 saved. A request whose load failed in any group taints its saves in every group: each group's
 step carries the block ids of the request's other groups (`ScheduledRequest.other_block_ids`,
-the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once every
+the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once
+every
 group's worker ran it. With one group the calls are passed through, but for the loads below.
 
 `load_async` (what vLLM needs for a model with several groups): vLLM 0.32 to 0.34 cannot map a
@@ -38,10 +39,10 @@ from typing import Any, TypeVar
 
 from layerkv.connector.graphs import loads_before_scheduling, mark
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
-from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
-from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.prefill_wait import PREFIX_TOKENS, promised_tokens
 from layerkv.connector.stats import SchedulerStats, WorkerStats
+from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
+from layerkv.metadata import BlockSpec, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +79,14 @@ def _without_blocks(plan: Any, skip: frozenset[int]) -> Any:
 class GroupedScheduler:
     """Scheduler hooks over one sub-scheduler per KV cache group; block ids come per group."""
 
-    def __init__(self, subs: Sequence[SchedulerHooks], skip_block_ids: frozenset[int] = frozenset(),
-                 windows: Sequence[int] | None = None, load_async: bool = False,
-                 replayed: tuple[int, bool] = (0, False)) -> None:
+    def __init__(
+        self,
+        subs: Sequence[SchedulerHooks],
+        skip_block_ids: frozenset[int] = frozenset(),
+        windows: Sequence[int] | None = None,
+        load_async: bool = False,
+        replayed: tuple[int, bool] = (0, False),
+    ) -> None:
         if not subs:
             raise ValueError("GroupedScheduler needs at least one group")
         self.subs = tuple(subs)
@@ -109,8 +115,10 @@ class GroupedScheduler:
             return None, False
         # a hit that leaves a decode step's worth to compute loads before the request's first step
         # (connector/graphs.py): that step may run as one CUDA graph, without the per-layer waits
-        load_async = hit > 0 and (self.load_async or loads_before_scheduling(
-            request.num_tokens - num_computed_tokens - hit, self.decode_tokens))
+        load_async = hit > 0 and (
+            self.load_async
+            or loads_before_scheduling(request.num_tokens - num_computed_tokens - hit, self.decode_tokens)
+        )
         if load_async:
             self._local[request.req_id] = num_computed_tokens
         return hit, load_async
@@ -159,7 +167,9 @@ class GroupedScheduler:
         (SchedulerConnector.needs_every_request; a group that cannot say, always)."""
         return any([getattr(sub, "needs_every_request", lambda: True)() for sub in self.subs])
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[tuple[int, ...]], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[tuple[int, ...]], num_external_tokens: int
+    ) -> None:
         self._check(block_ids)
         for sub, ids in zip(self.subs, block_ids):
             sub.update_state_after_alloc(request, tuple(ids), num_external_tokens)
@@ -172,9 +182,16 @@ class GroupedScheduler:
         loading = frozenset(self._loading)
         if loading:
             steps = self._with_loading(steps)
-        plans = tuple(mark(_without_blocks(sub.build_connector_meta(step), self._skip), step, loading,
-                           self.decode_tokens, self._replays_any)
-                      for sub, step in zip(self.subs, steps))
+        plans = tuple(
+            mark(
+                _without_blocks(sub.build_connector_meta(step), self._skip),
+                step,
+                loading,
+                self.decode_tokens,
+                self._replays_any,
+            )
+            for sub, step in zip(self.subs, steps)
+        )
         return plans[0] if len(plans) == 1 else GroupedPlan(plans)
 
     def _with_loading(self, steps: Sequence[SchedulerStep]) -> list[SchedulerStep]:
@@ -185,9 +202,16 @@ class GroupedScheduler:
         for g, step in enumerate(steps):
             scheduled = {r.req_id for r in step.requests}
             extra = tuple(
-                ScheduledRequest(req_id, ids[g], computed, 0, view.block_hashes,
-                                 other_block_ids=tuple(b for h, other in enumerate(ids) if h != g for b in other))
-                for req_id, (view, ids, computed) in loading.items() if req_id not in scheduled
+                ScheduledRequest(
+                    req_id,
+                    ids[g],
+                    computed,
+                    0,
+                    view.block_hashes,
+                    other_block_ids=tuple(b for h, other in enumerate(ids) if h != g for b in other),
+                )
+                for req_id, (view, ids, computed) in loading.items()
+                if req_id not in scheduled
             )
             out.append(dataclasses.replace(step, requests=step.requests + extra))
         return out
@@ -197,7 +221,9 @@ class GroupedScheduler:
         for sub in self.subs:
             sub.update_connector_output(report)
 
-    def request_finished(self, request: RequestView, block_ids: Sequence[tuple[int, ...]]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: RequestView, block_ids: Sequence[tuple[int, ...]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._check(block_ids)
         self._loading.pop(request.req_id, None)
         self._local.pop(request.req_id, None)
@@ -235,7 +261,9 @@ class GroupedScheduler:
 class GroupedWorker:
     """Worker hooks over one sub-worker per KV cache group; layers routed by name."""
 
-    def __init__(self, subs: Sequence[WorkerHooks], layer_names: Sequence[Sequence[str]], load_async: bool = False) -> None:
+    def __init__(
+        self, subs: Sequence[WorkerHooks], layer_names: Sequence[Sequence[str]], load_async: bool = False
+    ) -> None:
         if not subs or len(subs) != len(layer_names):
             raise ValueError(f"{len(subs)} workers for {len(layer_names)} KV cache groups")
         self.subs = tuple(subs)
@@ -266,7 +294,9 @@ class GroupedWorker:
             plans: tuple[Any, ...] = (meta,)
         else:
             if meta is not None and not isinstance(meta, GroupedPlan):
-                raise TypeError(f"layerkv grouped worker got metadata of type {type(meta).__name__}, expected GroupedPlan")
+                raise TypeError(
+                    f"layerkv grouped worker got metadata of type {type(meta).__name__}, expected GroupedPlan"
+                )
             plans = meta.plans if meta is not None else (None,) * len(self.subs)
             if len(plans) != len(self.subs):
                 raise ValueError(f"a plan for {len(plans)} KV cache groups, the worker has {len(self.subs)}")

@@ -20,18 +20,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerkv.config import LayerKVConfig
-from layerkv.objects.keys import with_store_shards, Namespace, block_keys, storage_role, tenant_namespace, tenant_namespaces
-from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
-from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.events import PoolEvent, PoolEvents
 from layerkv.connector.prefill_wait import PREFIX_TOKENS, PrefillWaits, promised_tokens
 from layerkv.connector.saved import SavedBlocks
 from layerkv.connector.stats import LOOKUP_S, Samples, SchedulerStats
-from layerkv.store.checked import CheckedStore
-from layerkv.transfer.commit import Verdicts
+from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
+from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.objects.keys import (
+    Namespace,
+    block_keys,
+    storage_role,
+    tenant_namespace,
+    tenant_namespaces,
+    with_store_shards,
+)
 from layerkv.objects.manifest import ManifestInfo, ManifestWriter
 from layerkv.objects.tenant_key import tenant_keys
+from layerkv.store.checked import CheckedStore
 from layerkv.threads import NamedThreads, Task
+from layerkv.transfer.commit import Verdicts
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +50,14 @@ class PoolLookup:
     `generations[g]`: the pipeline stages' namespaces under tenant key g (0: the current key,
     higher: older keys kept after a rotation, asked only for what the newer ones miss)."""
 
-    def __init__(self, store: CheckedStore, generations: Sequence[Sequence[Namespace]], num_storage_ranks: int,
-                 window_blocks: int, stats: SchedulerStats) -> None:
+    def __init__(
+        self,
+        store: CheckedStore,
+        generations: Sequence[Sequence[Namespace]],
+        num_storage_ranks: int,
+        window_blocks: int,
+        stats: SchedulerStats,
+    ) -> None:
         self._store = store
         # every (pipeline stage namespace, storage rank) pair must hold a block for a hit
         self._ranks = [[(ns, rank) for ns in stages for rank in range(num_storage_ranks)] for stages in generations]
@@ -67,8 +80,12 @@ class PoolLookup:
         errors = ~np.isin(table, (0, 1)).all(axis=1)
         if errors.any():
             self._stats.lookup_errors += int(errors.sum())
-            log.warning("layerkv: exists query failed for %d of %d blocks (codes %s); treated as misses",
-                        int(errors.sum()), len(hashes), sorted(set(table[errors].ravel().tolist()) - {0, 1}))
+            log.warning(
+                "layerkv: exists query failed for %d of %d blocks (codes %s); treated as misses",
+                int(errors.sum()),
+                len(hashes),
+                sorted(set(table[errors].ravel().tolist()) - {0, 1}),
+            )
         return (table == 1).all(axis=1).tolist()
 
     def locate(self, hashes: Sequence[BlockHash]) -> list[int]:
@@ -123,8 +140,12 @@ class SchedulerConnector:
         self._stats = SchedulerStats()
         self.samples = Samples()  # each lookup's seconds (vLLM's histograms); scheduler thread
         # each written namespace's manifest (layerkv pool), off the scheduler thread: a put has no time bound
-        self._manifests = ManifestWriter(store, ManifestInfo.from_deployment(
-            deployment, config.tenant, keyed=self._tenant_keys is not None, encrypted=config.encrypt_objects))
+        self._manifests = ManifestWriter(
+            store,
+            ManifestInfo.from_deployment(
+                deployment, config.tenant, keyed=self._tenant_keys is not None, encrypted=config.encrypt_objects
+            ),
+        )
         self._manifest_thread = NamedThreads("layerkv-manifest", 1)
         self._manifest_task: Task[None] | None = None
         self._epoch = ""  # a new one at each reset_cache: the namespaces' and the plans'
@@ -147,15 +168,27 @@ class SchedulerConnector:
     def _name_objects(self) -> None:
         """The namespaces of this epoch and the lookup over them."""
         config, deployment, keys = self.config, self.deployment, self._tenant_keys
-        self.namespace = tenant_namespace(deployment, config.tenant, config.model_fingerprint, keys,
-                                          config.encrypt_objects, self._epoch)
+        self.namespace = tenant_namespace(
+            deployment, config.tenant, config.model_fingerprint, keys, config.encrypt_objects, self._epoch
+        )
         # with pipeline parallelism each stage writes its own layers under its own namespace
         # after a key rotation, each older key's namespaces too (read, never written)
-        stages = [tenant_namespaces(dataclasses.replace(deployment, pp_rank=s), config.tenant, config.model_fingerprint,
-                                    keys, config.encrypt_objects, self._epoch) for s in range(deployment.pp_size)]
+        stages = [
+            tenant_namespaces(
+                dataclasses.replace(deployment, pp_rank=s),
+                config.tenant,
+                config.model_fingerprint,
+                keys,
+                config.encrypt_objects,
+                self._epoch,
+            )
+            for s in range(deployment.pp_size)
+        ]
         self._writing = tuple(generations[0] for generations in stages)  # each stage's current-key namespace
         role = storage_role(deployment)
-        self._lookup = PoolLookup(self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats)
+        self._lookup = PoolLookup(
+            self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats
+        )
 
     def reset_cache(self) -> bool:
         """After new weights (vLLM's reset_prefix_cache(reset_connector=True)): no object written
@@ -173,8 +206,11 @@ class SchedulerConnector:
         self._before_reset |= self._live
         self._events.cleared()
         self._stats.cache_resets += 1
-        log.info("layerkv: cache reset: a new namespace %s; %d running requests save nothing more",
-                 self.namespace.name, len(self._live))
+        log.info(
+            "layerkv: cache reset: a new namespace %s; %d running requests save nothing more",
+            self.namespace.name,
+            len(self._live),
+        )
         return True
 
     # -- hooks ----------------------------------------------------------------------------
@@ -194,7 +230,7 @@ class SchedulerConnector:
         lookup_start_s = time.perf_counter()
         generations = self._lookup.count_hit_blocks(request.block_hashes, start_block, end_block)
         self.samples.observe(LOOKUP_S, time.perf_counter() - lookup_start_s)
-        self._known.forget(request.block_hashes[start_block + len(generations):end_block])  # computed: saved again
+        self._known.forget(request.block_hashes[start_block + len(generations) : end_block])  # computed: saved again
         if waits:
             if start_block + len(generations) < promised and self._waits.keep_waiting(request.req_id):
                 return None, False
@@ -255,16 +291,24 @@ class SchedulerConnector:
         finally:
             self.samples.observe(LOOKUP_S, time.perf_counter() - lookup_start_s)
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: tuple[int, ...], num_external_tokens: int
+    ) -> None:
         matched = self._matched.pop(request.req_id, None)
         if matched is None or num_external_tokens <= 0:
             return
         num_blocks = min(matched.num_blocks, num_external_tokens // self._block_size)
         first, last = matched.start_block, matched.start_block + num_blocks
         if last > len(block_ids):
-            raise ValueError(f"request {request.req_id}: {len(block_ids)} blocks allocated, {last} needed for the pool hit")
-        self._pending[request.req_id] = BlockSpec(request.req_id, tuple(request.block_hashes[first:last]),
-                                                  tuple(block_ids[first:last]), matched.generations[:num_blocks])
+            raise ValueError(
+                f"request {request.req_id}: {len(block_ids)} blocks allocated, {last} needed for the pool hit"
+            )
+        self._pending[request.req_id] = BlockSpec(
+            request.req_id,
+            tuple(request.block_hashes[first:last]),
+            tuple(block_ids[first:last]),
+            matched.generations[:num_blocks],
+        )
 
     def needs_every_request(self) -> bool:
         """Must the next step name every scheduled request (SchedulerStep.requests), not only
@@ -275,12 +319,20 @@ class SchedulerConnector:
     def build_connector_meta(self, step: SchedulerStep) -> StepPlan:
         """This step's plan. With nothing to load or save and no verdict to carry, it costs no
         store call and nothing per running request (a decode step: SchedulerStep)."""
-        loads = tuple(self._pending.pop(req_id) for req_id in list(self._pending) if step.is_scheduled(req_id)) if self._pending else ()
+        loads = (
+            tuple(self._pending.pop(req_id) for req_id in list(self._pending) if step.is_scheduled(req_id))
+            if self._pending
+            else ()
+        )
         self._pending.clear()  # a hit whose request was not scheduled is planned again later
         saves = self._plan_saves(step) if self.deployment.role.saves and step.requests else ()
         if saves and (self._manifest_task is None or self._manifest_task.wait(0)):
             self._manifest_task = self._manifest_thread.submit(functools.partial(self._manifests.ensure, self._writing))
-        ended = frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids) if self._ended or step.finished_req_ids or step.preempted_req_ids else frozenset()
+        ended = (
+            frozenset(self._ended | step.finished_req_ids | step.preempted_req_ids)
+            if self._ended or step.finished_req_ids or step.preempted_req_ids
+            else frozenset()
+        )
         self._ended.clear()
         self._live -= ended
         self._live.update(r.req_id for r in step.requests)  # a running request entered when it was new or resumed
@@ -289,8 +341,10 @@ class SchedulerConnector:
         seq, self._next_step_seq = self._next_step_seq, self._next_step_seq + 1
         if saves:
             saving = {spec.req_id for spec in saves}
-            self._verdicts.await_step(seq, {r.req_id: frozenset((*r.block_ids, *r.other_block_ids))
-                                            for r in step.requests if r.req_id in saving})
+            self._verdicts.await_step(
+                seq,
+                {r.req_id: frozenset((*r.block_ids, *r.other_block_ids)) for r in step.requests if r.req_id in saving},
+            )
         verdicts = self._verdicts.take()
         num_tokens = step.total_tokens()
         self._commits_unsettled = (self._commits_unsettled or bool(verdicts)) if num_tokens else False
@@ -302,8 +356,16 @@ class SchedulerConnector:
             self._stats.load_blocks += sum(len(spec) for spec in loads)
             self._stats.save_blocks += sum(len(spec) for spec in saves)
         reinvalidate = self._stale_blocks(step, loads)
-        return StepPlan(step_seq=seq, num_tokens=num_tokens, loads=loads, saves=saves, ended_req_ids=ended,
-                        verdicts=verdicts, reinvalidate=reinvalidate, epoch=self._epoch)
+        return StepPlan(
+            step_seq=seq,
+            num_tokens=num_tokens,
+            loads=loads,
+            saves=saves,
+            ended_req_ids=ended,
+            verdicts=verdicts,
+            reinvalidate=reinvalidate,
+            epoch=self._epoch,
+        )
 
     def _stale_blocks(self, step: SchedulerStep, loads: tuple[BlockSpec, ...]) -> frozenset[int]:
         """Suspect blocks a request of `step` attends to as already computed (an engine prefix-
@@ -318,8 +380,12 @@ class SchedulerConnector:
             last = (r.num_computed_tokens + r.num_scheduled_tokens) // bs
             written.update(r.block_ids[first:last])
         self._suspect -= written
-        stale = {b for r in step.requests for b in r.block_ids[: r.num_computed_tokens // bs]
-                 if b in self._suspect and b not in written}
+        stale = {
+            b
+            for r in step.requests
+            for b in r.block_ids[: r.num_computed_tokens // bs]
+            if b in self._suspect and b not in written
+        }
         self._stats.stale_blocks_reinvalidated += len(stale)
         return frozenset(stale)
 
@@ -376,8 +442,11 @@ class SchedulerConnector:
         known = self._known
         for request in step.requests:
             first = request.num_computed_tokens // self._block_size
-            last = min((request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,
-                       len(request.block_hashes), len(request.block_ids))
+            last = min(
+                (request.num_computed_tokens + request.num_scheduled_tokens) // self._block_size,
+                len(request.block_hashes),
+                len(request.block_ids),
+            )
             if not self.config.save_decode_blocks and request.num_prompt_tokens is not None:
                 last = min(last, request.num_prompt_tokens // self._block_size)  # the prompt's blocks only
             if first >= last:

@@ -34,8 +34,10 @@ def worker_connector(config: LayerKVConfig, deployment: Deployment, store: Check
     if len(role.storage_ranks) == 1:
         return WorkerConnector(config, deployment, store)
     if config.register_kv_cache:
-        raise ConfigError(f"register_kv_cache with store_shards={role.num_storage_ranks} finer than tp_size="
-                          f"{deployment.tp_size}: each shard would register the same live cache; leave it false")
+        raise ConfigError(
+            f"register_kv_cache with store_shards={role.num_storage_ranks} finer than tp_size="
+            f"{deployment.tp_size}: each shard would register the same live cache; leave it false"
+        )
     local_heads = deployment.num_kv_heads // deployment.tp_size
     subs = [WorkerConnector(config, deployment, store, shard=s) for s in role.storage_ranks]
     return ShardedWorker(subs, local_heads)
@@ -58,8 +60,13 @@ class ShardedWorker(GroupedWorker):
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
         k = len(self.subs)
         for i, sub in enumerate(self.subs):
-            sub.register_kv_caches({name: _head_slice(name, value, i, k, self._local_heads, num_blocks)
-                                    for name, value in kv_caches.items()}, num_blocks)
+            sub.register_kv_caches(
+                {
+                    name: _head_slice(name, value, i, k, self._local_heads, num_blocks)
+                    for name, value in kv_caches.items()
+                },
+                num_blocks,
+            )
 
     def bind_connector_metadata(self, meta: Any) -> None:
         for sub in self.subs:
@@ -93,7 +100,9 @@ def _head_slice(name: str, value: Any, i: int, k: int, heads: int, num_blocks: i
         return type(value)(_head_slice(name, v, i, k, heads, num_blocks) for v in value)
     shape = tuple(int(n) for n in value.shape)
     strides = tuple(int(s) for s in (value.stride() if callable(getattr(value, "stride", None)) else value.strides))
-    first = 2 if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks else 1  # [2, num_blocks, ...] or [num_blocks, ...]
+    first = (
+        2 if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks else 1
+    )  # [2, num_blocks, ...] or [num_blocks, ...]
     dims = [d for d in range(first, len(shape)) if shape[d] > 1]
     outer = max(dims, key=lambda d: strides[d], default=None)
     if outer is None or shape[outer] != heads:

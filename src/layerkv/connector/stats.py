@@ -77,7 +77,9 @@ class WorkerStats:
     save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
     save_skipped_staging: int = 0  # keys not saved: no free staging row (the staging area is full)
     save_incomplete_steps: int = 0  # saving steps handed fewer than all layers: nothing saved
-    save_after_forward_steps: int = 0  # saving steps whose per-layer hooks never ran (a full CUDA graph): copied after the forward
+    save_after_forward_steps: int = (
+        0  # saving steps whose per-layer hooks never ran (a full CUDA graph): copied after the forward
+    )
     load_unwaited_steps: int = 0  # steps that computed over a load without waiting for it: its blocks recomputed
     # commit protocol
     committed_keys: int = 0

@@ -1,7 +1,8 @@
 """Worker side of the connector (one per TP rank and pipeline stage): registers its staging areas
-(its live KV cache only with register_kv_cache), turns each step's plan into a load job (receive thread `layerkv-recv-<rank>`), a save job (its
-copies on the send thread `layerkv-send-<rank>`, its store writes on the write thread
-`layerkv-write-<rank>`) and the commits of earlier steps (write thread), and reports which blocks
+(its live KV cache only with register_kv_cache), turns each step's plan into a load job (receive
+thread `layerkv-recv-<rank>`), a save job (its copies on the send thread `layerkv-send-<rank>`, its
+store writes on the write thread `layerkv-write-<rank>`) and the commits of earlier steps (write
+thread), and reports which blocks
 failed to load and which step it ran. Hooks are called on the engine's compute thread; the jobs
 own their sessions and publish outcomes the compute thread reads once they finished. Never raises
 into the engine because of the store: a late layer is recomputed, a late save revoked.
@@ -21,28 +22,28 @@ from typing import Any
 
 import layerkv.connector.worker_jobs as worker_jobs
 from layerkv.config import LayerKVConfig
-from layerkv.errors import ConfigError, TransferError
-from layerkv.objects.keys import with_store_shards, storage_role
-from layerkv.objects.layout import CacheLayout
-from layerkv.messages import Deployment
-from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.connector.failed_blocks import FailedBlocks
 from layerkv.connector.handoff import SaveHandoff
 from layerkv.connector.stats import LOAD_WAIT_S, Samples, WorkerStats
-from layerkv.store.checked import CheckedStore
+from layerkv.connector.worker_jobs import JobFactory, JobLedger, check_block_size
+from layerkv.errors import ConfigError, TransferError
+from layerkv.messages import Deployment
+from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.objects.keys import storage_role, with_store_shards
+from layerkv.objects.layout import CacheLayout
 from layerkv.objects.tenant_key import tenant_keys
-from layerkv.transfer.calls import Lanes
-from layerkv.transfer.load import LoadJob
-from layerkv.transfer.memory import RegisteredMemory, memory_regions
+from layerkv.store.checked import CheckedStore
 from layerkv.store.wheels import check_device_path
 from layerkv.transfer.caches import RegisteredCaches
+from layerkv.transfer.calls import Lanes
+from layerkv.transfer.commit import Commits
+from layerkv.transfer.load import LoadJob
+from layerkv.transfer.memory import RegisteredMemory, memory_regions
 from layerkv.transfer.planner import Planner
 from layerkv.transfer.save import SaveJob
-from layerkv.transfer.commit import Commits
-from layerkv.transfer.views import CacheViews
 from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.thread import TransferThread
-from layerkv.connector.worker_jobs import JobFactory, JobLedger, check_block_size
+from layerkv.transfer.views import CacheViews
 
 log = logging.getLogger(__name__)
 # Save jobs of earlier steps still writing (each holds its staging rows); with this many, a step's
@@ -66,11 +67,15 @@ class WorkerConnector:
       in staging and are verified as they reach the cache, saves gather the cache into staging.
     """
 
-    def __init__(self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore, shard: int | None = None) -> None:
+    def __init__(
+        self, config: LayerKVConfig, deployment: Deployment, store: CheckedStore, shard: int | None = None
+    ) -> None:
         """`shard`: which of this rank's shards it stores (connector/shards.py builds one worker
         per shard when the split is finer than the TP size); None: the rank's only one."""
         if not isinstance(store, CheckedStore):
-            raise TypeError(f"WorkerConnector needs a CheckedStore (store.factory.open_checked_store), got {type(store).__name__}")
+            raise TypeError(
+                f"WorkerConnector needs a CheckedStore (store.factory.open_checked_store), got {type(store).__name__}"
+            )
         deployment = with_store_shards(deployment, config.store_shards)
         self.config = config
         self.deployment = deployment
@@ -78,14 +83,19 @@ class WorkerConnector:
         self.storage_role = storage_role(deployment)
         ranks = self.storage_role.storage_ranks
         if shard is None and len(ranks) > 1:
-            raise ConfigError(f"this rank holds {len(ranks)} shards of each block (store_shards="
-                              f"{self.storage_role.num_storage_ranks}, tp_size={deployment.tp_size}): build its worker "
-                              "with layerkv.connector.shards.worker_connector")
+            raise ConfigError(
+                f"this rank holds {len(ranks)} shards of each block (store_shards="
+                f"{self.storage_role.num_storage_ranks}, tp_size={deployment.tp_size}): build its worker "
+                "with layerkv.connector.shards.worker_connector"
+            )
         if shard is not None and shard not in ranks:
             raise ConfigError(f"shard={shard} is not one of this rank's shards {list(ranks)}")
         self.storage_rank = ranks[0] if shard is None else shard
         self.tenant_keys = tenant_keys(config.tenant_key_file)  # read once; never shown
-        self._epoch, self.namespaces = "", worker_jobs.namespaces_for(config, deployment, self.tenant_keys, "")  # StepPlan.epoch
+        self._epoch, self.namespaces = (
+            "",
+            worker_jobs.namespaces_for(config, deployment, self.tenant_keys, ""),
+        )  # StepPlan.epoch
         self.namespace = self.namespaces[0]  # the current key's: it writes; every key's namespace reads
         self.layout: CacheLayout | None = None
         self._jobs: JobFactory | None = None  # once the KV caches are registered
@@ -114,7 +124,9 @@ class WorkerConnector:
         # staged saves' writes and the commits: never ahead of the copies a step needs
         self._write = TransferThread(f"layerkv-write-{rank}", on_idle=lambda: self.commits.expire())
         self.commits = Commits(store, self._write, config.commit_timeout_s)
-        self._memory = RegisteredMemory(store, config.store_retry_interval_s, f"rank {deployment.tp_rank}", self._write.submit)
+        self._memory = RegisteredMemory(
+            store, config.store_retry_interval_s, f"rank {deployment.tp_rank}", self._write.submit
+        )
 
     # -- registration ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
@@ -129,15 +141,33 @@ class WorkerConnector:
         self._areas = StagingAreas.for_layout(self.layout, self.config.staging_nbytes, direct)
         caches = RegisteredCaches.over(CacheViews(self.layout, kv_caches), self._areas)
         self.planner = worker_jobs.planner_for(self.config, caches)
-        self._jobs = JobFactory(self.config, self.store, self.namespaces, headers, self.storage_rank, caches,
-                                self.planner, self._load_lanes, self._save_lanes, self.commits, self._stats)
+        self._jobs = JobFactory(
+            self.config,
+            self.store,
+            self.namespaces,
+            headers,
+            self.storage_rank,
+            caches,
+            self.planner,
+            self._load_lanes,
+            self._save_lanes,
+            self.commits,
+            self._stats,
+        )
         # the store can reach these and nothing else of the engine's (the live cache only when the
         # user opts in; a Mooncake client that mounts a global segment in this process exposes it too)
         registered = self._memory.register(self._areas.regions() + (memory_regions(kv_caches) if direct else []))
-        log.info("layerkv: rank %d shard %d: %d layers, object %d bytes, staging %d MiB%s %s, namespace %s",
-                 self.deployment.tp_rank, self.storage_rank, self.layout.num_layers, self.layout.object_nbytes, self._areas.nbytes() >> 20,
-                 " and the live KV cache (register_kv_cache)" if direct else "",
-                 "registered with the store" if registered else "not registered yet (retried)", self.namespace.name)
+        log.info(
+            "layerkv: rank %d shard %d: %d layers, object %d bytes, staging %d MiB%s %s, namespace %s",
+            self.deployment.tp_rank,
+            self.storage_rank,
+            self.layout.num_layers,
+            self.layout.object_nbytes,
+            self._areas.nbytes() >> 20,
+            " and the live KV cache (register_kv_cache)" if direct else "",
+            "registered with the store" if registered else "not registered yet (retried)",
+            self.namespace.name,
+        )
 
     # -- per step -------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: Any) -> None:
@@ -156,7 +186,10 @@ class WorkerConnector:
         """A cache reset's epoch (SchedulerConnector.reset_cache) names this step's jobs' objects on."""
         if epoch == self._epoch:
             return
-        self._epoch, self.namespaces = epoch, worker_jobs.namespaces_for(self.config, self.deployment, self.tenant_keys, epoch)
+        self._epoch, self.namespaces = (
+            epoch,
+            worker_jobs.namespaces_for(self.config, self.deployment, self.tenant_keys, epoch),
+        )
         self.namespace = self.namespaces[0]
         self._jobs = self._jobs.renamed(self.namespaces, self.tenant_keys) if self._jobs is not None else None
 
@@ -190,14 +223,20 @@ class WorkerConnector:
                 if plan.loads_first and self._load is not None and self.layout is not None:
                     self._wait_layer(self._load, self.layout.num_layers - 1)  # a decode-shaped step: no layer will wait
         if plan.saves and self.deployment.role.saves and self.storage_role.writes:
-            if self._ledger.stuck(SaveJob) or self.store.is_down() or self._ledger.saves_in_flight() >= MAX_SAVES_IN_FLIGHT:
+            if (
+                self._ledger.stuck(SaveJob)
+                or self.store.is_down()
+                or self._ledger.saves_in_flight() >= MAX_SAVES_IN_FLIGHT
+            ):
                 self._stats.save_skipped_steps += 1
             else:
                 self._save = self._start_saves(plan.step_seq, plan.saves)
                 if self._save is not None:
                     self.commits.saving(plan.step_seq)
                     copies = self._jobs.caches.views.copies if self._jobs is not None else None
-                    self._handoff.start(self._save, self._names_per_layer, copies.compute_marker if copies else lambda: None)
+                    self._handoff.start(
+                        self._save, self._names_per_layer, copies.compute_marker if copies else lambda: None
+                    )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._load is None and not self._handoff.pending:  # nothing to wait for or hand over: free
@@ -215,8 +254,11 @@ class WorkerConnector:
         start = time.perf_counter()
         if not job.wait_layer(layer_idx, self.config.load_timeout_s):
             self._stats.load_timeouts += 1
-            log.warning("layerkv: layer %d not loaded within %.1f s; this step's loaded blocks will be recomputed",
-                        layer_idx, self.config.load_timeout_s)
+            log.warning(
+                "layerkv: layer %d not loaded within %.1f s; this step's loaded blocks will be recomputed",
+                layer_idx,
+                self.config.load_timeout_s,
+            )
         waited = time.perf_counter() - start
         self._stats.load_wait_s += waited
         self._step_wait_s += waited
@@ -236,7 +278,9 @@ class WorkerConnector:
             if plan is not None and plan.num_tokens == 0 and not (plan.loads or plan.saves):
                 self.commits.finish_idle_step(self.config.save_timeout_s)  # the engine steps only to commit
             elif plan is not None and self.planner is not None and self._step_start_s:  # compute alone, sampled
-                self.planner.observe_idle(worker_jobs.step_times(plan, None, time.perf_counter() - self._step_start_s, 0.0, True))
+                self.planner.observe_idle(
+                    worker_jobs.step_times(plan, None, time.perf_counter() - self._step_start_s, 0.0, True)
+                )
             return
         step_s = time.perf_counter() - self._step_start_s if self._step_start_s else 0.0
         # compute alone: reads beside it (layer and group plans) slow it on a CPU host, which
@@ -262,7 +306,9 @@ class WorkerConnector:
             if not save.wait_for(lambda: save.released, self.config.save_timeout_s):
                 save.cancel()  # it revokes its sessions when the stuck call returns
                 self._stats.save_timeouts += 1
-                log.warning("layerkv: saves not copied / written within %.1f s; revoking them", self.config.save_timeout_s)
+                log.warning(
+                    "layerkv: saves not copied / written within %.1f s; revoking them", self.config.save_timeout_s
+                )
             elif plan is not None and not self.deployment.role.loads:
                 self.commits.commit_now(plan.step_seq)  # a prefill server's objects: readable once written
         if load is not None:
@@ -351,7 +397,10 @@ class WorkerConnector:
 
     def open_sessions(self) -> dict[str, int]:
         """Sessions this worker holds now: put sessions waiting for a verdict, jobs running."""
-        return {"pending_puts": self.commits.pending.num_keys(), "running_jobs": sum(1 for j in self._all_jobs() if not j.finished)}
+        return {
+            "pending_puts": self.commits.pending.num_keys(),
+            "running_jobs": sum(1 for j in self._all_jobs() if not j.finished),
+        }
 
     def gauges(self) -> dict[str, int]:
         """open_sessions now, and the staging bytes lent to jobs that have not finished (compute thread)."""

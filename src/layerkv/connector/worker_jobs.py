@@ -11,22 +11,21 @@ import logging
 from dataclasses import dataclass
 
 from layerkv.config import LayerKVConfig, PlanMode
+from layerkv.connector.stats import LOAD_BYTES, LOAD_TRANSFER_S, SAVE_BYTES, SAVE_TRANSFER_S, Samples, WorkerStats
 from layerkv.errors import LayoutError
+from layerkv.messages import Deployment
+from layerkv.metadata import BlockSpec, StepPlan
 from layerkv.objects.header import Header
 from layerkv.objects.keys import Namespace, block_keys, tenant_namespaces
 from layerkv.objects.layout import CacheLayout
-from layerkv.messages import Deployment
-from layerkv.metadata import BlockSpec
 from layerkv.objects.seal import sealers_for
-from layerkv.connector.stats import LOAD_BYTES, LOAD_TRANSFER_S, SAVE_BYTES, SAVE_TRANSFER_S, Samples, WorkerStats
-from layerkv.metadata import StepPlan
+from layerkv.objects.tenant_key import TenantKeys
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
-from layerkv.objects.tenant_key import TenantKeys
-from layerkv.transfer.calls import Lanes
-from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.caches import LentRows, RegisteredCaches
+from layerkv.transfer.calls import Lanes
 from layerkv.transfer.commit import CommitJob, Commits
+from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.planner import Planner, StepShape, StepTimes, choose_lanes
 from layerkv.transfer.save import SaveJob, SaveKey
 from layerkv.transfer.views import layer_groups
@@ -34,16 +33,21 @@ from layerkv.transfer.views import layer_groups
 log = logging.getLogger(__name__)
 
 
-def namespaces_for(config: LayerKVConfig, deployment: Deployment, keys: TenantKeys | None, epoch: str) -> tuple[Namespace, ...]:
+def namespaces_for(
+    config: LayerKVConfig, deployment: Deployment, keys: TenantKeys | None, epoch: str
+) -> tuple[Namespace, ...]:
     """A worker's namespaces in `epoch` (the scheduler's, StepPlan.epoch), the current key's first."""
     return tenant_namespaces(deployment, config.tenant, config.model_fingerprint, keys, config.encrypt_objects, epoch)
 
 
-def headers_for(namespaces: tuple[Namespace, ...], layout: CacheLayout, keys: TenantKeys | None,
-                encrypt: bool) -> tuple[Header, ...]:
+def headers_for(
+    namespaces: tuple[Namespace, ...], layout: CacheLayout, keys: TenantKeys | None, encrypt: bool
+) -> tuple[Header, ...]:
     """The header codec of each key generation (parallel to `namespaces`: tenant_namespaces)."""
-    return tuple(Header(ns.digest, layout.digest, layout.num_layers, layout.object_nbytes, sealer)
-                 for ns, sealer in zip(namespaces, sealers_for(keys, encrypt), strict=True))
+    return tuple(
+        Header(ns.digest, layout.digest, layout.num_layers, layout.object_nbytes, sealer)
+        for ns, sealer in zip(namespaces, sealers_for(keys, encrypt), strict=True)
+    )
 
 
 @dataclass
@@ -86,31 +90,54 @@ class JobFactory:
         assert area is not None, "direct per-layer plans only with register_kv_cache"
         slots = area.take(len(load_keys))  # staged plans stream through fewer rows than keys
         if slots.size == 0 or (plan.mode == PlanMode.LAYERS and slots.size < len(load_keys)):
-            log.warning("layerkv: loads of this step are recomputed: %d of %d %s staging rows free", slots.size,
-                        area.num_rows, area.name)
+            log.warning(
+                "layerkv: loads of this step are recomputed: %d of %d %s staging rows free",
+                slots.size,
+                area.num_rows,
+                area.name,
+            )
             self.stats.load_skipped_staging += 1
             return None
         self.stats.count_plan(plan.mode)
         self.stats.load_plans_explored += plan.explored
         if self.store.audit is not None:
-            self.store.audit.note("load_plan", plan=plan.label, keys=len(load_keys), tokens=num_tokens,
-                                  predicted_ms=round(plan.predicted_s * 1e3, 3), explored=plan.explored,
-                                  kinds_ms=self.planner.last_predictions if plan.predicted_s else {})
-        job = LoadJob(load_keys, store=self.store, caches=self.caches, headers=self.headers,
-                      rows=LentRows(area.array, slots), plan=plan, lanes=self.load_lanes,
-                      renew_after_s=self.config.lease_renew_after_s, prefetch_layers=prefetch,
-                      start_marker=self.caches.views.copies.compute_marker())  # the cache's earlier users first
+            self.store.audit.note(
+                "load_plan",
+                plan=plan.label,
+                keys=len(load_keys),
+                tokens=num_tokens,
+                predicted_ms=round(plan.predicted_s * 1e3, 3),
+                explored=plan.explored,
+                kinds_ms=self.planner.last_predictions if plan.predicted_s else {},
+            )
+        job = LoadJob(
+            load_keys,
+            store=self.store,
+            caches=self.caches,
+            headers=self.headers,
+            rows=LentRows(area.array, slots),
+            plan=plan,
+            lanes=self.load_lanes,
+            renew_after_s=self.config.lease_renew_after_s,
+            prefetch_layers=prefetch,
+            start_marker=self.caches.views.copies.compute_marker(),
+        )  # the cache's earlier users first
         area.lend(slots, job)
         return job
 
     def _load_keys(self, specs: tuple[BlockSpec, ...]) -> list[LoadKey] | None:
         by_key: dict[ObjectKey, tuple[bytes, int, list[int]]] = {}
         for spec in specs:
-            for gen, block_hash, block_id in zip(spec.generations or [0] * len(spec), spec.block_hashes, spec.block_ids):
+            for gen, block_hash, block_id in zip(
+                spec.generations or [0] * len(spec), spec.block_hashes, spec.block_ids
+            ):
                 if gen >= len(self.namespaces):  # the scheduler found it under a key this worker lacks
-                    log.error("layerkv: a pool hit under tenant key %d of the key file, which holds %d here: this "
-                              "step's loads are recomputed (give every process the same tenant_key_file)",
-                              gen + 1, len(self.namespaces))
+                    log.error(
+                        "layerkv: a pool hit under tenant key %d of the key file, which holds %d here: this "
+                        "step's loads are recomputed (give every process the same tenant_key_file)",
+                        gen + 1,
+                        len(self.namespaces),
+                    )
                     return None
                 namespace = self.namespaces[gen]
                 key = block_keys(namespace, (block_hash,), self.storage_rank)[0]
@@ -134,14 +161,30 @@ class JobFactory:
         if len(save_keys) < len(by_key):
             skipped = len(by_key) - len(save_keys)
             self.stats.save_skipped_staging += skipped
-            log.info("layerkv: %d of %d keys of this step not saved: %d of %d %s staging rows free", skipped, len(by_key),
-                     slots.size, area.num_rows, area.name)
+            log.info(
+                "layerkv: %d of %d keys of this step not saved: %d of %d %s staging rows free",
+                skipped,
+                len(by_key),
+                slots.size,
+                area.num_rows,
+                area.name,
+            )
         if not save_keys:
             return None
         lanes = self.config.transfer_lanes or choose_lanes(len(save_keys), 4)
-        job = SaveJob(save_keys, step_seq, store=self.store, caches=self.caches, header=self.headers[0],
-                      rows=LentRows(area.array, slots), placement=Placement.from_config(self.config),
-                      commits=self.commits, lanes=self.save_lanes, num_lanes=lanes, staged=not direct)
+        job = SaveJob(
+            save_keys,
+            step_seq,
+            store=self.store,
+            caches=self.caches,
+            header=self.headers[0],
+            rows=LentRows(area.array, slots),
+            placement=Placement.from_config(self.config),
+            commits=self.commits,
+            lanes=self.save_lanes,
+            num_lanes=lanes,
+            staged=not direct,
+        )
         area.lend(slots, job)
         return job
 
@@ -160,15 +203,20 @@ def planner_for(config: LayerKVConfig, caches: RegisteredCaches) -> Planner:
     shape = StepShape(
         num_keys=0,
         num_layers=layout.num_layers,
-        layer_nbytes=max(layout.layer_nbytes(l) for l in range(layout.num_layers)),
+        layer_nbytes=max(layout.layer_nbytes(li) for li in range(layout.num_layers)),
         header_nbytes=layout.header_nbytes,
-        segments_per_layer=max(layout.template(l).num_segments for l in range(layout.num_layers)),
+        segments_per_layer=max(layout.template(li).num_segments for li in range(layout.num_layers)),
         staging_ok=True,
         direct_ok=direct_transfers(config, caches),
     )
     ends = tuple(g.end_layer for g in layer_groups(layout, config.read_layers_per_range))
-    return Planner(PlanMode(config.transfer_plan), shape, lanes=config.transfer_lanes,
-                   prefetch_layers=config.prefetch_layers, group_ends=ends)
+    return Planner(
+        PlanMode(config.transfer_plan),
+        shape,
+        lanes=config.transfer_lanes,
+        prefetch_layers=config.prefetch_layers,
+        group_ends=ends,
+    )
 
 
 def fold(stats: WorkerStats, job: LoadJob | SaveJob | CommitJob, samples: Samples) -> None:
@@ -262,8 +310,16 @@ def step_times(plan: StepPlan, load: LoadJob | None, step_s: float, wait_s: floa
     if load is None or not load.finished:
         return StepTimes(plan.num_tokens, step_s, wait_s, compute_alone)
     read_all = not load.cancelled
-    return StepTimes(plan.num_tokens, step_s, wait_s, compute_alone, load.plan if read_all else None,
-                     len(load.keys), load.outcome.transfer_s if read_all else 0.0, load.outcome.measured)
+    return StepTimes(
+        plan.num_tokens,
+        step_s,
+        wait_s,
+        compute_alone,
+        load.plan if read_all else None,
+        len(load.keys),
+        load.outcome.transfer_s if read_all else 0.0,
+        load.outcome.measured,
+    )
 
 
 def check_block_size(layout: CacheLayout, block_size: int) -> None:

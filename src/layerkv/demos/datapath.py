@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerkv.config import LayerKVConfig
+from layerkv.messages import Deployment
 from layerkv.objects.header import Header
 from layerkv.objects.keys import block_keys, namespace_for
-from layerkv.transfer.calls import KeyRows
-from layerkv.transfer.views import CacheViews
 from layerkv.objects.layout import CacheLayout
-from layerkv.messages import Deployment
 from layerkv.objects.ranges import RangeLists
 from layerkv.objects.seal import NONCE_NBYTES, context
 from layerkv.store.base import KVStore
 from layerkv.store.factory import open_checked_store
+from layerkv.transfer.calls import KeyRows
+from layerkv.transfer.views import CacheViews
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +43,28 @@ class DatapathReport:
     identical: bool
 
 
-def _caches(num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int, seed: int) -> dict[str, np.ndarray]:
+def _caches(
+    num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int, seed: int
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     # [2, num_blocks, block_size, heads, head_dim]: K and V, two entries per layer
     return {
-        f"model.layers.{l}.self_attn.attn": rng.standard_normal((2, num_blocks, block_size, heads, head_dim), dtype=np.float32)
-        for l in range(num_layers)
+        f"model.layers.{li}.self_attn.attn": rng.standard_normal(
+            (2, num_blocks, block_size, heads, head_dim), dtype=np.float32
+        )
+        for li in range(num_layers)
     }
 
 
 def run_datapath_demo(
-    store: KVStore | None = None, *, num_blocks: int = 32, num_layers: int = 8, block_size: int = 16, heads: int = 4, head_dim: int = 64, seed: int = 0
+    store: KVStore | None = None,
+    *,
+    num_blocks: int = 32,
+    num_layers: int = 8,
+    block_size: int = 16,
+    heads: int = 4,
+    head_dim: int = 64,
+    seed: int = 0,
 ) -> DatapathReport:
     """Save `num_blocks` blocks layer by layer from one cache, load them layer by layer into a
     zeroed second cache, and compare every byte."""
@@ -75,7 +86,8 @@ def run_datapath_demo(
     nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * num_blocks), dtype=np.uint8).reshape(num_blocks, -1)
     contexts = [context(k, n.tobytes()) for k, n in zip(keys, nonces)]
     views = CacheViews(src_layout, src)
-    tags = np.stack([views.tags(l, np.arange(num_blocks), contexts, header.sealer) for l in range(num_layers)], axis=1)
+    blocks = np.arange(num_blocks)
+    tags = np.stack([views.tags(li, blocks, contexts, header.sealer) for li in range(num_layers)], axis=1)
     header.encode_into(staging, np.arange(num_blocks), hashes, keys, nonces, tags)
     read_headers = np.zeros_like(staging)
     for h in (staging, read_headers):
@@ -86,7 +98,11 @@ def run_datapath_demo(
     for layer in range(num_layers):
         ranges = _layer_ranges(src_layout, layer, ids, staging)
         start = time.perf_counter()
-        _check(store.batch_put_from_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets), sum(ranges.sizes[0]), f"layer {layer} put")
+        _check(
+            store.batch_put_from_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets),
+            sum(ranges.sizes[0]),
+            f"layer {layer} put",
+        )
         put_ms.append((time.perf_counter() - start) * 1e3)
     _check(store.batch_put_session_end(keys), 0, "put session end")
     _check(store.batch_get_session_start(keys), 0, "get session start")
@@ -94,9 +110,21 @@ def run_datapath_demo(
     for layer in range(num_layers):
         ranges = _layer_ranges(dst_layout, layer, ids, read_headers)
         start = time.perf_counter()
-        _check(store.batch_get_into_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets), sum(ranges.sizes[0]), f"layer {layer} get")
+        _check(
+            store.batch_get_into_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets),
+            sum(ranges.sizes[0]),
+            f"layer {layer} get",
+        )
         get_ms = (time.perf_counter() - start) * 1e3
-        timings.append(LayerTiming(layer, ranges.num_keys * ranges.num_segments, ranges.num_keys * sum(ranges.sizes[0]), put_ms[layer], get_ms))
+        timings.append(
+            LayerTiming(
+                layer,
+                ranges.num_keys * ranges.num_segments,
+                ranges.num_keys * sum(ranges.sizes[0]),
+                put_ms[layer],
+                get_ms,
+            )
+        )
     store.batch_get_session_end(keys)
     for row, block_hash in enumerate(hashes):
         header.verify(read_headers[row], block_hash, keys[row])
@@ -122,16 +150,22 @@ def _check(results: list[int], expected: int, what: str) -> None:
 
 def format_report(report: DatapathReport) -> str:
     lines = [
-        f"objects: {report.num_blocks} (one per block, {report.object_nbytes} bytes each, all {report.num_layers} layers inside)",
+        f"objects: {report.num_blocks} (one per block, {report.object_nbytes} bytes each, all {report.num_layers} "
+        "layers inside)",
         f"{'layer':>5} {'ranges':>7} {'bytes':>10} {'put ms':>8} {'get ms':>8}",
     ]
     for t in report.layers:
         lines.append(f"{t.layer_idx:>5} {t.ranges:>7} {t.nbytes:>10} {t.put_ms:>8.3f} {t.get_ms:>8.3f}")
     total = sum(t.nbytes for t in report.layers)
-    lines.append(f"{'total':>5} {sum(t.ranges for t in report.layers):>7} {total:>10} "
-                 f"{sum(t.put_ms for t in report.layers):>8.3f} {sum(t.get_ms for t in report.layers):>8.3f}")
+    lines.append(
+        f"{'total':>5} {sum(t.ranges for t in report.layers):>7} {total:>10} "
+        f"{sum(t.put_ms for t in report.layers):>8.3f} {sum(t.get_ms for t in report.layers):>8.3f}"
+    )
     if report.identical:
         lines.append(f"verified: {report.num_blocks} blocks x {report.num_layers} layers identical")
     else:
-        lines.append(f"MISMATCH: loaded bytes differ from the saved ones ({report.num_blocks} blocks x {report.num_layers} layers)")
+        lines.append(
+            f"MISMATCH: loaded bytes differ from the saved ones ({report.num_blocks} blocks x {report.num_layers} "
+            "layers)"
+        )
     return "\n".join(lines)

@@ -23,8 +23,16 @@ from layerkv.engine.pooled import pooled_engine
 from layerkv.store.checked import CheckedStore
 from layerkv.store.factory import open_checked_store
 
-DEMO_MODEL = ModelConfig(num_layers=8, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32,
-                         intermediate_size=768, vocab_size=2048, seed=7)
+DEMO_MODEL = ModelConfig(
+    num_layers=8,
+    hidden_size=256,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    intermediate_size=768,
+    vocab_size=2048,
+    seed=7,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +60,9 @@ class DemoResult:
     checksum_failures: int = 0  # layers whose bytes failed verification (recomputed, objects removed)
 
 
-def make_prompts(num_docs: int, prefix_tokens: int, question_tokens: int, vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+def make_prompts(
+    num_docs: int, prefix_tokens: int, question_tokens: int, vocab: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """(producer prompts, consumer prompts): doc i's prefix + two different questions."""
     rng = random.Random(seed)
     producer, consumer = [], []
@@ -77,9 +87,17 @@ def run_demo(
     device: str = "cpu",
 ) -> DemoResult:
     make_store = store_factory or (lambda: open_checked_store(config))
-    engine_config = EngineConfig(block_size=16, num_blocks=256, max_num_batched_tokens=512, tp_size=tp_size,
-                                 model_id="layerkv/demo-llama", device=device)
-    producer_prompts, consumer_prompts = make_prompts(num_docs, prefix_tokens, question_tokens, model.vocab_size, seed=1)
+    engine_config = EngineConfig(
+        block_size=16,
+        num_blocks=256,
+        max_num_batched_tokens=512,
+        tp_size=tp_size,
+        model_id="layerkv/demo-llama",
+        device=device,
+    )
+    producer_prompts, consumer_prompts = make_prompts(
+        num_docs, prefix_tokens, question_tokens, model.vocab_size, seed=1
+    )
 
     # one store client per connector: Mooncake get sessions belong to a client, so TP ranks
     # reading the same key must not share one (as separate worker processes would not)
@@ -105,9 +123,18 @@ def run_demo(
 
     identical, mismatch = _compare([p.output for p in pooled], oracle)
     rows = tuple(
-        DemoRow(p.output.req_id, len(p.output.prompt_token_ids), p.output.num_external_tokens,
-                len(p.output.prompt_token_ids) - p.output.num_external_tokens, p.output.ttft_s * 1e3, c.ttft_s * 1e3,
-                p.loaded_bytes, p.range_calls, ttft_local_ms=local_out.ttft_s * 1e3, load_wait_ms=p.load_wait_s * 1e3)
+        DemoRow(
+            p.output.req_id,
+            len(p.output.prompt_token_ids),
+            p.output.num_external_tokens,
+            len(p.output.prompt_token_ids) - p.output.num_external_tokens,
+            p.output.ttft_s * 1e3,
+            c.ttft_s * 1e3,
+            p.loaded_bytes,
+            p.range_calls,
+            ttft_local_ms=local_out.ttft_s * 1e3,
+            load_wait_ms=p.load_wait_s * 1e3,
+        )
         for p, c, local_out in zip(pooled, cold, oracle)
     )
     return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch, checksum_failures)
@@ -132,8 +159,9 @@ class _PooledOutput:
     load_wait_s: float  # the compute thread's wait for layers in transit
 
 
-def _load_from_pool(consumer: Engine, prompts: list[list[int]], stores: list[CheckedStore], bar: tqdm,
-                    max_tokens: int) -> list[_PooledOutput]:
+def _load_from_pool(
+    consumer: Engine, prompts: list[list[int]], stores: list[CheckedStore], bar: tqdm, max_tokens: int
+) -> list[_PooledOutput]:
     """The consumer serves each prompt, loading its prefix from the pool; with what each moved."""
     pooled: list[_PooledOutput] = []
     for prompt in prompts:
@@ -145,8 +173,13 @@ def _load_from_pool(consumer: Engine, prompts: list[list[int]], stores: list[Che
     return pooled
 
 
-def _local_oracle(model: ModelConfig, engine_config: EngineConfig, producer_prompts: list[list[int]],
-                  consumer_prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
+def _local_oracle(
+    model: ModelConfig,
+    engine_config: EngineConfig,
+    producer_prompts: list[list[int]],
+    consumer_prompts: list[list[int]],
+    max_tokens: int,
+) -> list[RequestOutput]:
     """A local engine without the pool: the same prefixes computed locally first (the producer's
     schedule, so prefix KV bytes are the same), then the consumer's prompts."""
     local = Engine(model, engine_config)
@@ -209,14 +242,21 @@ def _compare(pooled: list[RequestOutput], oracle: list[RequestOutput]) -> tuple[
 def format_result(result: DemoResult) -> str:
     """The table; `TTFT local ms` is the pool's ceiling (the prefix already in the engine's own
     cache), `waited ms` the part of `TTFT pool ms` the compute thread spent waiting for layers."""
-    head = (f"{'request':<8} {'prompt':>6} {'loaded':>6} {'computed':>8} {'TTFT pool ms':>12} "
-            f"{'TTFT recompute ms':>17} {'speed-up':>8} {'TTFT local ms':>13} {'waited ms':>9} "
-            f"{'bytes loaded':>12} {'range calls':>11}")
-    lines = [f"store: {result.backend}, tp_size={result.tp_size}, producer saved {result.producer_saved_bytes} bytes", head]
+    head = (
+        f"{'request':<8} {'prompt':>6} {'loaded':>6} {'computed':>8} {'TTFT pool ms':>12} "
+        f"{'TTFT recompute ms':>17} {'speed-up':>8} {'TTFT local ms':>13} {'waited ms':>9} "
+        f"{'bytes loaded':>12} {'range calls':>11}"
+    )
+    lines = [
+        f"store: {result.backend}, tp_size={result.tp_size}, producer saved {result.producer_saved_bytes} bytes",
+        head,
+    ]
     for r in result.rows:
-        lines.append(f"{r.request:<8} {r.prompt_tokens:>6} {r.loaded_tokens:>6} {r.computed_tokens:>8} {r.ttft_pool_ms:>12.1f} "
-                     f"{r.ttft_recompute_ms:>17.1f} {r.ttft_recompute_ms / max(r.ttft_pool_ms, 1e-9):>7.1f}x "
-                     f"{r.ttft_local_ms:>13.1f} {r.load_wait_ms:>9.1f} {r.loaded_bytes:>12} {r.range_calls:>11}")
+        lines.append(
+            f"{r.request:<8} {r.prompt_tokens:>6} {r.loaded_tokens:>6} {r.computed_tokens:>8} {r.ttft_pool_ms:>12.1f} "
+            f"{r.ttft_recompute_ms:>17.1f} {r.ttft_recompute_ms / max(r.ttft_pool_ms, 1e-9):>7.1f}x "
+            f"{r.ttft_local_ms:>13.1f} {r.load_wait_ms:>9.1f} {r.loaded_bytes:>12} {r.range_calls:>11}"
+        )
     lines.append("outputs identical to local compute: " + ("yes" if result.identical else f"NO ({result.mismatch})"))
     return "\n".join(lines)
 

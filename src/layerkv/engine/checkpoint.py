@@ -19,7 +19,9 @@ _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float1
 def model_config_from_hf(hf: dict, seed: int = 0) -> ModelConfig:
     """ModelConfig from an HF Llama config.json dict."""
     if hf.get("rope_scaling"):
-        raise UnsupportedSetupError(f"config.json rope_scaling={hf['rope_scaling']!r}: the reference engine has plain RoPE only")
+        raise UnsupportedSetupError(
+            f"config.json rope_scaling={hf['rope_scaling']!r}: the reference engine has plain RoPE only"
+        )
     try:
         num_heads = hf["num_attention_heads"]
         return ModelConfig(
@@ -47,7 +49,9 @@ def load_hf_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[Mode
         hf = {**hf, "torch_dtype": dtype}
     cfg = model_config_from_hf(hf)
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     raw: Weights = {}
     for name in files:
         raw.update(load_file(str(root / name)))
@@ -59,7 +63,9 @@ def load_hf_checkpoint(path: str | Path, dtype: str | None = None) -> tuple[Mode
         if key not in raw:
             raise ConfigError(f"checkpoint {root} lacks tensor {key!r} (shape {tuple(shape)})")
         if tuple(raw[key].shape) != tuple(shape):
-            raise ConfigError(f"checkpoint tensor {key!r} has shape {tuple(raw[key].shape)}; config.json implies {tuple(shape)}")
+            raise ConfigError(
+                f"checkpoint tensor {key!r} has shape {tuple(raw[key].shape)}; config.json implies {tuple(shape)}"
+            )
         weights[key] = raw[key].to(cfg.torch_dtype)
     return cfg, weights
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from layerkv.objects.fingerprint import settings_digest
+from layerkv.connector.hooks import NullScheduler, NullWorker, SchedulerHooks, WorkerHooks
 from layerkv.engine.model import ModelConfig, Weights, check_tp, init_weights
 from layerkv.engine.request import Request, RequestOutput, StepRecord, StepRequestRecord
 from layerkv.engine.runner import ModelRunner
 from layerkv.engine.scheduler import Scheduler
 from layerkv.errors import ConfigError
-from layerkv.connector.hooks import NullScheduler, NullWorker, SchedulerHooks, WorkerHooks
 from layerkv.messages import Deployment, KVRole, WorkerReport
+from layerkv.objects.fingerprint import settings_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +97,10 @@ class Engine:
         check_tp(model_config, engine_config.tp_size)
         num_workers = engine_config.tp_size * engine_config.pp_size
         if worker_hooks is not None and len(worker_hooks) != num_workers:
-            raise ConfigError(f"worker_hooks has {len(worker_hooks)} entries; tp_size={engine_config.tp_size} x "
-                              f"pp_size={engine_config.pp_size} needs one per (stage, rank)")
+            raise ConfigError(
+                f"worker_hooks has {len(worker_hooks)} entries; tp_size={engine_config.tp_size} x "
+                f"pp_size={engine_config.pp_size} needs one per (stage, rank)"
+            )
         self.scheduler = Scheduler(
             scheduler_hooks or NullScheduler(),
             engine_config.num_blocks,
@@ -132,7 +134,10 @@ class Engine:
         return dict(self.runner.caches[pp_rank * self.config.tp_size + tp_rank].tensors)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], salts: Sequence[bytes] | None = None,
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int | Sequence[int],
+        salts: Sequence[bytes] | None = None,
         kv_transfer_params: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion (greedy); outputs in prompt order. `kv_transfer_params`:
@@ -143,8 +148,10 @@ class Engine:
         salts = list(salts) if salts is not None else [b""] * len(prompts)
         params = list(kv_transfer_params) if kv_transfer_params is not None else [None] * len(prompts)
         if len(limits) != len(prompts) or len(salts) != len(prompts) or len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts need as many max_tokens, salts and kv_transfer_params "
-                             f"({len(limits)}, {len(salts)}, {len(params)})")
+            raise ValueError(
+                f"{len(prompts)} prompts need as many max_tokens, salts and kv_transfer_params "
+                f"({len(limits)}, {len(salts)}, {len(params)})"
+            )
         requests = [self._make_request(p, m, s, k) for p, m, s, k in zip(prompts, limits, salts, params)]
         for request in requests:
             self.scheduler.add_request(request)
@@ -154,8 +161,13 @@ class Engine:
             hooks.flush()
         return [r.to_output() for r in requests]
 
-    def add_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes = b"",
-                    kv_transfer_params: Mapping[str, Any] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        salt: bytes = b"",
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> str:
         """Queue one request (for driving `step()` by hand); returns its request id."""
         request = self._make_request(prompt, max_tokens, salt, kv_transfer_params)
         self.scheduler.add_request(request)
@@ -170,8 +182,9 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def _make_request(self, prompt: Sequence[int], max_tokens: int, salt: bytes,
-                      kv_transfer_params: Mapping[str, Any] | None = None) -> Request:
+    def _make_request(
+        self, prompt: Sequence[int], max_tokens: int, salt: bytes, kv_transfer_params: Mapping[str, Any] | None = None
+    ) -> Request:
         vocab, cfg = self.model_config.vocab_size, self.config
         if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt must be non-empty token ids in [0, {vocab}); got {list(prompt)[:8]}...")
@@ -183,7 +196,9 @@ class Engine:
                 f"a prompt of {len(prompt)} tokens + max_tokens={max_tokens} needs {num_blocks_needed} blocks; "
                 f"num_blocks={cfg.num_blocks}"
             )
-        return Request(f"req-{next(self._req_counter)}", tuple(prompt), max_tokens, salt, cfg.block_size, kv_transfer_params)
+        return Request(
+            f"req-{next(self._req_counter)}", tuple(prompt), max_tokens, salt, cfg.block_size, kv_transfer_params
+        )
 
     def step(self) -> StepRecord:
         """One engine step: schedule, forward (with worker hooks), update (with scheduler hooks)."""

@@ -93,10 +93,13 @@ class ModelConfig:
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight `cfg` needs (HF names; linears [out, in]), in creation order."""
-    H, d, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    H, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
 
     def layer(p: str) -> dict[str, tuple[int, ...]]:
-        shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (H,), p + "self_attn.q_proj.weight": (cfg.num_heads * d, H)}
+        shapes: dict[str, tuple[int, ...]] = {
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.num_heads * d, H),
+        }
         if cfg.is_mla:
             shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (cfg.mla_latent_dim, H)
             shapes[p + "self_attn.kv_b_proj.weight"] = (cfg.num_heads * 2 * d, cfg.mla_latent_dim)  # [h, (k|v)]
@@ -108,9 +111,9 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.indexer.wk.weight"] = (cfg.index_dim, H)
         shapes[p + "self_attn.o_proj.weight"] = (H, cfg.num_heads * d)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "mlp.gate_proj.weight"] = (I, H)
-        shapes[p + "mlp.up_proj.weight"] = (I, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, I)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, H)
+        shapes[p + "mlp.up_proj.weight"] = (inter, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, inter)
         return shapes
 
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
@@ -147,7 +150,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.to(x.dtype) * weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [d/2]
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [n, d]  (HF rotate_half convention)
@@ -200,7 +205,9 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
         raise ConfigError(f"tp_size={tp_size} and num_kv_heads={cfg.num_kv_heads}: one must divide the other")
 
 
-def cache_shapes(cfg: ModelConfig, tp_rank: int, tp_size: int, num_blocks: int, block_size: int) -> dict[str, tuple[int, ...]]:
+def cache_shapes(
+    cfg: ModelConfig, tp_rank: int, tp_size: int, num_blocks: int, block_size: int
+) -> dict[str, tuple[int, ...]]:
     """Cache name -> tensor shape on one rank, in layer order (attention, then its indexer)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for name in cfg.layer_names:

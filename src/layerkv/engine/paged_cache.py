@@ -30,13 +30,21 @@ def slot_mapping(block_ids: Sequence[int], start_token: int, end_token: int, blo
 class RankKVCache:
     """Caches of every layer on one rank; `tensors` is what `register_kv_caches` receives."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], block_size: int, dtype: torch.dtype,
-                 heads_outer: bool = False, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        block_size: int,
+        dtype: torch.dtype,
+        heads_outer: bool = False,
+        device: str = "cpu",
+    ) -> None:
         """`shapes`: cache name -> full tensor shape (see the module docstring), in layer order.
         `heads_outer`: K/V blocks stored as [heads, block_size, head_dim] (vLLM's HND) behind the
         same [2, num_blocks, block_size, heads, head_dim] tensor shape."""
         self.block_size = block_size
-        self.tensors: dict[str, torch.Tensor] = {name: _zeros(shape, dtype, heads_outer, device) for name, shape in shapes.items()}
+        self.tensors: dict[str, torch.Tensor] = {
+            name: _zeros(shape, dtype, heads_outer, device) for name, shape in shapes.items()
+        }
 
     def _block_index(self, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
         return torch.as_tensor(list(block_ids[: -(-num_tokens // self.block_size)]), dtype=torch.long)

@@ -25,8 +25,15 @@ class RequestStatus(Enum):
 
 
 class Request:
-    def __init__(self, req_id: ReqId, prompt_token_ids: tuple[int, ...], max_tokens: int, salt: bytes, block_size: int,
-                 kv_transfer_params: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        req_id: ReqId,
+        prompt_token_ids: tuple[int, ...],
+        max_tokens: int,
+        salt: bytes,
+        block_size: int,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> None:
         self.req_id = req_id
         self.kv_transfer_params = kv_transfer_params  # from the client (a prefill server's, via a proxy)
         self.finished_kv_transfer_params: dict[str, Any] | None = None  # the connector's, at the finish

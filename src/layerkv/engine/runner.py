@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from layerkv.connector.hooks import WorkerHooks
 from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedParams, Weights, cache_shapes, rms_norm
 from layerkv.engine.paged_cache import RankKVCache, slot_mapping
 from layerkv.engine.scheduler import ScheduledChunk
 from layerkv.errors import ConfigError
-from layerkv.connector.hooks import WorkerHooks
 from layerkv.messages import ReqId
 
 
@@ -43,7 +43,7 @@ def stage_of_layers(cfg: ModelConfig, pp_size: int) -> tuple[int, ...]:
     """Pipeline stage of every layer (main layers split evenly, MTP layers on the last stage)."""
     if not 1 <= pp_size <= cfg.num_layers:
         raise ConfigError(f"pp_size={pp_size} must be 1 <= pp_size <= num_layers={cfg.num_layers}")
-    main = tuple(l * pp_size // cfg.num_layers for l in range(cfg.num_layers))
+    main = tuple(li * pp_size // cfg.num_layers for li in range(cfg.num_layers))
     return main + (pp_size - 1,) * cfg.num_mtp_layers
 
 
@@ -86,8 +86,14 @@ class ModelRunner:
             stage_names = {name for name, s in zip(cfg.layer_names, self.stage_of_layer) if s == stage}
             for r in range(tp_size):
                 shapes = cache_shapes(cfg, r, tp_size, num_blocks, block_size)
-                mine = {n: shape for n, shape in shapes.items() if n in stage_names or n.removesuffix(".indexer.k_cache") + ".attn" in stage_names}
-                self.caches.append(RankKVCache(mine, block_size, cfg.torch_dtype, heads_outer=kv_layout == "HND", device=device))
+                mine = {
+                    n: shape
+                    for n, shape in shapes.items()
+                    if n in stage_names or n.removesuffix(".indexer.k_cache") + ".attn" in stage_names
+                }
+                self.caches.append(
+                    RankKVCache(mine, block_size, cfg.torch_dtype, heads_outer=kv_layout == "HND", device=device)
+                )
         self.worker_hooks = list(worker_hooks)
         self._finished_counts: dict[str, Counter[ReqId]] = {"sending": Counter(), "recving": Counter()}
         for hooks, cache in zip(self.worker_hooks, self.caches):

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from layerkv.connector.hooks import SchedulerHooks
 from layerkv.engine.block_pool import BlockPool
 from layerkv.engine.request import Request, RequestStatus
 from layerkv.errors import UnsupportedSetupError
-from layerkv.connector.hooks import SchedulerHooks
 from layerkv.messages import ReqId, ScheduledRequest, SchedulerStep, WorkerReport
 
 
@@ -47,12 +47,7 @@ class StepResult:
 
 class Scheduler:
     def __init__(
-        self,
-        hooks: SchedulerHooks,
-        num_blocks: int,
-        block_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
+        self, hooks: SchedulerHooks, num_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int
     ) -> None:
         self.hooks = hooks
         self.block_pool = BlockPool(num_blocks)
@@ -140,7 +135,9 @@ class Scheduler:
                 asked_later.append(self.waiting.popleft())
                 continue
             if load_async:
-                raise UnsupportedSetupError("get_num_new_matched_tokens returned load_async=True; the reference engine loads synchronously")
+                raise UnsupportedSetupError(
+                    "get_num_new_matched_tokens returned load_async=True; the reference engine loads synchronously"
+                )
             if num_external < 0 or num_local + num_external >= request.num_tokens:
                 raise ValueError(
                     f"get_num_new_matched_tokens({request.req_id}) returned {num_external} external tokens; "

@@ -39,8 +39,9 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
 class PDProxy:
     """Listens on `host:port` (0: a free port; `port` holds it after start)."""
 
-    def __init__(self, prefill_url: str, decode_url: str, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, prefill_url: str, decode_url: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 600.0
+    ) -> None:
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.timeout_s = timeout_s
         self.prefills = {"ok": 0, "failed": 0}
@@ -96,31 +97,43 @@ class PDProxy:
         self._forward(handler, "POST", json.dumps(decode_body(body, params)).encode(), {"X-LayerKV-Prefill": outcome})
 
     def _prefill(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-        request = urllib.request.Request(self.prefill_url + path, json.dumps(prefill_body(body)).encode(),
-                                         {"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            self.prefill_url + path,
+            json.dumps(prefill_body(body)).encode(),
+            {"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
                 params = json.loads(answer.read()).get("kv_transfer_params")
         except (OSError, ValueError, AttributeError) as exc:  # URLError and HTTPError are OSErrors
             self.prefills["failed"] += 1
-            log.warning("pd-proxy: prefill server %s failed (%s); the decode server computes the prompt",
-                        self.prefill_url, exc)
+            log.warning(
+                "pd-proxy: prefill server %s failed (%s); the decode server computes the prompt", self.prefill_url, exc
+            )
             return None, "failed"
         self.prefills["ok"] += 1
         return (params if isinstance(params, dict) else None), "ok"
 
-    def _forward(self, handler: BaseHTTPRequestHandler, method: str, raw: bytes | None,
-                 extra: dict[str, str] | None = None) -> None:
+    def _forward(
+        self, handler: BaseHTTPRequestHandler, method: str, raw: bytes | None, extra: dict[str, str] | None = None
+    ) -> None:
         """`handler`'s request to the decode server; its answer back as it comes (the
         connection's close ends it)."""
-        request = urllib.request.Request(self.decode_url + handler.path, raw, method=method,
-                                         headers={"Content-Type": handler.headers.get("Content-Type", "application/json")})
+        request = urllib.request.Request(
+            self.decode_url + handler.path,
+            raw,
+            method=method,
+            headers={"Content-Type": handler.headers.get("Content-Type", "application/json")},
+        )
         try:
             answer = urllib.request.urlopen(request, timeout=self.timeout_s)
         except urllib.error.HTTPError as exc:
             answer = exc  # the decode server's own error reply
         except OSError as exc:
-            self._reply(handler, 502, json.dumps({"error": f"pd-proxy: decode server {self.decode_url}: {exc}"}).encode())
+            self._reply(
+                handler, 502, json.dumps({"error": f"pd-proxy: decode server {self.decode_url}: {exc}"}).encode()
+            )
             return
         with answer:
             handler.send_response(answer.status)

@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -28,34 +27,52 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.config import LayerKVConfig
-from layerkv.connector.prefill_wait import pool_promise_key
-from layerkv.connector.hybrid import GroupedPlan, GroupedScheduler, GroupedWorker
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
+from layerkv.connector.hybrid import GroupedPlan, GroupedScheduler, GroupedWorker
+from layerkv.connector.prefill_wait import pool_promise_key
+from layerkv.errors import ConfigError
 from layerkv.integrations.vllm_events import VllmPoolEvents
 from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of, hit_source
 from layerkv.integrations.vllm_plugin import register as _register_connector_name
+from layerkv.integrations.vllm_pools import promise_named
 from layerkv.integrations.vllm_setup import (
     check_cudagraphs,
-    replayed_steps,
     check_pool_shared,
     check_supported,
     deployment_from,
     group_deployments,
     kv_signature_of,
+    replayed_steps,
     required_kv_cache_layout,
 )
-from layerkv.integrations.vllm_pools import promise_named
-from layerkv.integrations.vllm_steps import LayerKVMetadata, LayerKVWorkerMeta, StepTranslator, request_view, skips_external_kv
-from layerkv.errors import ConfigError
+from layerkv.integrations.vllm_steps import (
+    LayerKVMetadata,
+    LayerKVWorkerMeta,
+    StepTranslator,
+    request_view,
+    skips_external_kv,
+)
 from layerkv.messages import Deployment, RequestView, WorkerReport
 from layerkv.store.factory import pool_identity
 
-__all__ = ["LayerKVConnector", "LayerKVMetadata", "LayerKVWorkerMeta", "LayerKVStats", "CounterDeltas", "counters_of", "check_supported",
-           "deployment_from", "kv_signature_of", "request_view", "StepTranslator", "LayerKVPromMetrics"]
+__all__ = [
+    "LayerKVConnector",
+    "LayerKVMetadata",
+    "LayerKVWorkerMeta",
+    "LayerKVStats",
+    "CounterDeltas",
+    "counters_of",
+    "check_supported",
+    "deployment_from",
+    "kv_signature_of",
+    "request_view",
+    "StepTranslator",
+    "LayerKVPromMetrics",
+]
 
 if TYPE_CHECKING:
-    from layerkv.store.checked import CheckedStore
     import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
@@ -65,6 +82,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from layerkv.store.checked import CheckedStore
 
 
 def open_connector_store(config: LayerKVConfig) -> CheckedStore:
@@ -128,18 +147,26 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
         events_on = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         # what the pool holds, for KV-aware routers (integrations/vllm_events.py), when vLLM publishes events
-        self._events = VllmPoolEvents(self.deployment.block_size) if events_on and role is KVConnectorRole.SCHEDULER else None
+        self._events = (
+            VllmPoolEvents(self.deployment.block_size) if events_on and role is KVConnectorRole.SCHEDULER else None
+        )
         self._store: CheckedStore | None = OPEN_STORE(config)
         try:
             if role is KVConnectorRole.SCHEDULER:
                 # vLLM's null block (id 0) stands for a sliding-window block outside the window
-                self._scheduler = GroupedScheduler([SCHEDULER_SIDE(config, d, self._store) for d in deployments],
-                                                   skip_block_ids=frozenset({0}) if any(d.window_blocks for d in deployments) else frozenset(),
-                                                   windows=[d.window_blocks for d in deployments],
-                                                   load_async=load_async, replayed=replayed_steps(vllm_config))
+                self._scheduler = GroupedScheduler(
+                    [SCHEDULER_SIDE(config, d, self._store) for d in deployments],
+                    skip_block_ids=frozenset({0}) if any(d.window_blocks for d in deployments) else frozenset(),
+                    windows=[d.window_blocks for d in deployments],
+                    load_async=load_async,
+                    replayed=replayed_steps(vllm_config),
+                )
             else:
-                self._worker = GroupedWorker([WORKER_SIDE(config, d, self._store) for d in deployments],
-                                             [g.layer_names for g in kv_cache_config.kv_cache_groups], load_async=load_async)
+                self._worker = GroupedWorker(
+                    [WORKER_SIDE(config, d, self._store) for d in deployments],
+                    [g.layer_names for g in kv_cache_config.kv_cache_groups],
+                    load_async=load_async,
+                )
         except BaseException:
             self._store.close()
             raise
@@ -225,8 +252,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._steps.track(request)
-        self.scheduler_side.update_state_after_alloc(self._view(request), tuple(map(tuple, blocks.get_block_ids())),
-                                                     num_external_tokens)
+        self.scheduler_side.update_state_after_alloc(
+            self._view(request), tuple(map(tuple, blocks.get_block_ids())), num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         steps = self._steps.translate(scheduler_output, everyone=self.scheduler_side.needs_every_request())
@@ -266,7 +294,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = self.scheduler_side.request_finished(self._view(request), tuple(map(tuple, block_ids)))
         self._steps.forget(request.request_id)
         return delay, promise_named(request, params, self._promise_key)
@@ -281,8 +311,10 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_started = False
         assert isinstance(connector_metadata, LayerKVMetadata), type(connector_metadata).__name__
         payload = connector_metadata.payload
-        self._moves = any(getattr(plan, "loads", True) or getattr(plan, "saves", True)
-                          for plan in (payload.plans if isinstance(payload, GroupedPlan) else (payload,)))
+        self._moves = any(
+            getattr(plan, "loads", True) or getattr(plan, "saves", True)
+            for plan in (payload.plans if isinstance(payload, GroupedPlan) else (payload,))
+        )
         self.worker_side.bind_connector_metadata(payload)
 
     def clear_connector_metadata(self) -> None:
@@ -332,7 +364,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         previous call (vLLM calls this once per step on each worker and on the scheduler;
         integrations/vllm_metrics.py); None when there is nothing."""
         side = self._worker if self._worker is not None else self._scheduler
-        data: dict[str, Any] = dict(self._deltas.take(side.stats() if side is not None else None))  # None: test doubles have no stats
+        data: dict[str, Any] = dict(
+            self._deltas.take(side.stats() if side is not None else None)
+        )  # None: test doubles have no stats
         data.update(self._deltas.take_observed(side))
         return LayerKVStats(data=data) if data else None
 
@@ -350,7 +384,13 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         return LayerKVStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
         return LayerKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

@@ -12,10 +12,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import BlockHash as VllmBlockHash, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import BlockHash as VllmBlockHash
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.connector.events import PoolEvent, PoolEventKind
 from layerkv.messages import BlockHash, ReqId
 
@@ -75,8 +76,14 @@ class VllmPoolEvents:
                 self._noted.clear()
                 out.append(AllBlocksCleared())
             elif event.kind is PoolEventKind.REMOVED:
-                out.append(BlockRemoved(block_hashes=[_external(h) for h in event.block_hashes],
-                                        medium=MEDIUM_STORAGE, group_idx=group, locality=LOCALITY))
+                out.append(
+                    BlockRemoved(
+                        block_hashes=[_external(h) for h in event.block_hashes],
+                        medium=MEDIUM_STORAGE,
+                        group_idx=group,
+                        locality=LOCALITY,
+                    )
+                )
             else:
                 out.extend(self._stored(group, event.block_hashes))
         return out
@@ -87,11 +94,18 @@ class VllmPoolEvents:
             noted = self._noted.pop((group, block_hash), None)
             if noted is None:  # aged out: a router cannot place it without its tokens
                 continue
-            out.append(BlockStored(
-                block_hashes=[_external(block_hash)],
-                parent_block_hash=_external(noted.parent) if noted.parent is not None else None,
-                token_ids=noted.token_ids, block_size=self._block_size, lora_id=noted.lora_id,
-                medium=MEDIUM_STORAGE, lora_name=noted.lora_name, group_idx=group, locality=LOCALITY,
-                session_id=noted.session_id,
-            ))
+            out.append(
+                BlockStored(
+                    block_hashes=[_external(block_hash)],
+                    parent_block_hash=_external(noted.parent) if noted.parent is not None else None,
+                    token_ids=noted.token_ids,
+                    block_size=self._block_size,
+                    lora_id=noted.lora_id,
+                    medium=MEDIUM_STORAGE,
+                    lora_name=noted.lora_name,
+                    group_idx=group,
+                    locality=LOCALITY,
+                    session_id=noted.session_id,
+                )
+            )
         return out

@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.config import LayerKVConfig
 from layerkv.connector import stats as core_stats
 
@@ -101,13 +101,20 @@ class CounterDeltas:
             if values == last:
                 return {}
             step = _STEP_INDEX.get(names)
-            if (step is not None and self._held_steps < MAX_HELD_STEPS
-                    and values[:step] == last[:step] and values[step + 1:] == last[step + 1:]):
+            if (
+                step is not None
+                and self._held_steps < MAX_HELD_STEPS
+                and values[:step] == last[:step]
+                and values[step + 1 :] == last[step + 1 :]
+            ):
                 self._held_steps += 1  # a step that moved nothing: its count goes out with the next change
                 return {}
             self._last_values, self._held_steps = values, 0
-            return {self._prefix + name: value - before for name, value, before in zip(names, values, last)
-                    if value != before and isinstance(value, (int, float)) and not isinstance(value, bool)}
+            return {
+                self._prefix + name: value - before
+                for name, value, before in zip(names, values, last)
+                if value != before and isinstance(value, (int, float)) and not isinstance(value, bool)
+            }
         now = counters_of(stats)
         deltas = {name: value - self._last.get(name, 0) for name, value in now.items()}
         self._last = now
@@ -137,8 +144,10 @@ class LayerKVStats(KVConnectorStats):
     workers by `aggregate`. Owns its lists: a payload it was built from is never changed."""
 
     def __post_init__(self) -> None:
-        self.data = {name: ({k: list(v) for k, v in value.items()} if name in (SAMPLES, GAUGES) else value)
-                     for name, value in (self.data or {}).items()}
+        self.data = {
+            name: ({k: list(v) for k, v in value.items()} if name in (SAMPLES, GAUGES) else value)
+            for name, value in (self.data or {}).items()
+        }
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -184,21 +193,53 @@ class Family:
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 NBYTES = tuple(float(1 << k) for k in range(12, 36, 2))  # 4 KiB .. 8 GiB, x4
 FAMILIES = (
-    Family("vllm:layerkv_load_wait_seconds", "histogram", "Per step with pool loads and worker: compute thread "
-           "time waiting for layers to arrive from the pool.", ((core_stats.LOAD_WAIT_S, ""),), SECONDS),
-    Family("vllm:layerkv_transfer_seconds", "histogram", "Per step and worker: a load's start to its last layer "
-           "read (direction=load, loads that read every layer), a save's time in store writes (direction=save).",
-           ((core_stats.LOAD_TRANSFER_S, "load"), (core_stats.SAVE_TRANSFER_S, "save")), SECONDS),
-    Family("vllm:layerkv_step_bytes", "histogram", "Per step and worker: bytes read from the pool (direction=load) "
-           "or written to it (direction=save).", ((core_stats.LOAD_BYTES, "load"), (core_stats.SAVE_BYTES, "save")), NBYTES),
-    Family("vllm:layerkv_lookup_seconds", "histogram", "Per request lookup (and KV cache group): the scheduler's "
-           "exists calls to the pool.", ((core_stats.LOOKUP_S, ""),), SECONDS),
-    Family("vllm:layerkv_pending_puts", "gauge", "Put sessions written and waiting for their commit verdict, "
-           "summed over workers.", (("pending_puts", ""),)),
-    Family("vllm:layerkv_staging_bytes_in_use", "gauge", "Staging bytes lent to transfer jobs that have not "
-           "finished, summed over workers.", (("staging_bytes_in_use", ""),)),
-    Family("vllm:layerkv_running_jobs", "gauge", "Transfer jobs (loads, saves, commits) whose store calls have "
-           "not all returned, summed over workers.", (("running_jobs", ""),)),
+    Family(
+        "vllm:layerkv_load_wait_seconds",
+        "histogram",
+        "Per step with pool loads and worker: compute thread time waiting for layers to arrive from the pool.",
+        ((core_stats.LOAD_WAIT_S, ""),),
+        SECONDS,
+    ),
+    Family(
+        "vllm:layerkv_transfer_seconds",
+        "histogram",
+        "Per step and worker: a load's start to its last layer "
+        "read (direction=load, loads that read every layer), a save's time in store writes (direction=save).",
+        ((core_stats.LOAD_TRANSFER_S, "load"), (core_stats.SAVE_TRANSFER_S, "save")),
+        SECONDS,
+    ),
+    Family(
+        "vllm:layerkv_step_bytes",
+        "histogram",
+        "Per step and worker: bytes read from the pool (direction=load) or written to it (direction=save).",
+        ((core_stats.LOAD_BYTES, "load"), (core_stats.SAVE_BYTES, "save")),
+        NBYTES,
+    ),
+    Family(
+        "vllm:layerkv_lookup_seconds",
+        "histogram",
+        "Per request lookup (and KV cache group): the scheduler's exists calls to the pool.",
+        ((core_stats.LOOKUP_S, ""),),
+        SECONDS,
+    ),
+    Family(
+        "vllm:layerkv_pending_puts",
+        "gauge",
+        "Put sessions written and waiting for their commit verdict, summed over workers.",
+        (("pending_puts", ""),),
+    ),
+    Family(
+        "vllm:layerkv_staging_bytes_in_use",
+        "gauge",
+        "Staging bytes lent to transfer jobs that have not finished, summed over workers.",
+        (("staging_bytes_in_use", ""),),
+    ),
+    Family(
+        "vllm:layerkv_running_jobs",
+        "gauge",
+        "Transfer jobs (loads, saves, commits) whose store calls have not all returned, summed over workers.",
+        (("running_jobs", ""),),
+    ),
 )
 
 
@@ -214,7 +255,13 @@ class LayerKVPromMetrics(KVConnectorPromMetrics):
     """`vllm:layerkv_total{counter=...}` per engine and counter name, and FAMILIES, labelled
     (vLLM's labels, `tenant`[, `direction`]). Called on the front end's stats thread."""
 
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._total = self._counter_cls(
             name="vllm:layerkv_total",
@@ -232,15 +279,25 @@ class LayerKVPromMetrics(KVConnectorPromMetrics):
         names = [*labelnames, "tenant", *(["direction"] if directed else [])]
         metric: Any
         if family.kind == "histogram":
-            metric = self._histogram_cls(name=family.name, documentation=family.documentation,  # type: ignore[call-arg]
-                                         buckets=list(family.buckets), labelnames=names)
+            metric = self._histogram_cls(
+                name=family.name,
+                documentation=family.documentation,  # type: ignore[call-arg]
+                buckets=list(family.buckets),
+                labelnames=names,
+            )
         else:
-            metric = self._gauge_cls(name=family.name, documentation=family.documentation,  # type: ignore[call-arg]
-                                     multiprocess_mode="mostrecent", labelnames=names)
+            metric = self._gauge_cls(
+                name=family.name,
+                documentation=family.documentation,  # type: ignore[call-arg]
+                multiprocess_mode="mostrecent",
+                labelnames=names,
+            )
         into = self._samples if family.kind == "histogram" else self._gauges
         for source, direction in family.sources:
-            into[source] = {idx: metric.labels(*values, tenant, *([direction] if directed else []))
-                            for idx, values in self.per_engine_labelvalues.items()}
+            into[source] = {
+                idx: metric.labels(*values, tenant, *([direction] if directed else []))
+                for idx, values in self.per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """One step's payload (aggregated across workers): counters incremented, samples

@@ -48,8 +48,11 @@ def promise_named(request: Any, params: dict[str, Any] | None, own_key: str) -> 
     if getattr(_emitted, "request", None) != which:
         _emitted.request, _emitted.keys = which, set()
     if own_key in _emitted.keys:
-        log.warning("layerkv: two layerkv connectors of this engine write one pool (key %s): they write the same "
-                    "objects twice; give each its own store or tenant", own_key)
+        log.warning(
+            "layerkv: two layerkv connectors of this engine write one pool (key %s): they write the same "
+            "objects twice; give each its own store or tenant",
+            own_key,
+        )
         del out[own_key]
         return out or None
     _emitted.keys.add(own_key)

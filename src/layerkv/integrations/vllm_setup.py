@@ -13,14 +13,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.errors import ConfigError, UnsupportedSetupError
-from layerkv.objects.fingerprint import checkpoint_fingerprint, settings_digest
 from layerkv.messages import Deployment, KVRole
+from layerkv.objects.fingerprint import checkpoint_fingerprint, settings_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,20 +47,26 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     if len(groups) > 1:
         block_sizes = sorted({g.kv_cache_spec.block_size for g in groups})
         if len(block_sizes) > 1:
-            problems.append(f"hybrid KV cache groups with different block sizes {block_sizes}: layerkv keys every "
-                            "group's objects by the same block hashes")
+            problems.append(
+                f"hybrid KV cache groups with different block sizes {block_sizes}: layerkv keys every "
+                "group's objects by the same block hashes"
+            )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             problems.append("hybrid KV cache groups with pipeline parallelism (not supported yet)")
     if vllm_config.speculative_config is not None and any(
-            isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups):
-        problems.append("sliding-window KV cache groups with speculative decoding (vLLM then keeps more blocks "
-                        "of the window than layerkv checks for a hit; not supported yet)")
+        isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in groups
+    ):
+        problems.append(
+            "sliding-window KV cache groups with speculative decoding (vLLM then keeps more blocks "
+            "of the window than layerkv checks for a hit; not supported yet)"
+        )
     for i, group in enumerate(groups):
         specs = _layer_specs(group)
         unsupported = sorted({type(s).__name__ for s in specs if type(s) not in _SUPPORTED_SPECS})
         if unsupported:
             problems.append(
-                f"KV cache group {i} ({len(group.layer_names)} layers): {', '.join(unsupported)}: layerkv supports full "
+                f"KV cache group {i} ({len(group.layer_names)} layers): {', '.join(unsupported)}: layerkv supports "
+                "full "
                 "attention (MHA/GQA/MQA), MLA and sliding-window attention; not Mamba / SSM state, chunked local "
                 "attention or cross-attention (a model that needs them runs without layerkv, or with "
                 "--disable-hybrid-kv-cache-manager where vLLM allows it)"
@@ -113,7 +119,9 @@ PREFERRED_LAYOUT = "LBHNC"  # also what vLLM's own NIXL, Mooncake and offloading
 def resolved_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheLayout | None:
     """The layout vLLM's engine core resolved (both roles see it: `KVCacheConfig.kv_cache_layout`,
     `CacheConfig.kv_cache_layout`); None before resolution (hand-made configs in tests)."""
-    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
     return KVCacheLayout[name] if name else None
 
 
@@ -175,10 +183,11 @@ def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
     raise UnsupportedSetupError(
         f"layerkv backend='embedded' keeps the pool inside one process, but this vLLM runs its scheduler and "
         f"its workers in different processes (distributed_executor_backend={name!r}, "
-        f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}): "
+        f"tensor_parallel_size={parallel.tensor_parallel_size}, "
+        f"pipeline_parallel_size={parallel.pipeline_parallel_size}): "
         f"the scheduler would never see what the workers save and the pool would never hit. Fix: use Mooncake "
-        f"(run `layerkv master --config-out mooncake.json`, then set \"backend\": \"mooncake\", "
-        f"\"mooncake_config_path\": \"mooncake.json\" in kv_connector_extra_config), or run one process with "
+        f'(run `layerkv master --config-out mooncake.json`, then set "backend": "mooncake", '
+        f'"mooncake_config_path": "mooncake.json" in kv_connector_extra_config), or run one process with '
         f"--distributed-executor-backend uni (tensor_parallel_size=1)"
     )
 
@@ -187,8 +196,11 @@ def check_cudagraphs(config: LayerKVConfig, kv_role: KVRole) -> None:
     """`full_cudagraphs` is retired: every role keeps vLLM's full CUDA graphs now
     (connector/graphs.py). The key is still accepted; a startup message says so."""
     if config.full_cudagraphs:
-        log.warning("layerkv: full_cudagraphs is no longer needed and is ignored: layerkv keeps vLLM's full CUDA graphs "
-                    "on every role (kv_role=%s); a decode step carries no per-layer work (docs/gpu.md)", kv_role.value)
+        log.warning(
+            "layerkv: full_cudagraphs is no longer needed and is ignored: layerkv keeps vLLM's full CUDA graphs "
+            "on every role (kv_role=%s); a decode step carries no per-layer work (docs/gpu.md)",
+            kv_role.value,
+        )
 
 
 def replayed_steps(vllm_config: VllmConfig) -> tuple[int, bool]:
@@ -217,7 +229,7 @@ def check_block_hashes(config: LayerKVConfig, hash_algo: str) -> None:
             f"prefix_caching_hash_algo={hash_algo!r} with a shared pool (backend={config.backend!r}): xxhash block "
             "hashes are not collision resistant, so prompts crafted by one user can collide with another's prefix "
             "and be served its KV. Use --prefix-caching-hash-algo sha256 (vLLM's default), or set "
-            "\"allow_weak_block_hashes\": true in kv_connector_extra_config to accept the risk"
+            '"allow_weak_block_hashes": true in kv_connector_extra_config to accept the risk'
         )
 
 
@@ -278,7 +290,9 @@ def _parallel_ranks(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int
 
 
 # hf_config keys that name the checkpoint, not its KV values
-_UNRELATED_HF_KEYS = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation_autoset"})
+_UNRELATED_HF_KEYS = frozenset(
+    {"_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation_autoset"}
+)
 
 
 def model_fingerprint_of(vllm_config: VllmConfig) -> str:
@@ -296,8 +310,11 @@ def model_fingerprint_of(vllm_config: VllmConfig) -> str:
             path = Path(snapshot_download(str(model.model), local_files_only=True))
             return f"snapshot={path.name}"  # the snapshot directory is named by its commit
         except Exception:  # noqa: BLE001 - no local snapshot: nothing to fingerprint
-            log.warning("layerkv: no revision and no local checkpoint for %s: objects are keyed by the model id "
-                        "only; set model_fingerprint in kv_connector_extra_config to pin the weights", model.model)
+            log.warning(
+                "layerkv: no revision and no local checkpoint for %s: objects are keyed by the model id "
+                "only; set model_fingerprint in kv_connector_extra_config to pin the weights",
+                model.model,
+            )
             return ""
     fingerprint = checkpoint_fingerprint(path)
     return f"files={fingerprint}" if fingerprint else ""
@@ -310,14 +327,18 @@ def model_settings_of(vllm_config: VllmConfig) -> str:
     model = vllm_config.model_config
     hf = {k: v for k, v in model.hf_config.to_dict().items() if k not in _UNRELATED_HF_KEYS}
     spec = vllm_config.speculative_config
-    return settings_digest({
-        "hf_config": hf,
-        "dtype": str(model.dtype),
-        "quantization": model.quantization,
-        "cache_dtype": vllm_config.cache_config.cache_dtype,
-        "calculate_kv_scales": getattr(vllm_config.cache_config, "calculate_kv_scales", None),
-        "speculative": None if spec is None else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
-    })
+    return settings_digest(
+        {
+            "hf_config": hf,
+            "dtype": str(model.dtype),
+            "quantization": model.quantization,
+            "cache_dtype": vllm_config.cache_config.cache_dtype,
+            "calculate_kv_scales": getattr(vllm_config.cache_config, "calculate_kv_scales", None),
+            "speculative": None
+            if spec is None
+            else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
+        }
+    )
 
 
 def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole) -> Deployment:
@@ -347,8 +368,6 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
     )
 
 
-
-
 def group_deployments(deployment: Deployment, kv_cache_config: KVCacheConfig) -> list[Deployment]:
     """One `Deployment` per KV cache group (connector/hybrid.py): `deployment` itself for a model with one
     group; with several (vLLM's hybrid manager), each group's spec, index and layer names are in
@@ -360,7 +379,8 @@ def group_deployments(deployment: Deployment, kv_cache_config: KVCacheConfig) ->
     out = []
     for g, group in enumerate(groups):
         names = hashlib.sha256(",".join(group.layer_names).encode()).hexdigest()[:16]
-        signature = f"{kv_signature_of(kv_cache_config, deployment.num_kv_heads, g)}|group={g}/{len(groups)}:layers={len(group.layer_names)}:{names}"
+        base = kv_signature_of(kv_cache_config, deployment.num_kv_heads, g)
+        signature = f"{base}|group={g}/{len(groups)}:layers={len(group.layer_names)}:{names}"
         spec = group.kv_cache_spec
         # vLLM's SlidingWindowManager: a hit of N blocks reads the last cdiv(window - 1, block) of them
         window = -(-(spec.sliding_window - 1) // spec.block_size) if isinstance(spec, SlidingWindowSpec) else 0

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.connector.prefill_wait import PREFIX_TOKENS
 from layerkv.integrations.vllm_pools import promise_read
 from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep
@@ -137,8 +137,9 @@ class StepTranslator:
             raise ValueError(f"vLLM sent block ids for {len(block_ids)} KV cache groups, layerkv has {self.num_groups}")
         return [list(ids) for ids in block_ids]
 
-    def _scheduled(self, req_id: ReqId, num_computed_tokens: int, out: SchedulerOutput,
-                   resumed: bool) -> tuple[ScheduledRequest, ...]:
+    def _scheduled(
+        self, req_id: ReqId, num_computed_tokens: int, out: SchedulerOutput, resumed: bool
+    ) -> tuple[ScheduledRequest, ...]:
         request = self._requests.get(req_id)
         assert request is not None, f"request {req_id} scheduled but never seen by the connector"
         groups = self._block_ids[req_id]
@@ -157,8 +158,9 @@ class StepTranslator:
         )
 
 
-def completing(req_ids: Sequence[ReqId], num_computed: Sequence[int], num_scheduled: Mapping[ReqId, int],
-               block_size: int) -> list[int]:
+def completing(
+    req_ids: Sequence[ReqId], num_computed: Sequence[int], num_scheduled: Mapping[ReqId, int], block_size: int
+) -> list[int]:
     """Indices of the requests whose computed tokens cross a multiple of `block_size` in this
     step (they complete a block). No request is scheduled more than the step's largest count,
     so only those that close enough to a boundary are looked up (in a decode step: exactly
@@ -167,8 +169,14 @@ def completing(req_ids: Sequence[ReqId], num_computed: Sequence[int], num_schedu
         return []
     most = max(num_scheduled.values())
     low = block_size - most
-    near = [i for i, computed in enumerate(num_computed) if computed % block_size >= low] if low > 0 else range(len(req_ids))
-    return [i for i in near if (num_computed[i] + num_scheduled[req_ids[i]]) // block_size != num_computed[i] // block_size]
+    near = (
+        [i for i, computed in enumerate(num_computed) if computed % block_size >= low]
+        if low > 0
+        else range(len(req_ids))
+    )
+    return [
+        i for i in near if (num_computed[i] + num_scheduled[req_ids[i]]) // block_size != num_computed[i] // block_size
+    ]
 
 
 class LayerKVMetadata(KVConnectorMetadata):
@@ -176,8 +184,6 @@ class LayerKVMetadata(KVConnectorMetadata):
 
     def __init__(self, payload: Any) -> None:
         self.payload = payload
-
-
 
 
 class LayerKVWorkerMeta(KVConnectorWorkerMetadata):

@@ -51,13 +51,17 @@ class LayerCipher:
     @staticmethod
     def encrypt(cipher: AESGCM, ctx: bytes, layer_idx: int, plaintext: bytes | memoryview) -> tuple[bytes, bytes]:
         """(ciphertext of the plaintext's length, 16-byte tag)."""
-        sealed = cipher.encrypt(_LAYER.pack(layer_idx) + bytes(8), bytes(plaintext), b"L" + ctx + _LAYER.pack(layer_idx))
+        sealed = cipher.encrypt(
+            _LAYER.pack(layer_idx) + bytes(8), bytes(plaintext), b"L" + ctx + _LAYER.pack(layer_idx)
+        )
         return sealed[:-TAG_NBYTES], sealed[-TAG_NBYTES:]
 
     @staticmethod
     def decrypt(cipher: AESGCM, ctx: bytes, layer_idx: int, ciphertext: bytes | memoryview, tag: bytes) -> bytes | None:
         """The plaintext, or None when the tag does not verify (nothing of it is returned)."""
         try:
-            return cipher.decrypt(_LAYER.pack(layer_idx) + bytes(8), bytes(ciphertext) + tag, b"L" + ctx + _LAYER.pack(layer_idx))
+            return cipher.decrypt(
+                _LAYER.pack(layer_idx) + bytes(8), bytes(ciphertext) + tag, b"L" + ctx + _LAYER.pack(layer_idx)
+            )
         except InvalidTag:
             return None

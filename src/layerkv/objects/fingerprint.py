@@ -31,8 +31,11 @@ def checkpoint_fingerprint(path: str | os.PathLike[str]) -> str:
     """A 32-hex-digit fingerprint of the weights files in directory `path` (or of the one file
     `path`); '' when there are none (the caller then relies on a revision or a pinned value)."""
     root = Path(path)
-    files = sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES) if root.is_dir() else (
-        [root] if root.is_file() else [])
+    files = (
+        sorted(p for p in root.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+        if root.is_dir()
+        else ([root] if root.is_file() else [])
+    )
     if not files:
         return ""
     digest = hashlib.sha256()

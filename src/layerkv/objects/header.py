@@ -86,14 +86,30 @@ class Header:
     `verify_many` checks many rows at once.
     """
 
-    __slots__ = ("namespace_digest", "layout_digest", "num_layers", "object_nbytes", "header_nbytes", "sealer",
-                 "_template", "_flags")
+    __slots__ = (
+        "namespace_digest",
+        "layout_digest",
+        "num_layers",
+        "object_nbytes",
+        "header_nbytes",
+        "sealer",
+        "_template",
+        "_flags",
+    )
 
-    def __init__(self, namespace_digest: bytes, layout_digest: bytes, num_layers: int, object_nbytes: int,
-                 sealer: Sealer | None = None) -> None:
+    def __init__(
+        self,
+        namespace_digest: bytes,
+        layout_digest: bytes,
+        num_layers: int,
+        object_nbytes: int,
+        sealer: Sealer | None = None,
+    ) -> None:
         if len(namespace_digest) != DIGEST_NBYTES or len(layout_digest) != DIGEST_NBYTES:
-            raise HeaderError(f"namespace and layout digests must be {DIGEST_NBYTES} bytes, "
-                              f"got {len(namespace_digest)} and {len(layout_digest)}")
+            raise HeaderError(
+                f"namespace and layout digests must be {DIGEST_NBYTES} bytes, "
+                f"got {len(namespace_digest)} and {len(layout_digest)}"
+            )
         self.namespace_digest = bytes(namespace_digest)
         self.layout_digest = bytes(layout_digest)
         self.num_layers = num_layers
@@ -105,8 +121,17 @@ class Header:
         self._flags = (FLAG_KEYED if self.sealer.keyed else 0) | (FLAG_ENCRYPTED if self.sealer.encrypts else 0)
         template = bytearray(self.header_nbytes)
         _FIXED.pack_into(
-            template, 0, MAGIC, SCHEMA_VERSION, self.header_nbytes, self.num_layers, 0,
-            self.object_nbytes, self.namespace_digest, self.layout_digest, b"",
+            template,
+            0,
+            MAGIC,
+            SCHEMA_VERSION,
+            self.header_nbytes,
+            self.num_layers,
+            0,
+            self.object_nbytes,
+            self.namespace_digest,
+            self.layout_digest,
+            b"",
         )
         struct.pack_into("<I", template, _FLAGS_OFFSET, self._flags)
         self._template = bytes(template)
@@ -118,17 +143,30 @@ class Header:
     def tags_end(self) -> int:
         return _TAGS_OFFSET + TAG_NBYTES * self.num_layers
 
-    def encode(self, block_id: bytes, object_key: str, nonce: bytes = bytes(NONCE_NBYTES),
-               tags: np.ndarray | None = None) -> bytes:
+    def encode(
+        self, block_id: bytes, object_key: str, nonce: bytes = bytes(NONCE_NBYTES), tags: np.ndarray | None = None
+    ) -> bytes:
         """One object's header (`tags`: uint8 [num_layers, 16]; None: zero tags)."""
         staging = np.zeros((1, self.header_nbytes), dtype=np.uint8)
-        self.encode_into(staging, np.zeros(1, dtype=np.int64), [block_id], [object_key],
-                         np.frombuffer(nonce, dtype=np.uint8).reshape(1, NONCE_NBYTES),
-                         None if tags is None else np.asarray(tags, dtype=np.uint8).reshape(1, self.num_layers, TAG_NBYTES))
+        self.encode_into(
+            staging,
+            np.zeros(1, dtype=np.int64),
+            [block_id],
+            [object_key],
+            np.frombuffer(nonce, dtype=np.uint8).reshape(1, NONCE_NBYTES),
+            None if tags is None else np.asarray(tags, dtype=np.uint8).reshape(1, self.num_layers, TAG_NBYTES),
+        )
         return staging.tobytes()
 
-    def encode_into(self, staging: np.ndarray, slots: np.ndarray, block_ids: Sequence[bytes], object_keys: Sequence[str],
-                    nonces: np.ndarray, tags: np.ndarray | None) -> None:
+    def encode_into(
+        self,
+        staging: np.ndarray,
+        slots: np.ndarray,
+        block_ids: Sequence[bytes],
+        object_keys: Sequence[str],
+        nonces: np.ndarray,
+        tags: np.ndarray | None,
+    ) -> None:
         """Write the headers of `block_ids` into rows `slots` of `staging` (uint8,
         [num_slots, >= header_nbytes]): nonces uint8 [n, 16], tags uint8 [n, num_layers, 16]
         (None: zero tags, an object no reader accepts), then each header's MAC."""
@@ -153,21 +191,30 @@ class Header:
                 mac = self.sealer.header_mac(ctx, staging[row, : self.header_nbytes].tobytes())
                 staging[row, _MAC_OFFSET:_TAGS_OFFSET] = np.frombuffer(mac, dtype=np.uint8)
 
-    def _fill(self, staging: np.ndarray, rows: np.ndarray, block_ids: Sequence[bytes], nonces: np.ndarray,
-              tags: np.ndarray | None) -> None:
+    def _fill(
+        self,
+        staging: np.ndarray,
+        rows: np.ndarray,
+        block_ids: Sequence[bytes],
+        nonces: np.ndarray,
+        tags: np.ndarray | None,
+    ) -> None:
         """Every field but the MAC (zero)."""
         n = len(rows)
         staging[rows, : self.header_nbytes] = np.frombuffer(self._template, dtype=np.uint8)[None, :]
         lens = np.array([len(h) for h in block_ids], dtype="<u4")
         staging[rows, _HASH_LEN_OFFSET : _HASH_LEN_OFFSET + 4] = lens.view(np.uint8).reshape(-1, 4)
         fields = np.frombuffer(b"".join(block_hash_field(h) for h in block_ids), dtype=np.uint8)
-        staging[rows, _HASH_OFFSET : _HASH_OFFSET + BLOCK_HASH_FIELD_NBYTES] = fields.reshape(-1, BLOCK_HASH_FIELD_NBYTES)
+        staging[rows, _HASH_OFFSET : _HASH_OFFSET + BLOCK_HASH_FIELD_NBYTES] = fields.reshape(
+            -1, BLOCK_HASH_FIELD_NBYTES
+        )
         staging[rows, _NONCE_OFFSET:_MAC_OFFSET] = nonces
         if tags is not None:
             staging[rows, _TAGS_OFFSET : self.tags_end] = tags.reshape(n, -1)
 
-    def verify(self, buf: bytes | bytearray | memoryview | np.ndarray, block_id: bytes,
-               object_key: str) -> tuple[bytes, np.ndarray]:
+    def verify(
+        self, buf: bytes | bytearray | memoryview | np.ndarray, block_id: bytes, object_key: str
+    ) -> tuple[bytes, np.ndarray]:
         """Check a header read from the pool against this deployment, `block_id` and the key
         it was read from; return (nonce, tags uint8 [num_layers, 16]). Raises
         HeaderError("header field '<name>' mismatch ...") on the first bad field."""
@@ -176,21 +223,41 @@ class Header:
             raise HeaderError(f"header of key {object_key} is {len(raw)} bytes, expected {self.header_nbytes}")
         got = _FIXED.unpack_from(raw, 0)
         expected = (
-            MAGIC, SCHEMA_VERSION, self.header_nbytes, self.num_layers, len(block_id),
-            self.object_nbytes, self.namespace_digest, self.layout_digest, block_hash_field(block_id),
+            MAGIC,
+            SCHEMA_VERSION,
+            self.header_nbytes,
+            self.num_layers,
+            len(block_id),
+            self.object_nbytes,
+            self.namespace_digest,
+            self.layout_digest,
+            block_hash_field(block_id),
         )
         names = (
-            "magic", "schema_version", "header_nbytes", "num_layers", "block_id_nbytes",
-            "object_nbytes", "namespace_digest", "layout_digest", "block_id",
+            "magic",
+            "schema_version",
+            "header_nbytes",
+            "num_layers",
+            "block_id_nbytes",
+            "object_nbytes",
+            "namespace_digest",
+            "layout_digest",
+            "block_id",
         )
         for name, value, want in zip(names, got, expected, strict=True):
             if value != want:
-                shown = (value.hex(), want.hex()) if isinstance(value, bytes) and isinstance(want, bytes) else (value, want)
-                raise HeaderError(f"header field '{name}' mismatch for key {object_key}: got {shown[0]}, expected {shown[1]}")
+                shown = (
+                    (value.hex(), want.hex()) if isinstance(value, bytes) and isinstance(want, bytes) else (value, want)
+                )
+                raise HeaderError(
+                    f"header field '{name}' mismatch for key {object_key}: got {shown[0]}, expected {shown[1]}"
+                )
         flags, reserved = struct.unpack_from("<II", raw, _FLAGS_OFFSET)
         if flags != self._flags:
-            raise HeaderError(f"header field 'flags' mismatch for key {object_key}: got {flags:#x}, this reader "
-                              f"accepts only {self._flags:#x} ({self._kind()})")
+            raise HeaderError(
+                f"header field 'flags' mismatch for key {object_key}: got {flags:#x}, this reader "
+                f"accepts only {self._flags:#x} ({self._kind()})"
+            )
         if reserved:
             raise HeaderError(f"header field 'reserved' of key {object_key} is not zero")
         if any(raw[self.tags_end : self.header_nbytes]):
@@ -203,8 +270,9 @@ class Header:
         tags = np.frombuffer(raw, dtype=np.uint8, count=TAG_NBYTES * self.num_layers, offset=_TAGS_OFFSET)
         return nonce, tags.reshape(self.num_layers, TAG_NBYTES).copy()
 
-    def verify_many(self, rows: np.ndarray, block_ids: Sequence[bytes],
-                    object_keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def verify_many(
+        self, rows: np.ndarray, block_ids: Sequence[bytes], object_keys: Sequence[str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`verify` over many headers at once: rows uint8 [n, >= header_nbytes]. Returns (ok
         [n] bool, nonces uint8 [n, 16], tags uint8 [n, num_layers, 16]); call `verify` on a
         row that is not ok for the message naming the field."""
@@ -212,7 +280,11 @@ class Header:
         got = np.array(rows[:n, : self.header_nbytes], dtype=np.uint8)  # a private copy: checked, then used
         want = np.zeros((n, self.header_nbytes), dtype=np.uint8)
         if n == 0:
-            return np.ones(0, dtype=bool), np.zeros((0, NONCE_NBYTES), np.uint8), np.zeros((0, self.num_layers, TAG_NBYTES), np.uint8)
+            return (
+                np.ones(0, dtype=bool),
+                np.zeros((0, NONCE_NBYTES), np.uint8),
+                np.zeros((0, self.num_layers, TAG_NBYTES), np.uint8),
+            )
         self._fill(want, np.arange(n), block_ids, got[:, _NONCE_OFFSET:_MAC_OFFSET], None)
         ok = (got[:, :_NONCE_OFFSET] == want[:, :_NONCE_OFFSET]).all(axis=1)
         ok &= ~got[:, self.tags_end :].any(axis=1)

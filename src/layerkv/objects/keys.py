@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import blake3
 
 from layerkv.errors import ConfigError, UnsupportedSetupError
-from layerkv.objects.header import DIGEST_NBYTES, SCHEMA_VERSION
 from layerkv.messages import Deployment
+from layerkv.objects.header import DIGEST_NBYTES, SCHEMA_VERSION
 from layerkv.store.base import ObjectKey
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ def storage_role(deployment: Deployment) -> StorageRole:
         raise ConfigError(f"pp_rank={d.pp_rank} must be 0 <= pp_rank < pp_size={d.pp_size} (and pp_size >= 1)")
     if d.is_mla:
         if d.store_shards > 1:
-            raise UnsupportedSetupError(f"store_shards={d.store_shards}: an MLA latent is one head for every rank "
-                                        "(store_shards must be 0 or 1)")
+            raise UnsupportedSetupError(
+                f"store_shards={d.store_shards}: an MLA latent is one head for every rank (store_shards must be 0 or 1)"
+            )
         return StorageRole(d.tp_size, (0,), d.tp_rank == 0, 1)
     if d.num_kv_heads < 1:
         raise ConfigError(f"num_kv_heads={d.num_kv_heads} must be >= 1 (MLA: set is_mla=True)")
@@ -122,8 +123,9 @@ def storage_role(deployment: Deployment) -> StorageRole:
             f"largest such TP size among the servers that share the pool"
         )
     per_group, group = shards // groups, d.tp_rank // put_step
-    return StorageRole(put_step, tuple(range(group * per_group, (group + 1) * per_group)), d.tp_rank % put_step == 0,
-                       shards)
+    return StorageRole(
+        put_step, tuple(range(group * per_group, (group + 1) * per_group)), d.tp_rank % put_step == 0, shards
+    )
 
 
 def with_store_shards(deployment: Deployment, store_shards: int) -> Deployment:
@@ -131,9 +133,15 @@ def with_store_shards(deployment: Deployment, store_shards: int) -> Deployment:
     return dataclasses.replace(deployment, store_shards=store_shards) if store_shards else deployment
 
 
-def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | None = None,
-                  model_fingerprint: str = "", names_key: bytes | None = None, encrypted: bool = False,
-                  epoch: str = "") -> Namespace:
+def namespace_for(
+    deployment: Deployment,
+    tenant: str,
+    layout: CacheLayout | None = None,
+    model_fingerprint: str = "",
+    names_key: bytes | None = None,
+    encrypted: bool = False,
+    epoch: str = "",
+) -> Namespace:
     """The namespace of objects written by this deployment: a stable digest (sha256 of a canonical
     JSON; never Python's hash()) of everything that makes objects incompatible. Objects hold a
     head range (a shard of `storage_role`), named by the number of shards; `kv_signature`
@@ -141,7 +149,8 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     unless `deployment.store_shards` is set: then servers of any TP size that split alike share.
 
     `model_fingerprint` (the user's pin, config `model_fingerprint`) replaces the engine's
-    `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can compute it; the
+    `deployment.model_fingerprint` when set. The cache layout enters as `deployment.kv_signature` (both sides can
+    compute it; the
     scheduler has no tensors) or, when that is empty, as the registered `layout`'s signature.
     The object header carries the exact layout digest, checked on every read. `names_key`: the
     digest is keyed with it (and so are the block ids). `encrypted` (config encrypt_objects):
@@ -185,21 +194,42 @@ def namespace_for(deployment: Deployment, tenant: str, layout: CacheLayout | Non
     return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest, names_key)
 
 
-def tenant_namespace(deployment: Deployment, tenant: str, model_fingerprint: str, keys: TenantKeys | None,
-                     encrypted: bool = False, epoch: str = "") -> Namespace:
+def tenant_namespace(
+    deployment: Deployment,
+    tenant: str,
+    model_fingerprint: str,
+    keys: TenantKeys | None,
+    encrypted: bool = False,
+    epoch: str = "",
+) -> Namespace:
     """`namespace_for` under the current tenant key's names subkey (None: unkeyed)."""
     return tenant_namespaces(deployment, tenant, model_fingerprint, keys, encrypted, epoch)[0]
 
 
-def tenant_namespaces(deployment: Deployment, tenant: str, model_fingerprint: str,
-                      keys: TenantKeys | None, encrypted: bool = False, epoch: str = "") -> tuple[Namespace, ...]:
+def tenant_namespaces(
+    deployment: Deployment,
+    tenant: str,
+    model_fingerprint: str,
+    keys: TenantKeys | None,
+    encrypted: bool = False,
+    epoch: str = "",
+) -> tuple[Namespace, ...]:
     """One namespace per key of the key file, in its order (generation 0: the current key,
     which writes; the older ones only read, after a rotation). Unkeyed: the one plain namespace.
     `encrypted`: config encrypt_objects (which needs a key); `epoch`: namespace_for's."""
     if keys is None:
         return (namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, epoch=epoch),)
-    return tuple(namespace_for(deployment, tenant, model_fingerprint=model_fingerprint, names_key=k.names_key,
-                               encrypted=encrypted, epoch=epoch) for k in keys.all)
+    return tuple(
+        namespace_for(
+            deployment,
+            tenant,
+            model_fingerprint=model_fingerprint,
+            names_key=k.names_key,
+            encrypted=encrypted,
+            epoch=epoch,
+        )
+        for k in keys.all
+    )
 
 
 def _kv_signature(deployment: Deployment, layout: CacheLayout | None) -> str:
@@ -228,7 +258,9 @@ def block_hash_bytes(block_hash: bytes) -> bytes:
         if not raw:
             raise ConfigError("block hash must not be empty")
         return raw
-    raise ConfigError(f"block hash must be bytes (convert engine hashes at the adapter), got {type(block_hash).__name__}")
+    raise ConfigError(
+        f"block hash must be bytes (convert engine hashes at the adapter), got {type(block_hash).__name__}"
+    )
 
 
 def block_key(namespace: Namespace, block_hash: bytes, storage_rank: int) -> ObjectKey:

@@ -28,7 +28,7 @@ import numpy as np
 
 from layerkv.errors import LayoutError
 from layerkv.objects.header import header_nbytes_for
-from layerkv.objects.ranges import Segment, SegmentTemplate, merge_segments
+from layerkv.objects.ranges import Segment, SegmentTemplate
 
 LayerName = str
 _LAYERS_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -105,12 +105,7 @@ class CacheLayout:
 
     @classmethod
     def from_caches(
-        cls,
-        caches: Mapping[LayerName, Any],
-        num_blocks: int,
-        *,
-        max_transfer_bytes: int,
-        kv_first: bool | None = None,
+        cls, caches: Mapping[LayerName, Any], num_blocks: int, *, max_transfer_bytes: int, kv_first: bool | None = None
     ) -> CacheLayout:
         """Describe `caches` (layer name -> tensor / array, or a tuple of them; torch or numpy).
         `kv_first` resolves a single tensor whose shape fits both `[2, num_blocks, ...]` (True)
@@ -182,16 +177,19 @@ class CacheLayout:
         """Segments of one layer (object offsets are absolute, header included)."""
         return self._templates[layer_idx]
 
-    def header_template(self, staging_ptr: int, num_slots: int, slot_stride_nbytes: int | None = None) -> SegmentTemplate:
+    def header_template(
+        self, staging_ptr: int, num_slots: int, slot_stride_nbytes: int | None = None
+    ) -> SegmentTemplate:
         """The header segment: slot s of a host staging buffer at staging_ptr + s * stride
         <-> object bytes [0, header_nbytes). Never split (header <= 4 KiB <= max transfer)."""
         stride = self.header_nbytes if slot_stride_nbytes is None else slot_stride_nbytes
         if stride < self.header_nbytes:
             raise LayoutError(f"slot_stride_nbytes={stride} must be >= header_nbytes={self.header_nbytes}")
         return SegmentTemplate.build(
-            [Segment(staging_ptr, stride, self.header_nbytes, 0)], num_slots, max(self.max_transfer_bytes, self.header_nbytes)
+            [Segment(staging_ptr, stride, self.header_nbytes, 0)],
+            num_slots,
+            max(self.max_transfer_bytes, self.header_nbytes),
         )
-
 
 
 def _layer_sort_key(name: LayerName) -> tuple[bool, int]:
@@ -211,17 +209,30 @@ def _layer_prefix(name: LayerName) -> str:
     return name[: match.end(1)]
 
 
-def _place(grouped: dict[tuple[bool, int], list[_RawEntry]], header_nbytes: int) -> tuple[tuple[tuple[CacheEntry, ...], ...], int]:
+def _place(
+    grouped: dict[tuple[bool, int], list[_RawEntry]], header_nbytes: int
+) -> tuple[tuple[tuple[CacheEntry, ...], ...], int]:
     """Assign layer indices and object offsets; returns the layers and the object size."""
     layers: list[tuple[CacheEntry, ...]] = []
     offset = header_nbytes
     for layer_idx, key in enumerate(sorted(grouped)):
         entries = []
         for entry_idx, raw in enumerate(grouped[key]):
-            entries.append(CacheEntry(
-                raw.layer_name, layer_idx, entry_idx, raw.base_ptr, raw.block_stride_nbytes,
-                raw.block_nbytes, raw.block_shape, raw.dtype, raw.device_type, offset, raw.block_order,
-            ))
+            entries.append(
+                CacheEntry(
+                    raw.layer_name,
+                    layer_idx,
+                    entry_idx,
+                    raw.base_ptr,
+                    raw.block_stride_nbytes,
+                    raw.block_nbytes,
+                    raw.block_shape,
+                    raw.dtype,
+                    raw.device_type,
+                    offset,
+                    raw.block_order,
+                )
+            )
             offset += raw.block_nbytes
         layers.append(tuple(entries))
     return tuple(layers), offset
@@ -247,17 +258,26 @@ def _entry_signature(entry: CacheEntry) -> str:
 def _info(name: LayerName, value: Any) -> _ArrayInfo:
     if isinstance(value, np.ndarray):
         return _ArrayInfo(
-            int(value.__array_interface__["data"][0]), tuple(value.shape), tuple(value.strides),
-            int(value.itemsize), str(value.dtype), "cpu",
+            int(value.__array_interface__["data"][0]),
+            tuple(value.shape),
+            tuple(value.strides),
+            int(value.itemsize),
+            str(value.dtype),
+            "cpu",
         )
     if all(hasattr(value, a) for a in ("data_ptr", "stride", "element_size", "shape", "device")):
         itemsize = int(value.element_size())
         return _ArrayInfo(
-            int(value.data_ptr()), tuple(int(s) for s in value.shape),
-            tuple(int(s) * itemsize for s in value.stride()), itemsize,
-            str(value.dtype).removeprefix("torch."), str(value.device.type),
+            int(value.data_ptr()),
+            tuple(int(s) for s in value.shape),
+            tuple(int(s) * itemsize for s in value.stride()),
+            itemsize,
+            str(value.dtype).removeprefix("torch."),
+            str(value.device.type),
         )
-    raise LayoutError(f"cache {name!r} is a {type(value).__name__}; expected a torch tensor, numpy array or a tuple of them")
+    raise LayoutError(
+        f"cache {name!r} is a {type(value).__name__}; expected a torch tensor, numpy array or a tuple of them"
+    )
 
 
 def _entries_of(name: LayerName, value: Any, num_blocks: int, kv_first: bool | None) -> list[_RawEntry]:
@@ -273,7 +293,12 @@ def _entries_of(name: LayerName, value: Any, num_blocks: int, kv_first: bool | N
                     f"cache {name!r} element {i} has shape {list(info.shape)}; tuple elements must be "
                     f"[num_blocks={num_blocks}, ...] with at least 2 dims"
                 )
-        return [_block_entry(name, info, info.ptr, info.strides_nbytes[0], info.shape[1:], info.strides_nbytes[1:], num_blocks) for info in infos]
+        return [
+            _block_entry(
+                name, info, info.ptr, info.strides_nbytes[0], info.shape[1:], info.strides_nbytes[1:], num_blocks
+            )
+            for info in infos
+        ]
     info = _info(name, value)
     shape, strides = info.shape, info.strides_nbytes
     fits_kv_first = len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks
@@ -299,8 +324,13 @@ def _entries_of(name: LayerName, value: Any, num_blocks: int, kv_first: bool | N
 
 
 def _block_entry(
-    name: LayerName, info: _ArrayInfo, base_ptr: int, block_stride_nbytes: int,
-    block_shape: tuple[int, ...], block_strides: tuple[int, ...], num_blocks: int,
+    name: LayerName,
+    info: _ArrayInfo,
+    base_ptr: int,
+    block_stride_nbytes: int,
+    block_shape: tuple[int, ...],
+    block_strides: tuple[int, ...],
+    num_blocks: int,
 ) -> _RawEntry:
     """One entry whose block b is the dense sub-array at base_ptr + b * stride, its dims in
     any physical order (recorded in `block_order`)."""
@@ -322,8 +352,9 @@ def _block_entry(
             f"cache {name!r} shape {list(info.shape)}: block stride {block_stride_nbytes} bytes is smaller "
             f"than one block ({block_nbytes} bytes); blocks would overlap"
         )
-    return _RawEntry(name, base_ptr, block_stride_nbytes, block_nbytes, tuple(block_shape), info.dtype,
-                     info.device_type, order)
+    return _RawEntry(
+        name, base_ptr, block_stride_nbytes, block_nbytes, tuple(block_shape), info.dtype, info.device_type, order
+    )
 
 
 def _dense_order(shape: Sequence[int], strides_nbytes: Sequence[int], itemsize: int) -> tuple[int, ...] | None:

@@ -63,13 +63,23 @@ class ManifestInfo:
     encrypted: bool = False  # config encrypt_objects
 
     @classmethod
-    def from_deployment(cls, deployment: Deployment, tenant: str, *, keyed: bool = False,
-                        encrypted: bool = False) -> ManifestInfo:
+    def from_deployment(
+        cls, deployment: Deployment, tenant: str, *, keyed: bool = False, encrypted: bool = False
+    ) -> ManifestInfo:
         """From the deployment the scheduler names objects with (config store_shards applied:
         `with_store_shards`). Raises what `storage_role` raises for a bad split."""
         d = deployment
-        return cls(d.model_id[:_MAX_MODEL_CHARS], tenant, d.block_size, d.kv_dtype,
-                   storage_role(d).num_storage_ranks, d.tp_size, d.pp_size, keyed, encrypted)
+        return cls(
+            d.model_id[:_MAX_MODEL_CHARS],
+            tenant,
+            d.block_size,
+            d.kv_dtype,
+            storage_role(d).num_storage_ranks,
+            d.tp_size,
+            d.pp_size,
+            keyed,
+            encrypted,
+        )
 
     def settings(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("model", "tenant")}
@@ -78,9 +88,16 @@ class ManifestInfo:
 def manifest_body(namespace: Namespace, info: ManifestInfo, pp_rank: int, created_at: float) -> bytes:
     """The manifest's bytes (compact JSON, at most MANIFEST_MAX_BYTES). `created_at`: Unix s."""
     stamp = datetime.datetime.fromtimestamp(created_at, datetime.UTC).isoformat(timespec="seconds")
-    body = {"format": MANIFEST_FORMAT, "namespace": namespace.name, "digest": namespace.digest.hex(),
-            "model": info.model, "tenant": info.tenant, "pp_rank": pp_rank, "settings": info.settings(),
-            "created_at": stamp}
+    body = {
+        "format": MANIFEST_FORMAT,
+        "namespace": namespace.name,
+        "digest": namespace.digest.hex(),
+        "model": info.model,
+        "tenant": info.tenant,
+        "pp_rank": pp_rank,
+        "settings": info.settings(),
+        "created_at": stamp,
+    }
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     assert len(raw) <= MANIFEST_MAX_BYTES, f"manifest of {namespace.name} is {len(raw)} bytes"
     return raw
@@ -114,8 +131,15 @@ class ManifestWriter:
     first (bounded by CheckedStore's call timeout), a whole-object put only for an absent one
     (a put that finds it there meanwhile counts as existing). One thread (the scheduler's)."""
 
-    def __init__(self, store: KVStore, info: ManifestInfo, *, retry_interval_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        info: ManifestInfo,
+        *,
+        retry_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
         self.info = info
         self.retry_interval_s = retry_interval_s
@@ -138,8 +162,9 @@ class ManifestWriter:
         if failed:
             self.stats.failed_attempts += 1
             self._next_try = self._clock() + self.retry_interval_s
-            log.warning("layerkv: namespace manifest not written (%s); retrying in %.0f s",
-                        failed, self.retry_interval_s)
+            log.warning(
+                "layerkv: namespace manifest not written (%s); retrying in %.0f s", failed, self.retry_interval_s
+            )
 
     def _write(self, pending: list[tuple[int, Namespace]]) -> str:
         """Write the absent manifests of `pending`; '' when all are in the pool, else what failed."""
@@ -164,8 +189,9 @@ class ManifestWriter:
         base = buffer.ctypes.data
         self._store.register_buffer(base, buffer.nbytes)
         try:
-            got = self._store.batch_put_from([manifest_key(ns) for _, ns in absent],
-                                             [base + int(o) for o in offsets[:-1]], [len(b) for b in bodies])
+            got = self._store.batch_put_from(
+                [manifest_key(ns) for _, ns in absent], [base + int(o) for o in offsets[:-1]], [len(b) for b in bodies]
+            )
         finally:
             self._store.unregister_buffer(base)
         problems = []

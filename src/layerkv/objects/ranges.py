@@ -62,11 +62,7 @@ class SegmentTemplate:
         than `max_transfer_bytes`. `segments` must be in object order."""
         if max_transfer_bytes <= 0:
             raise LayoutError(f"max_transfer_bytes={max_transfer_bytes} must be > 0; default is 16 MiB")
-        pieces = [
-            piece
-            for seg in merge_segments(segments)
-            for piece in split_segment(seg, max_transfer_bytes)
-        ]
+        pieces = [piece for seg in merge_segments(segments) for piece in split_segment(seg, max_transfer_bytes)]
         cols = np.array(
             [(p.base_ptr, p.stride_nbytes, p.nbytes, p.object_offset) for p in pieces], dtype=np.int64
         ).reshape(-1, 4)
@@ -134,6 +130,11 @@ def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
 def split_segment(seg: Segment, max_transfer_bytes: int) -> list[Segment]:
     """Pieces of at most `max_transfer_bytes` covering `seg` in order."""
     return [
-        Segment(seg.base_ptr + start, seg.stride_nbytes, min(max_transfer_bytes, seg.nbytes - start), seg.object_offset + start)
+        Segment(
+            seg.base_ptr + start,
+            seg.stride_nbytes,
+            min(max_transfer_bytes, seg.nbytes - start),
+            seg.object_offset + start,
+        )
         for start in range(0, seg.nbytes, max_transfer_bytes)
     ]

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import blake3
 import numpy as np
@@ -83,8 +81,9 @@ class Sealer:
             out[i] = np.frombuffer(tag, dtype=np.uint8)
         return out
 
-    def open_layers(self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray],
-                    tags: np.ndarray) -> np.ndarray:
+    def open_layers(
+        self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray], tags: np.ndarray
+    ) -> np.ndarray:
         """Encrypting sealers: decrypt each span in place where its tag (uint8 [n, 16]) verifies;
         returns the mask of those (a span that fails is left as it was)."""
         assert self._cipher is not None, "open_layers is for encrypted objects"
@@ -118,8 +117,9 @@ class Sealer:
             out += self.layer_tag(ctx, layer_idx, chunks)
         return np.frombuffer(out, dtype=np.uint8).reshape(len(rows), TAG_NBYTES)
 
-    def rows_tags(self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray],
-                  rows: Sequence[int]) -> np.ndarray:
+    def rows_tags(
+        self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray], rows: Sequence[int]
+    ) -> np.ndarray:
         """`layer_tags` where object i's layer is row `rows[i]` of each of `segments` (2-D uint8
         arrays, in object order): the same tags, without a Python list of views per object
         (a 32-layer load computes thousands of small tags per request)."""
@@ -181,15 +181,17 @@ class RowSealers:
             out[idx] = sealer.layer_tags([contexts[i] for i in idx], layer_idx, [rows[i] for i in idx])
         return out
 
-    def rows_tags(self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray],
-                  rows: Sequence[int]) -> np.ndarray:
+    def rows_tags(
+        self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray], rows: Sequence[int]
+    ) -> np.ndarray:
         out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
         for sealer, idx in self._split(len(rows)):
             out[idx] = sealer.rows_tags([contexts[i] for i in idx], layer_idx, segments, [rows[i] for i in idx])
         return out
 
-    def open_layers(self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray],
-                    tags: np.ndarray) -> np.ndarray:
+    def open_layers(
+        self, contexts: Sequence[bytes], layer_idx: int, spans: Sequence[np.ndarray], tags: np.ndarray
+    ) -> np.ndarray:
         ok = np.zeros(len(spans), dtype=bool)
         for sealer, idx in self._split(len(spans)):
             ok[idx] = sealer.open_layers([contexts[i] for i in idx], layer_idx, [spans[i] for i in idx], tags[idx])

@@ -93,8 +93,10 @@ def read_key_file(path: str | os.PathLike[str]) -> TenantKeys:
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"tenant_key_file={shown!r} must be a regular file")
         if info.st_mode & 0o077:
-            raise ConfigError(f"tenant_key_file={shown!r} is readable by group or others (mode "
-                              f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it")
+            raise ConfigError(
+                f"tenant_key_file={shown!r} is readable by group or others (mode "
+                f"{stat.S_IMODE(info.st_mode):04o}); chmod 600 it"
+            )
         raw = os.read(fd, 1 << 16)
     finally:
         os.close(fd)
@@ -108,8 +110,10 @@ def read_key_file(path: str | os.PathLike[str]) -> TenantKeys:
         except ValueError:
             raise ConfigError(f"tenant_key_file={shown!r} line {number} is not hex") from None
         if len(secret) < MIN_KEY_NBYTES:
-            raise ConfigError(f"tenant_key_file={shown!r} line {number} holds {len(secret)} bytes; a tenant key "
-                              f"needs at least {MIN_KEY_NBYTES} (layerkv keygen writes one)")
+            raise ConfigError(
+                f"tenant_key_file={shown!r} line {number} holds {len(secret)} bytes; a tenant key "
+                f"needs at least {MIN_KEY_NBYTES} (layerkv keygen writes one)"
+            )
         keys.append(TenantKey(secret))
     return TenantKeys(shown, keys)
 

@@ -76,7 +76,9 @@ class RangeAudit:
     def note(self, event: str, **fields: object) -> None:
         """One line for a decision (e.g. a step's transfer plan). Never raises."""
         try:
-            self.logger.info(json.dumps({"ts": round(time.time(), 6), "event": event, **fields}, separators=(",", ":"), default=str))
+            self.logger.info(
+                json.dumps({"ts": round(time.time(), 6), "event": event, **fields}, separators=(",", ":"), default=str)
+            )
         except Exception:  # noqa: BLE001 - a broken audit must never affect a transfer
             self.num_failures += 1
 

@@ -90,8 +90,9 @@ class StoreCall:
         return self.talks_to_master and not self.moves_data
 
 
-def store_call(*, session: bool = False, needs_master: bool = False, talks_to_master: bool = False,
-               moves_data: bool = False) -> Callable[[_F], _F]:
+def store_call(
+    *, session: bool = False, needs_master: bool = False, talks_to_master: bool = False, moves_data: bool = False
+) -> Callable[[_F], _F]:
     """Mark a KVStore protocol method; the tables below are derived from the marks."""
 
     def mark(fn: _F) -> _F:
@@ -158,17 +159,11 @@ class KVStore(Protocol):
     # Whole-object calls (benchmarks, doctor, non-layerwise comparison).
     @store_call(needs_master=True, moves_data=True)
     def batch_put_from(
-        self,
-        keys: Sequence[ObjectKey],
-        ptrs: Sequence[int],
-        sizes: Sequence[int],
-        placement: Placement | None = None,
+        self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int], placement: Placement | None = None
     ) -> list[int]: ...
 
     @store_call(needs_master=True, moves_data=True)
-    def batch_get_into(
-        self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]
-    ) -> list[int]: ...
+    def batch_get_into(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]: ...
 
     @store_call(needs_master=True)
     def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]: ...
@@ -203,10 +198,7 @@ def validate_results(results: object, num_keys: int, call: str) -> list[int]:
         if ok:
             return out
     log.error(
-        "layerkv: %s returned a malformed result for %d keys (%r); failing every key",
-        call,
-        num_keys,
-        _short(results),
+        "layerkv: %s returned a malformed result for %d keys (%r); failing every key", call, num_keys, _short(results)
     )
     return [int(Code.MALFORMED)] * num_keys
 

@@ -28,7 +28,9 @@ class BoundedCaller:
         self.timeout_s = timeout_s
         self._threads = NamedThreads(f"layerkv-{name}", _MAX_THREADS)
 
-    def call(self, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None) -> tuple[bool, Any]:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, on_late: Callable[[Any], None] | None = None
+    ) -> tuple[bool, Any]:
         """(True, result) if `fn(*args)` returned within the bound (re-raises what fn raised),
         else (False, None); then `on_late(result)` runs on the pool thread when fn returns.
         Raises RuntimeError once closed."""

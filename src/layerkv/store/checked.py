@@ -30,7 +30,16 @@ from typing import Any
 
 from layerkv.errors import ConfigError, StoreError
 from layerkv.store.audit import RangeAudit
-from layerkv.store.base import OUTAGE_CODES, STORE_CALLS, Code, KVStore, ObjectKey, Placement, validate_results, validate_single
+from layerkv.store.base import (
+    OUTAGE_CODES,
+    STORE_CALLS,
+    Code,
+    KVStore,
+    ObjectKey,
+    Placement,
+    validate_results,
+    validate_single,
+)
 from layerkv.store.bounded import BoundedCaller
 
 log = logging.getLogger(__name__)
@@ -119,8 +128,13 @@ class CheckedStore:
         Mooncake and both bare stores answer it), nothing sent: always one int per key."""
         short = next((len(arg) for arg in per_key if len(arg) != len(keys)), None)
         if short is not None:
-            log.error("layerkv: %s: %d keys but an argument has %d entries: answered %d per key, nothing sent",
-                      call, len(keys), short, int(Code.INVALID_PARAMS))
+            log.error(
+                "layerkv: %s: %d keys but an argument has %d entries: answered %d per key, nothing sent",
+                call,
+                len(keys),
+                short,
+                int(Code.INVALID_PARAMS),
+            )
             self._count(call, len(keys), 0, len(keys))
             return [int(Code.INVALID_PARAMS)] * len(keys)
         method = getattr(self.backend, call)
@@ -136,7 +150,15 @@ class CheckedStore:
             try:
                 answered, raw = self._call(call, method, (chunk, *(arg[part] for arg in per_key), *extra), kwargs)
             except Exception as exc:  # the one place backend exceptions become codes
-                log.error("layerkv: %s on %s raised for %d keys (first %r): %r", call, self.name, len(chunk), chunk[0], exc, exc_info=exc)
+                log.error(
+                    "layerkv: %s on %s raised for %d keys (first %r): %r",
+                    call,
+                    self.name,
+                    len(chunk),
+                    chunk[0],
+                    exc,
+                    exc_info=exc,
+                )
                 got = [_RPC_FAIL] * len(chunk)
             else:
                 got = validate_results(raw, len(chunk), call) if answered else [_RPC_TIMEOUT] * len(chunk)
@@ -146,13 +168,20 @@ class CheckedStore:
             self._count(call, len(chunk), nbytes, sum(1 for r in got if r < 0))
             if self.audit is not None and audit_as is not None:
                 self.audit.record(
-                    call, audit_as, chunk, got, layer_idx=layer_idx, nbytes=nbytes,
+                    call,
+                    audit_as,
+                    chunk,
+                    got,
+                    layer_idx=layer_idx,
+                    nbytes=nbytes,
                     offsets=offsets[part] if offsets is not None else None,
                 )
             results.extend(got)
         return results
 
-    def _call(self, call: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    def _call(
+        self, call: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[bool, Any]:
         """(answered in time?, raw result). Calls that talk to the master are bounded."""
         if self._caller is None or call not in _BOUNDED:
             return True, method(*args, **kwargs)
@@ -195,8 +224,13 @@ class CheckedStore:
             self._down_until = self._clock() + self.retry_interval_s if down else 0.0
             self._epoch += down
         if down and not was_down:
-            log.warning("layerkv: %s unreachable (%s answered %s); serving without the pool, retrying every %.1f s",
-                        self.name, call, sorted(set(got)), self.retry_interval_s)
+            log.warning(
+                "layerkv: %s unreachable (%s answered %s); serving without the pool, retrying every %.1f s",
+                self.name,
+                call,
+                sorted(set(got)),
+                self.retry_interval_s,
+            )
         elif was_down and not down:
             log.warning("layerkv: %s reachable again; using the pool", self.name)
 
@@ -247,8 +281,13 @@ class CheckedStore:
         layer_idx: int | None = None,
     ) -> list[int]:
         return self._run(
-            "batch_put_from_multi_buffer_ranges", keys, (ptrs, sizes, dst_offsets),
-            audit_as="put", layer_idx=layer_idx, offsets=dst_offsets, moved=_positive,
+            "batch_put_from_multi_buffer_ranges",
+            keys,
+            (ptrs, sizes, dst_offsets),
+            audit_as="put",
+            layer_idx=layer_idx,
+            offsets=dst_offsets,
+            moved=_positive,
         )
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey], layer_idx: int | None = None) -> list[int]:
@@ -269,8 +308,13 @@ class CheckedStore:
         layer_idx: int | None = None,
     ) -> list[int]:
         return self._run(
-            "batch_get_into_multi_buffer_ranges", keys, (ptrs, sizes, src_offsets),
-            audit_as="get", layer_idx=layer_idx, offsets=src_offsets, moved=_positive,
+            "batch_get_into_multi_buffer_ranges",
+            keys,
+            (ptrs, sizes, src_offsets),
+            audit_as="get",
+            layer_idx=layer_idx,
+            offsets=src_offsets,
+            moved=_positive,
         )
 
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
@@ -290,11 +334,7 @@ class CheckedStore:
         return worst
 
     def batch_put_from(
-        self,
-        keys: Sequence[ObjectKey],
-        ptrs: Sequence[int],
-        sizes: Sequence[int],
-        placement: Placement | None = None,
+        self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int], placement: Placement | None = None
     ) -> list[int]:
         def written(got: list[int], part: slice) -> int:
             return sum(int(n) for r, n in zip(got, sizes[part]) if r == 0)

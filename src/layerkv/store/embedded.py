@@ -69,8 +69,12 @@ class EmbeddedStore:
 
     @classmethod
     def from_config(cls, config: LayerKVConfig) -> EmbeddedStore:
-        return cls(config.embedded_capacity_bytes, config.embedded_lease_ttl_s, config.embedded_put_timeout_s,
-                   strict_buffers=True)
+        return cls(
+            config.embedded_capacity_bytes,
+            config.embedded_lease_ttl_s,
+            config.embedded_put_timeout_s,
+            strict_buffers=True,
+        )
 
     def client(self) -> EmbeddedStore:
         """Another handle on the same objects with its own put and get sessions (like a second
@@ -147,7 +151,9 @@ class EmbeddedStore:
     # ---- exists / put sessions ---------------------------------------------------------------
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
         with self._open_table() as table:
-            return [1 if (o := table.objects.get(k)) is not None and o.state is ObjectState.COMPLETE else 0 for k in keys]
+            return [
+                1 if (o := table.objects.get(k)) is not None and o.state is ObjectState.COMPLETE else 0 for k in keys
+            ]
 
     def batch_put_session_start(
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], placement: Placement | None = None
@@ -156,7 +162,7 @@ class EmbeddedStore:
         another client holds it; -200 no space even after evicting unleased committed objects."""
         if len(sizes) != len(keys):
             return [_INVALID] * len(keys)
-        with self._open_table() as table:
+        with self._open_table():
             started: set[ObjectKey] = set()  # a key again in the same batch: -705, as Mooncake answers
             results = []
             for key, nbytes in zip(keys, sizes):
@@ -309,11 +315,7 @@ class EmbeddedStore:
 
     # ---- whole objects -----------------------------------------------------------------------
     def batch_put_from(
-        self,
-        keys: Sequence[ObjectKey],
-        ptrs: Sequence[int],
-        sizes: Sequence[int],
-        placement: Placement | None = None,
+        self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int], placement: Placement | None = None
     ) -> list[int]:
         """Start, write and commit each object in one step: 0 or the put start error. A key
         that exists (committed, or any client's put session) answers 0 and nothing is written,
@@ -324,7 +326,11 @@ class EmbeddedStore:
             results = []
             written: dict[ObjectKey, StoredObject] = {}  # by this batch (no other call sees it yet)
             for key, ptr, nbytes in zip(keys, ptrs, sizes):
-                code = _INVALID if not ptr or not self._registered(ptr, nbytes) else self._start_put(key, nbytes, whole=True)
+                code = (
+                    _INVALID
+                    if not ptr or not self._registered(ptr, nbytes)
+                    else self._start_put(key, nbytes, whole=True)
+                )
                 obj = table.processing.pop(key) if code == _OK else written.get(key)
                 if code in (_OK, _EXISTS) and obj is not None and obj.nbytes == nbytes:
                     copy_ranges([table.arena.base_ptr + obj.offset], [ptr], [nbytes])
@@ -369,4 +375,3 @@ class EmbeddedStore:
                     self._table.drop(key, obj)
                     results.append(_OK)
             return results
-

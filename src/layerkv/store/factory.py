@@ -12,8 +12,8 @@ from layerkv.store.embedded import EmbeddedStore
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
-    from layerkv.store.checked import CheckedStore
     from layerkv.store.base import KVStore
+    from layerkv.store.checked import CheckedStore
 
 _SharedKey = tuple[int, float, float]
 _lock = threading.Lock()

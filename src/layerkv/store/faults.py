@@ -21,8 +21,9 @@ from typing import Any
 from layerkv.store.base import STORE_CALLS, Code, KVStore, ObjectKey, Placement
 
 ALL_METHODS = tuple(STORE_CALLS)  # every batch call of the protocol
-(IS_EXIST, PUT_START, PUT_RANGES, PUT_END, PUT_REVOKE, GET_START, GET_RANGES, GET_END,
- PUT_FROM, GET_INTO, REMOVE) = ALL_METHODS
+(IS_EXIST, PUT_START, PUT_RANGES, PUT_END, PUT_REVOKE, GET_START, GET_RANGES, GET_END, PUT_FROM, GET_INTO, REMOVE) = (
+    ALL_METHODS
+)
 _rule_ids = itertools.count(1)
 KeyMatch = ObjectKey | Collection[ObjectKey] | Callable[[ObjectKey], bool] | None
 
@@ -97,49 +98,145 @@ class FaultyStore:
             raise ValueError(f"fault rule methods {sorted(rule.methods)}: unknown {unknown}; known: {ALL_METHODS}")
         if rule.times is not None and rule.times < 1:
             raise ValueError(f"fault rule times={rule.times} must be >= 1 or None (persistent)")
-        rule = dataclasses.replace(rule, name=f"{rule.name or rule.kind.value}#{next(_rule_ids)}",
-                                   entered=threading.Event())
+        rule = dataclasses.replace(
+            rule, name=f"{rule.name or rule.kind.value}#{next(_rule_ids)}", entered=threading.Event()
+        )
         with self._lock:
             self._rules[rule] = rule.times
         return rule
 
-    def fail(self, methods: str | Sequence[str], keys: KeyMatch = None, *, code: int = int(Code.TRANSFER_FAIL),
-             layer_idx: int | None = None, times: int | None = None) -> Fault:
+    def fail(
+        self,
+        methods: str | Sequence[str],
+        keys: KeyMatch = None,
+        *,
+        code: int = int(Code.TRANSFER_FAIL),
+        layer_idx: int | None = None,
+        times: int | None = None,
+    ) -> Fault:
         """Matching keys of matching calls answer `code`; the inner store never sees them."""
-        return self.add(Fault(FaultKind.FAIL, _methods(methods), _match(keys), layer_idx, code=int(code),
-                              times=times, name=f"fail {_label(methods)}"))
+        return self.add(
+            Fault(
+                FaultKind.FAIL,
+                _methods(methods),
+                _match(keys),
+                layer_idx,
+                code=int(code),
+                times=times,
+                name=f"fail {_label(methods)}",
+            )
+        )
 
     def expire_lease(self, keys: KeyMatch = None, *, layer_idx: int | None = None, times: int | None = None) -> Fault:
         """Range reads of matching keys answer -707 and their get session is dropped."""
-        return self.add(Fault(FaultKind.EXPIRE, frozenset({GET_RANGES}), _match(keys), layer_idx,
-                              code=int(Code.LEASE_EXPIRED), times=times, name="expire lease"))
+        return self.add(
+            Fault(
+                FaultKind.EXPIRE,
+                frozenset({GET_RANGES}),
+                _match(keys),
+                layer_idx,
+                code=int(Code.LEASE_EXPIRED),
+                times=times,
+                name="expire lease",
+            )
+        )
 
-    def malformed(self, methods: str | Sequence[str], result: object, keys: KeyMatch = None, *,
-                  layer_idx: int | None = None, forward: bool = False, times: int | None = None) -> Fault:
+    def malformed(
+        self,
+        methods: str | Sequence[str],
+        result: object,
+        keys: KeyMatch = None,
+        *,
+        layer_idx: int | None = None,
+        forward: bool = False,
+        times: int | None = None,
+    ) -> Fault:
         """Matching calls answer `result` instead of one int per key."""
-        return self.add(Fault(FaultKind.MALFORMED, _methods(methods), _match(keys), layer_idx, result=result,
-                              forward=forward, times=times, name=f"malformed {_label(methods)}"))
+        return self.add(
+            Fault(
+                FaultKind.MALFORMED,
+                _methods(methods),
+                _match(keys),
+                layer_idx,
+                result=result,
+                forward=forward,
+                times=times,
+                name=f"malformed {_label(methods)}",
+            )
+        )
 
-    def raise_in(self, methods: str | Sequence[str], exc: BaseException | None = None, keys: KeyMatch = None, *,
-                 layer_idx: int | None = None, forward: bool = False, times: int | None = None) -> Fault:
+    def raise_in(
+        self,
+        methods: str | Sequence[str],
+        exc: BaseException | None = None,
+        keys: KeyMatch = None,
+        *,
+        layer_idx: int | None = None,
+        forward: bool = False,
+        times: int | None = None,
+    ) -> Fault:
         """Matching calls raise `exc` (default: RuntimeError naming the call)."""
-        return self.add(Fault(FaultKind.RAISE, _methods(methods), _match(keys), layer_idx, exc=exc,
-                              forward=forward, times=times, name=f"raise {_label(methods)}"))
+        return self.add(
+            Fault(
+                FaultKind.RAISE,
+                _methods(methods),
+                _match(keys),
+                layer_idx,
+                exc=exc,
+                forward=forward,
+                times=times,
+                name=f"raise {_label(methods)}",
+            )
+        )
 
-    def delay(self, methods: str | Sequence[str], delay_s: float, keys: KeyMatch = None, *,
-              layer_idx: int | None = None, times: int | None = None, after: Fault | None = None) -> Fault:
+    def delay(
+        self,
+        methods: str | Sequence[str],
+        delay_s: float,
+        keys: KeyMatch = None,
+        *,
+        layer_idx: int | None = None,
+        times: int | None = None,
+        after: Fault | None = None,
+    ) -> Fault:
         """Matching calls wait `delay_s` before running (`release()` ends every wait at once);
         with `after`, they wait only until a call that rule fires on has entered (an order
         between threads that no machine load can swap), `delay_s` bounding the wait."""
-        return self.add(Fault(FaultKind.DELAY, _methods(methods), _match(keys), layer_idx, delay_s=delay_s,
-                              times=times, after=after, name=f"delay {_label(methods)}"))
+        return self.add(
+            Fault(
+                FaultKind.DELAY,
+                _methods(methods),
+                _match(keys),
+                layer_idx,
+                delay_s=delay_s,
+                times=times,
+                after=after,
+                name=f"delay {_label(methods)}",
+            )
+        )
 
-    def then(self, methods: str | Sequence[str], action: Callable[[list[ObjectKey], tuple[Sequence[Any], ...]], None],
-             keys: KeyMatch = None, *, layer_idx: int | None = None, times: int | None = None) -> Fault:
+    def then(
+        self,
+        methods: str | Sequence[str],
+        action: Callable[[list[ObjectKey], tuple[Sequence[Any], ...]], None],
+        keys: KeyMatch = None,
+        *,
+        layer_idx: int | None = None,
+        times: int | None = None,
+    ) -> Fault:
         """After a matching call returned from the inner store and before its caller sees the
         answer, run `action(keys, per_key args)` (what another process does at that moment)."""
-        return self.add(Fault(FaultKind.THEN, _methods(methods), _match(keys), layer_idx, times=times, action=action,
-                              name=f"then {_label(methods)}"))
+        return self.add(
+            Fault(
+                FaultKind.THEN,
+                _methods(methods),
+                _match(keys),
+                layer_idx,
+                times=times,
+                action=action,
+                name=f"then {_label(methods)}",
+            )
+        )
 
     def remove(self, rule: Fault) -> None:
         with self._lock:
@@ -188,13 +285,19 @@ class FaultyStore:
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
         return self._call(IS_EXIST, keys)  # type: ignore[return-value]
 
-    def batch_put_session_start(self, keys: Sequence[ObjectKey], sizes: Sequence[int],
-                                placement: Placement | None = None) -> list[int]:
+    def batch_put_session_start(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], placement: Placement | None = None
+    ) -> list[int]:
         return self._call(PUT_START, keys, (sizes,), (placement,))  # type: ignore[return-value]
 
-    def batch_put_from_multi_buffer_ranges(self, keys: Sequence[ObjectKey], ptrs: Sequence[Sequence[int]],
-                                           sizes: Sequence[Sequence[int]], dst_offsets: Sequence[Sequence[int]],
-                                           layer_idx: int | None = None) -> list[int]:
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        dst_offsets: Sequence[Sequence[int]],
+        layer_idx: int | None = None,
+    ) -> list[int]:
         return self._call(PUT_RANGES, keys, (ptrs, sizes, dst_offsets), layer_idx=layer_idx)  # type: ignore[return-value]
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey], layer_idx: int | None = None) -> list[int]:
@@ -206,16 +309,22 @@ class FaultyStore:
     def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
         return self._call(GET_START, keys)  # type: ignore[return-value]
 
-    def batch_get_into_multi_buffer_ranges(self, keys: Sequence[ObjectKey], ptrs: Sequence[Sequence[int]],
-                                           sizes: Sequence[Sequence[int]], src_offsets: Sequence[Sequence[int]],
-                                           layer_idx: int | None = None) -> list[int]:
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+        layer_idx: int | None = None,
+    ) -> list[int]:
         return self._call(GET_RANGES, keys, (ptrs, sizes, src_offsets), layer_idx=layer_idx)  # type: ignore[return-value]
 
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
         return self._call(GET_END, keys)  # type: ignore[return-value]
 
-    def batch_put_from(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int],
-                       placement: Placement | None = None) -> list[int]:
+    def batch_put_from(
+        self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int], placement: Placement | None = None
+    ) -> list[int]:
         return self._call(PUT_FROM, keys, (ptrs, sizes), (placement,))  # type: ignore[return-value]
 
     def batch_get_into(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -229,8 +338,14 @@ class FaultyStore:
         self.inner.close()
 
     # ---- the one dispatch --------------------------------------------------------------------
-    def _call(self, method: str, keys: Sequence[ObjectKey], per_key: tuple[Sequence[Any], ...] = (),
-              extra: tuple[Any, ...] = (), layer_idx: int | None = None) -> object:
+    def _call(
+        self,
+        method: str,
+        keys: Sequence[ObjectKey],
+        per_key: tuple[Sequence[Any], ...] = (),
+        extra: tuple[Any, ...] = (),
+        layer_idx: int | None = None,
+    ) -> object:
         keys = list(keys)
         with self._lock:
             enter_seq = next(self._seq)
@@ -243,8 +358,20 @@ class FaultyStore:
             return result
         finally:
             with self._lock:
-                self._calls.append(CallRecord(method, tuple(keys), layer_idx, enter_seq, next(self._seq), result,
-                                              threading.current_thread().name, fired, len(sizes), max(sizes, default=0)))
+                self._calls.append(
+                    CallRecord(
+                        method,
+                        tuple(keys),
+                        layer_idx,
+                        enter_seq,
+                        next(self._seq),
+                        result,
+                        threading.current_thread().name,
+                        fired,
+                        len(sizes),
+                        max(sizes, default=0),
+                    )
+                )
 
     def _take(self, method: str, keys: list[ObjectKey], layer_idx: int | None) -> list[Fault]:
         """Rules that fire on this call (under _lock); counts down one-shot rules."""
@@ -263,8 +390,15 @@ class FaultyStore:
                     self._rules[rule] = left - 1
         return fired
 
-    def _apply(self, rules: list[Fault], method: str, keys: list[ObjectKey], per_key: tuple[Sequence[Any], ...],
-               extra: tuple[Any, ...], layer_idx: int | None) -> object:
+    def _apply(
+        self,
+        rules: list[Fault],
+        method: str,
+        keys: list[ObjectKey],
+        per_key: tuple[Sequence[Any], ...],
+        extra: tuple[Any, ...],
+        layer_idx: int | None,
+    ) -> object:
         for rule in rules:
             if rule.kind is FaultKind.DELAY and rule.after is not None:
                 _first_set(rule.after.entered, self._released, rule.delay_s)
@@ -302,8 +436,15 @@ class FaultyStore:
             merged[i] = value
         return merged
 
-    def _forward(self, method: str, keys: list[ObjectKey], rows: list[int], per_key: tuple[Sequence[Any], ...],
-                 extra: tuple[Any, ...], layer_idx: int | None) -> object:
+    def _forward(
+        self,
+        method: str,
+        keys: list[ObjectKey],
+        rows: list[int],
+        per_key: tuple[Sequence[Any], ...],
+        extra: tuple[Any, ...],
+        layer_idx: int | None,
+    ) -> object:
         sub_keys = [keys[i] for i in rows] if len(rows) != len(keys) else keys
         sub_args = [[arg[i] for i in rows] for arg in per_key] if len(rows) != len(keys) else list(per_key)
         kwargs = {"layer_idx": layer_idx} if self._inner_layer and layer_idx is not None else {}
@@ -322,8 +463,10 @@ def _first_set(event: threading.Event, released: threading.Event, timeout_s: flo
 
 def _whole_call_fault(rule: Fault, method: str, keys: list[ObjectKey]) -> object:
     if rule.kind is FaultKind.RAISE:
-        raise rule.exc if rule.exc is not None else RuntimeError(
-            f"injected fault: {method} raised for {len(keys)} keys (first {keys[:1]})"
+        raise (
+            rule.exc
+            if rule.exc is not None
+            else RuntimeError(f"injected fault: {method} raised for {len(keys)} keys (first {keys[:1]})")
         )
     return rule.result
 

@@ -33,9 +33,26 @@ class LocalMaster:
         env = dict(os.environ, MC_TCP_BIND_ADDRESS="127.0.0.1")
         with open(self.stderr_path, "wb") as stderr_file:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "layerkv.cli", "master", "--port", "0", "--http-port", "0",
-                 "--segment-size", segment_size, "--config-out", str(self.config_path), "--info-out", str(self.info_path)],
-                stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "layerkv.cli",
+                    "master",
+                    "--port",
+                    "0",
+                    "--http-port",
+                    "0",
+                    "--segment-size",
+                    segment_size,
+                    "--config-out",
+                    str(self.config_path),
+                    "--info-out",
+                    str(self.info_path),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=stderr_file,
+                text=True,
+                env=env,
             )
         line = _first_line(self._proc, startup_timeout_s)
         if line is None or not line.startswith("{"):
@@ -43,7 +60,11 @@ class LocalMaster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(timeout=10)
             code = self._proc.poll()
-            state = f"exited with code {code}" if code is not None else f"printed no config within {startup_timeout_s:.0f} s"
+            state = (
+                f"exited with code {code}"
+                if code is not None
+                else f"printed no config within {startup_timeout_s:.0f} s"
+            )
             tail = self.stderr_tail()  # read before stop() removes the directory
             self.stop()
             raise StoreError(f"layerkv master (local child) {state}; its stderr:\n{tail}")
@@ -56,8 +77,10 @@ class LocalMaster:
         mooncake_master died, or it was killed): results obtained meanwhile had no pool."""
         code = self._proc.poll()
         if code is not None:
-            raise StoreError(f"layerkv master (local child, pid {self._proc.pid}) exited with code {code} "
-                             f"while in use; its stderr:\n{self.stderr_tail()}")
+            raise StoreError(
+                f"layerkv master (local child, pid {self._proc.pid}) exited with code {code} "
+                f"while in use; its stderr:\n{self.stderr_tail()}"
+            )
 
     def stderr_tail(self, num_lines: int = 12) -> str:
         """The child's own `layerkv master:` lines (what failed and where its log is) and the
@@ -94,8 +117,11 @@ def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> str | None:
     """The child's first stdout line ("" at end of file, None after timeout_s), read on a helper
     thread so a silent child cannot hang us."""
     box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""),
-                              name="layerkv-master-stdout", daemon=True)
+    reader = threading.Thread(
+        target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""),
+        name="layerkv-master-stdout",
+        daemon=True,
+    )
     reader.start()
     reader.join(timeout_s)
     return box[0] if box else None

@@ -46,9 +46,22 @@ MIN_VERSION_TEXT = "0.3.13"
 REQUIRED_KEYS = ("local_hostname", "metadata_server", "master_server_address")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 PREFLIGHT_TIMEOUT_S = 2.0
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40,
-               "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
-               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1 << 10,
+    "MB": 1 << 20,
+    "GB": 1 << 30,
+    "TB": 1 << 40,
+    "K": 1 << 10,
+    "M": 1 << 20,
+    "G": 1 << 30,
+    "T": 1 << 40,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
 
 
 def parse_size(value: int | str, key: str) -> int:
@@ -122,7 +135,9 @@ def config_path_of(config: LayerKVConfig) -> str:
     """The Mooncake JSON config `config` names (its key, else $MOONCAKE_CONFIG_PATH)."""
     path = config.mooncake_config_path or os.environ.get("MOONCAKE_CONFIG_PATH")
     if not path:
-        raise ConfigError("backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)")
+        raise ConfigError(
+            "backend='mooncake' needs mooncake_config_path or MOONCAKE_CONFIG_PATH (a Mooncake JSON config)"
+        )
     return path
 
 
@@ -133,8 +148,9 @@ def master_address_of(config: LayerKVConfig) -> str:
     return master or str(load_mooncake_config(config_path_of(config)).get("master_server_address", ""))
 
 
-def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = None,
-               tenant_id: str | None = None) -> dict[str, Any]:
+def setup_args(
+    mooncake_config: Mapping[str, Any], master_address: str | None = None, tenant_id: str | None = None
+) -> dict[str, Any]:
     """Mooncake JSON config (+ optional master and tenant overrides) -> the dict `setup(config)`
     accepts. The tenant: `tenant_id` (layerkv config mooncake_tenant_id, default the tenant
     label), else the file's `tenant_id`, else Mooncake's "default". A master started with
@@ -145,8 +161,12 @@ def setup_args(mooncake_config: Mapping[str, Any], master_address: str | None = 
     return {
         "local_hostname": str(mooncake_config["local_hostname"]),
         "metadata_server": str(mooncake_config["metadata_server"]),
-        "global_segment_size": parse_size(mooncake_config.get("global_segment_size", MIN_SEGMENT_BYTES), "global_segment_size"),
-        "local_buffer_size": parse_size(mooncake_config.get("local_buffer_size", MIN_SEGMENT_BYTES), "local_buffer_size"),
+        "global_segment_size": parse_size(
+            mooncake_config.get("global_segment_size", MIN_SEGMENT_BYTES), "global_segment_size"
+        ),
+        "local_buffer_size": parse_size(
+            mooncake_config.get("local_buffer_size", MIN_SEGMENT_BYTES), "local_buffer_size"
+        ),
         "protocol": str(mooncake_config.get("protocol") or "tcp"),
         "rdma_devices": str(mooncake_config.get("device_name") or ""),
         "master_server_addr": master_address or str(mooncake_config["master_server_address"]),
@@ -189,8 +209,13 @@ class MooncakeStore:
 
     name = "mooncake"
 
-    def __init__(self, client: Any, replicate_config_cls: Callable[[], Any], master_address: str,
-                 default_placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        replicate_config_cls: Callable[[], Any],
+        master_address: str,
+        default_placement: Placement | None = None,
+    ) -> None:
         self._client = client
         self._replicate_config_cls = replicate_config_cls
         self.master_address = master_address
@@ -205,14 +230,23 @@ class MooncakeStore:
         `config.mooncake_master` / $MOONCAKE_MASTER, else the file's. Placement from config."""
         path = config_path_of(config)
         master = config.mooncake_master or os.environ.get("MOONCAKE_MASTER") or None
-        return cls.from_mooncake_config(load_mooncake_config(path), master_address=master,
-                                        placement=Placement.from_config(config),
-                                        tenant_id=config.mooncake_tenant_id or config.tenant)
+        return cls.from_mooncake_config(
+            load_mooncake_config(path),
+            master_address=master,
+            placement=Placement.from_config(config),
+            tenant_id=config.mooncake_tenant_id or config.tenant,
+        )
 
     @classmethod
-    def from_mooncake_config(cls, mooncake_config: Mapping[str, Any], *, master_address: str | None = None,
-                             placement: Placement | None = None, client_cls: type | None = None,
-                             tenant_id: str | None = None) -> MooncakeStore:
+    def from_mooncake_config(
+        cls,
+        mooncake_config: Mapping[str, Any],
+        *,
+        master_address: str | None = None,
+        placement: Placement | None = None,
+        client_cls: type | None = None,
+        tenant_id: str | None = None,
+    ) -> MooncakeStore:
         """Check version and methods, then set up a client. `client_cls` defaults to
         MooncakeDistributedStore (tests pass stand-ins / recording subclasses).
 
@@ -238,7 +272,9 @@ class MooncakeStore:
                 raised = exc
         said = f"; mooncake logged: {captured.problems()}" if captured.problems() else ""
         if raised is not None:
-            raise StoreError(f"mooncake setup against master {args['master_server_addr']} raised {raised!r}{said}") from raised
+            raise StoreError(
+                f"mooncake setup against master {args['master_server_addr']} raised {raised!r}{said}"
+            ) from raised
         if rc != 0:
             segment = args["global_segment_size"]
             hint = "; global_segment_size must be 0 or >= 16 MiB" if 0 < segment < MIN_SEGMENT_BYTES else ""
@@ -293,16 +329,27 @@ class MooncakeStore:
     def batch_is_exist(self, keys: Sequence[ObjectKey]) -> list[int]:
         return list(self._call("batch_is_exist", list(keys)))
 
-    def batch_put_session_start(self, keys: Sequence[ObjectKey], sizes: Sequence[int],
-                                placement: Placement | None = None) -> list[int]:
-        return list(self._call("batch_put_session_start", list(keys), [int(s) for s in sizes],
-                               self._replicate_config(placement)))
+    def batch_put_session_start(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], placement: Placement | None = None
+    ) -> list[int]:
+        return list(
+            self._call(
+                "batch_put_session_start", list(keys), [int(s) for s in sizes], self._replicate_config(placement)
+            )
+        )
 
-    def batch_put_from_multi_buffer_ranges(self, keys: Sequence[ObjectKey], ptrs: Sequence[Sequence[int]],
-                                           sizes: Sequence[Sequence[int]],
-                                           dst_offsets: Sequence[Sequence[int]]) -> list[int]:
-        return list(self._call("batch_put_from_multi_buffer_ranges", list(keys), _lists(ptrs), _lists(sizes),
-                               _lists(dst_offsets)))
+    def batch_put_from_multi_buffer_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        dst_offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return list(
+            self._call(
+                "batch_put_from_multi_buffer_ranges", list(keys), _lists(ptrs), _lists(sizes), _lists(dst_offsets)
+            )
+        )
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey]) -> list[int]:
         return list(self._call("batch_put_session_end", list(keys)))
@@ -313,19 +360,34 @@ class MooncakeStore:
     def batch_get_session_start(self, keys: Sequence[ObjectKey]) -> list[int]:
         return list(self._call("batch_get_session_start", list(keys)))
 
-    def batch_get_into_multi_buffer_ranges(self, keys: Sequence[ObjectKey], ptrs: Sequence[Sequence[int]],
-                                           sizes: Sequence[Sequence[int]],
-                                           src_offsets: Sequence[Sequence[int]]) -> list[int]:
-        return list(self._call("batch_get_into_multi_buffer_ranges", list(keys), _lists(ptrs), _lists(sizes),
-                               _lists(src_offsets)))
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: Sequence[ObjectKey],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+    ) -> list[int]:
+        return list(
+            self._call(
+                "batch_get_into_multi_buffer_ranges", list(keys), _lists(ptrs), _lists(sizes), _lists(src_offsets)
+            )
+        )
 
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
         return self._call("batch_get_session_end", list(keys))  # type: ignore[no-any-return]
 
-    def batch_put_from(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int],
-                       placement: Placement | None = None) -> list[int]:
-        return list(self._call("batch_put_from", list(keys), [int(p) for p in ptrs], [int(s) for s in sizes],
-                               self._replicate_config(placement)))
+    def batch_put_from(
+        self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int], placement: Placement | None = None
+    ) -> list[int]:
+        return list(
+            self._call(
+                "batch_put_from",
+                list(keys),
+                [int(p) for p in ptrs],
+                [int(s) for s in sizes],
+                self._replicate_config(placement),
+            )
+        )
 
     def batch_get_into(self, keys: Sequence[ObjectKey], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         return list(self._call("batch_get_into", list(keys), [int(p) for p in ptrs], [int(s) for s in sizes]))
@@ -344,8 +406,13 @@ class MooncakeStore:
                 return
             self._closed = True
             if not self._state.wait_for(lambda: self._in_flight == 0, timeout=wait_s):
-                log.warning("layerkv: %d Mooncake calls still inside the client after %.0f s (master %s); "
-                            "left open rather than closed under them", self._in_flight, wait_s, self.master_address)
+                log.warning(
+                    "layerkv: %d Mooncake calls still inside the client after %.0f s (master %s); "
+                    "left open rather than closed under them",
+                    self._in_flight,
+                    wait_s,
+                    self.master_address,
+                )
                 return
         try:
             rc = self._client.close()

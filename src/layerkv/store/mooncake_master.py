@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerkv.store.wheels import install_hint
 from layerkv.errors import ConfigError, PortInUseError, StoreError
 from layerkv.store import port_owner
+from layerkv.store.wheels import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +97,16 @@ class MasterPorts:
         """The given ports, the others chosen free by the kernel on `host` (three distinct
         ports: the picking sockets stay open until all are chosen)."""
         with contextlib.ExitStack() as held:
+
             def pick_one() -> int:
                 sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
                 try:
                     sock.bind((host, 0))
                 except OSError as exc:  # EADDRNOTAVAIL: no interface of this host has it
-                    raise ConfigError(f"host {host!r} is not an address of this host ({exc.strerror}): "
-                                      "give one of its interfaces' addresses, or 127.0.0.1") from None
+                    raise ConfigError(
+                        f"host {host!r} is not an address of this host ({exc.strerror}): "
+                        "give one of its interfaces' addresses, or 127.0.0.1"
+                    ) from None
                 return int(sock.getsockname()[1])
 
             return cls(rpc_port or pick_one(), http_port or pick_one(), pick_one())
@@ -160,8 +163,11 @@ class MasterProcess:
         if self.lease_ttl_ms is not None:
             args.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         if self.tenant_quotas_path is not None:
-            args += ["--enable_multi_tenants=true", "--tenant_quota_connector_type=file",
-                     f"--tenant_quota_connector_uri={self.tenant_quotas_path}"]
+            args += [
+                "--enable_multi_tenants=true",
+                "--tenant_quota_connector_type=file",
+                f"--tenant_quota_connector_uri={self.tenant_quotas_path}",
+            ]
         return args
 
     def start(self, timeout_s: float = 20.0) -> None:
@@ -173,7 +179,10 @@ class MasterProcess:
         self._check_ports_free()
         with open(self.log_path, "ab") as log_file:
             self.popen = subprocess.Popen(
-                self.argv(binary), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                self.argv(binary),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches only us; we stop it in order
                 preexec_fn=_die_with_parent,
             )
@@ -218,8 +227,10 @@ class MasterProcess:
             raise StoreError(f"{self.describe_exit()}; log {self.log_path}:\n{self.log_tail()}")
         self._raise_taken_port("does not own its ports")
         if not self.owns_ports():
-            raise StoreError(f"mooncake_master pid {self.pid} is not listening on {self.address} / "
-                             f"{self.metadata_url}; log {self.log_path}:\n{self.log_tail()}")
+            raise StoreError(
+                f"mooncake_master pid {self.pid} is not listening on {self.address} / "
+                f"{self.metadata_url}; log {self.log_path}:\n{self.log_tail()}"
+            )
 
     def describe_exit(self) -> str:
         """`mooncake_master pid 12 exited with code 1` / `... was killed by SIGKILL`."""
@@ -243,7 +254,9 @@ class MasterProcess:
             if found:
                 raise PortInUseError(
                     f"port {port} ({role}) on {self.host} is already in use by {found[0].holder()}; "
-                    "mooncake_master cannot serve there", port)
+                    "mooncake_master cannot serve there",
+                    port,
+                )
 
     def _raise_taken_port(self, what: str) -> None:
         """PortInUseError if another process listens on one of this master's ports."""
@@ -254,7 +267,9 @@ class MasterProcess:
             if foreign:
                 raise PortInUseError(
                     f"mooncake_master pid {self.pid} {what}: port {port} ({role}) is held by "
-                    f"{foreign[0].holder()}; log {self.log_path}:\n{self.log_tail()}", port)
+                    f"{foreign[0].holder()}; log {self.log_path}:\n{self.log_tail()}",
+                    port,
+                )
 
     def serving(self, probe_timeout_s: float = 0.5) -> bool:
         """True if the RPC port accepts a connection and the metadata server answers HTTP
@@ -307,8 +322,9 @@ class MasterProcess:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError as exc:
             return f"(log unreadable: {exc})"
-        return "\n".join(line if len(line) <= max_line_chars else line[:max_line_chars] + " ..."
-                         for line in lines[-num_lines:])
+        return "\n".join(
+            line if len(line) <= max_line_chars else line[:max_line_chars] + " ..." for line in lines[-num_lines:]
+        )
 
 
 START_ATTEMPTS = 3  # auto-picked ports can be taken between the pick and the bind
@@ -319,7 +335,9 @@ def write_tenant_quotas(path: Path, quotas: dict[str, int]) -> Path:
     and its quota in bytes. Names: non-empty, no leading '_', no control characters."""
     for name, nbytes in quotas.items():
         if not name or name.startswith("_") or any(ord(c) < 32 for c in name) or "@" in name:
-            raise ConfigError(f"tenant name {name!r} must be non-empty, without a leading '_', '@' or control characters")
+            raise ConfigError(
+                f"tenant name {name!r} must be non-empty, without a leading '_', '@' or control characters"
+            )
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise ConfigError(f"tenant {name!r} quota={nbytes!r} must be a positive number of bytes")
     path.write_text(json.dumps({"version": 1, "tenants": [{"name": n, "quota": q} for n, q in quotas.items()]}) + "\n")
@@ -356,8 +374,13 @@ def start_master(
     if tenant_quotas is not None:
         quotas_path = write_tenant_quotas(Path(str(log_path) + ".tenants.yaml"), tenant_quotas)
     for attempt in range(1, START_ATTEMPTS + 1):
-        master = MasterProcess(MasterPorts.pick(rpc_port, http_port, host), lease_ttl_ms, Path(log_path),
-                               tenant_quotas_path=quotas_path, host=host)
+        master = MasterProcess(
+            MasterPorts.pick(rpc_port, http_port, host),
+            lease_ttl_ms,
+            Path(log_path),
+            tenant_quotas_path=quotas_path,
+            host=host,
+        )
         try:
             master.start(timeout_s)
             return master

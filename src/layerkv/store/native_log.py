@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 ENV = "LAYERKV_MOONCAKE_LOG"
 LEVELS = ("quiet", "error", "warning", "info")
 _MC_LOG_LEVEL = {"quiet": "ERROR", "error": "ERROR", "warning": "WARNING", "info": "INFO"}
-_GLOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\]]*\] |WARNING: Logging before InitGoogleLogging)")
+_GLOG_LINE = re.compile(
+    r"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\]]*\] |WARNING: Logging before InitGoogleLogging)"
+)
 _GLOG_PROBLEM = re.compile(r"^[EWF]\d{4} ")  # glog WARNING / ERROR / FATAL
 _CAPTURE_LOCK = threading.Lock()  # guards fd 2 while it is redirected
 

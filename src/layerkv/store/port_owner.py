@@ -110,5 +110,5 @@ def _decode_address(address_hex: str) -> str:
     """/proc/net/tcp addresses are 32-bit words in host byte order."""
     raw = bytes.fromhex(address_hex)
     if sys.byteorder == "little":
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(raw))

@@ -87,9 +87,14 @@ def check_device_path(device_type: str, register_kv_cache: bool) -> None:
     if device_type == "cpu" or not register_kv_cache:
         return
     cuda = [w for w, _ in installed() if w.cuda is not None]
-    wheel = f"the installed {cuda[0].distribution} could register it, but " if cuda else \
-        f"registering it would also need Mooncake's CUDA wheel ({install_hint(torch_cuda() or '12', detect=False)}), and "
+    wheel = (
+        f"the installed {cuda[0].distribution} could register it, but "
+        if cuda
+        else "registering it would also need Mooncake's CUDA wheel "
+        f"({install_hint(torch_cuda() or '12', detect=False)}), and "
+    )
     raise ConfigError(
         f"register_kv_cache: true, but the KV caches live on {device_type}: {wheel}layerkv moves device KV only "
         "through pinned host staging, where it is verified and which is the only memory the store sees. "
-        "Set register_kv_cache: false (the default); any Mooncake wheel serves that path")
+        "Set register_kv_cache: false (the default); any Mooncake wheel serves that path"
+    )

@@ -37,8 +37,13 @@ from layerkv.transfer.views import LayerGroup
 
 
 class KeyRows:
-    def __init__(self, block_ids: Sequence[int] | np.ndarray, layout: CacheLayout, staging: np.ndarray,
-                 slots: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        layout: CacheLayout,
+        staging: np.ndarray,
+        slots: np.ndarray | None = None,
+    ) -> None:
         """`staging`: uint8 [rows, >= header_nbytes], registered with the store; row
         `slots[i]` (default i) holds key i's header."""
         self.layout = layout
@@ -68,8 +73,10 @@ class KeyRows:
         span is split into pieces of at most max_transfer_bytes."""
         staging = self._staging
         if (slots.size and int(slots.max()) >= staging.shape[0]) or group.span_nbytes > staging.shape[1]:
-            raise LayoutError(f"staging {list(staging.shape)} is too small for slots up to {int(slots.max())} x "
-                              f"{group.span_nbytes} bytes")
+            raise LayoutError(
+                f"staging {list(staging.shape)} is too small for slots up to {int(slots.max())} x "
+                f"{group.span_nbytes} bytes"
+            )
         piece = self.layout.max_transfer_bytes
         starts = np.arange(0, group.span_nbytes, piece, dtype=np.int64)  # [pieces]
         sizes_row = np.minimum(piece, group.span_nbytes - starts).tolist()
@@ -121,8 +128,15 @@ def split_rows(rows: Any, lanes: int) -> list[Any]:
 
 
 class JobReads:
-    def __init__(self, store: CheckedStore, keys: list[ObjectKey], lanes: Lanes, num_lanes: int, outcome: Any,
-                 fail: Callable[[np.ndarray, str], None]) -> None:
+    def __init__(
+        self,
+        store: CheckedStore,
+        keys: list[ObjectKey],
+        lanes: Lanes,
+        num_lanes: int,
+        outcome: Any,
+        fail: Callable[[np.ndarray, str], None],
+    ) -> None:
         """`outcome` has read_s, range_calls, loaded_bytes and measured (a LoadOutcome); `fail`
         marks the rows whose read moved fewer bytes than asked (the job's, with the reason)."""
         self._store, self._keys, self._lanes, self._num_lanes = store, keys, lanes, num_lanes
@@ -130,20 +144,25 @@ class JobReads:
         self._measured: Measured = outcome.measured
         self._fail = fail
 
-    def ranges(self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int | None,
-               what: str) -> np.ndarray:
+    def ranges(
+        self, rows: np.ndarray, ranges: Callable[[np.ndarray], RangeLists], layer_idx: int | None, what: str
+    ) -> np.ndarray:
         """Range reads of `rows`; the rows whose read moved every byte (the others failed)."""
         parts = split_rows(rows, self._num_lanes)
         lists = [ranges(part) for part in parts]
         start = time.perf_counter()
-        got = np.concatenate(self._lanes.run([functools.partial(self._call_ranges, part, rl, layer_idx)
-                                              for part, rl in zip(parts, lists)]))
+        got = np.concatenate(
+            self._lanes.run(
+                [functools.partial(self._call_ranges, part, rl, layer_idx) for part, rl in zip(parts, lists)]
+            )
+        )
         elapsed = time.perf_counter() - start
         expected = int(np.sum(lists[0].sizes[0]))
         ok = got == expected
         self._count(elapsed, len(parts), expected * int(ok.sum()))
-        self._measured.ranges.append((elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments,
-                                      expected * int(rows.size)))
+        self._measured.ranges.append(
+            (elapsed, len(parts), max(len(p) for p in parts) * lists[0].num_segments, expected * int(rows.size))
+        )
         if not ok.all():
             self._fail(rows[~ok], f"{what} read returned {sorted(set(got[~ok].tolist()))} (expected {expected} bytes)")
         return rows[ok]
@@ -154,8 +173,9 @@ class JobReads:
 
         def read(part: np.ndarray) -> np.ndarray:
             ptrs = [ptr_of(int(r)) for r in part.tolist()]
-            return np.asarray(self._store.batch_get_into([self._keys[i] for i in part], ptrs, [nbytes] * len(part)),
-                              dtype=np.int64)
+            return np.asarray(
+                self._store.batch_get_into([self._keys[i] for i in part], ptrs, [nbytes] * len(part)), dtype=np.int64
+            )
 
         start = time.perf_counter()
         got = np.concatenate(self._lanes.run([functools.partial(read, part) for part in parts]))
@@ -164,12 +184,18 @@ class JobReads:
         self._count(elapsed, len(parts), nbytes * int(ok.sum()))
         self._measured.wholes.append((elapsed, max(len(p) for p in parts), nbytes * int(rows.size)))
         if not ok.all():
-            self._fail(rows[~ok], f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)")
+            self._fail(
+                rows[~ok], f"whole-object read returned {sorted(set(got[~ok].tolist()))} (expected {nbytes} bytes)"
+            )
         return rows[ok]
 
     def _call_ranges(self, rows: np.ndarray, ranges: RangeLists, layer_idx: int | None) -> np.ndarray:
-        return np.asarray(self._store.batch_get_into_multi_buffer_ranges(
-            [self._keys[i] for i in rows], ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx), dtype=np.int64)
+        return np.asarray(
+            self._store.batch_get_into_multi_buffer_ranges(
+                [self._keys[i] for i in rows], ranges.ptrs, ranges.sizes, ranges.offsets, layer_idx=layer_idx
+            ),
+            dtype=np.int64,
+        )
 
     def _count(self, elapsed_s: float, calls: int, nbytes: int) -> None:
         self._outcome.read_s += elapsed_s

@@ -25,11 +25,21 @@ class ObjectChecks:
     """`headers[g]` verifies the rows of generation g (`generations[row]`; the key that named
     and sealed the object: 0 the current key, higher an older one still in the key file)."""
 
-    def __init__(self, headers: Header | Sequence[Header], keys: Sequence[ObjectKey], block_ids: Sequence[bytes],
-                 num_layers: int, generations: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        headers: Header | Sequence[Header],
+        keys: Sequence[ObjectKey],
+        block_ids: Sequence[bytes],
+        num_layers: int,
+        generations: Sequence[int] | None = None,
+    ) -> None:
         self._headers = (headers,) if isinstance(headers, Header) else tuple(headers)
-        self._gens = np.zeros(len(keys), dtype=np.int64) if generations is None else np.asarray(generations, dtype=np.int64)
-        if self._gens.shape != (len(keys),) or (self._gens.size and not 0 <= self._gens.min() <= self._gens.max() < len(self._headers)):
+        self._gens = (
+            np.zeros(len(keys), dtype=np.int64) if generations is None else np.asarray(generations, dtype=np.int64)
+        )
+        if self._gens.shape != (len(keys),) or (
+            self._gens.size and not 0 <= self._gens.min() <= self._gens.max() < len(self._headers)
+        ):
             raise ValueError(f"generations {self._gens.tolist()} for {len(keys)} keys and {len(self._headers)} headers")
         self._keys = keys
         self._ids = block_ids
@@ -66,7 +76,8 @@ class ObjectChecks:
             idx = np.flatnonzero(gens == g)
             picked = rows[idx].tolist()
             ok[idx], nonces[idx], tags[idx] = self._headers[g].verify_many(
-                headers[idx], [self._ids[r] for r in picked], [self._keys[r] for r in picked])
+                headers[idx], [self._ids[r] for r in picked], [self._keys[r] for r in picked]
+            )
         failures = []
         for i in np.flatnonzero(~ok).tolist():
             row = int(rows[i])
@@ -109,8 +120,11 @@ class ObjectChecks:
             return np.ones(0, dtype=bool)
         bad = ~self._checked[rows] | differs.any(axis=1)
         for row, j in zip(rows[bad].tolist(), np.argmax(differs[bad], axis=1).tolist()):
-            log.warning("layerkv: layer tag mismatch: key %s layer %d; the block is recomputed and the object removed",
-                        self._keys[row], first_layer + j)
+            log.warning(
+                "layerkv: layer tag mismatch: key %s layer %d; the block is recomputed and the object removed",
+                self._keys[row],
+                first_layer + j,
+            )
         self.checksum_failures += int(bad.sum())
         self.bad[rows[bad]] = True
         return ~bad

@@ -112,8 +112,11 @@ class CommitJob(JobState):
                 tainted = [p.key for p in puts if verdict.revokes(p.owner)]
                 clean = [p.key for p in puts if not verdict.revokes(p.owner)]
                 if tainted:
-                    log.info("layerkv: step %d: revoking %d objects of requests that attended to KV that failed to load",
-                             verdict.step_seq, len(tainted))
+                    log.info(
+                        "layerkv: step %d: revoking %d objects of requests that attended to KV that failed to load",
+                        verdict.step_seq,
+                        len(tainted),
+                    )
                     self._store.batch_put_session_revoke(tainted)
                     self.outcome.revoked_tainted += len(tainted)
                 if clean:
@@ -131,7 +134,11 @@ class CommitJob(JobState):
         self.outcome.committed += int(np.count_nonzero(results == 0))
         bad = [k for k, code in zip(keys, results.tolist()) if code != 0]
         if bad:
-            log.warning("layerkv: commit failed for %d keys (%s); revoking them", len(bad), sorted(set(results[results != 0].tolist())))
+            log.warning(
+                "layerkv: commit failed for %d keys (%s); revoking them",
+                len(bad),
+                sorted(set(results[results != 0].tolist())),
+            )
             self.outcome.commit_failed += len(bad)
             self._store.batch_put_session_revoke(bad)
 
@@ -247,8 +254,13 @@ class Verdicts:
     is revoked whole (once a later step is reported, or after `commit_timeout_s`). Scheduler
     thread only."""
 
-    def __init__(self, num_workers: int, commit_timeout_s: float, stats: VerdictStats,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        commit_timeout_s: float,
+        stats: VerdictStats,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._num_workers = num_workers
         self._timeout_s = commit_timeout_s
         self._stats = stats
@@ -282,7 +294,9 @@ class Verdicts:
             awaited = self._awaiting[seq]
             if awaited.num_reports >= self._num_workers:
                 del self._awaiting[seq]
-                tainted = frozenset(r for r, blocks in awaited.block_tables.items() if blocks & awaited.invalid_block_ids)
+                tainted = frozenset(
+                    r for r, blocks in awaited.block_tables.items() if blocks & awaited.invalid_block_ids
+                )
                 self._decided.append(StepVerdict(seq, tainted))
                 self._stats.tainted_requests += len(tainted)
             elif seq < latest:  # a later step is reported, this one never will be in full
@@ -299,7 +313,12 @@ class Verdicts:
 
     def _revoke(self, seq: int, within: str) -> None:
         awaited = self._awaiting.pop(seq)
-        log.warning("layerkv: step %d was reported by %d of %d workers%s; revoking its saves",
-                    seq, awaited.num_reports, self._num_workers, within)
+        log.warning(
+            "layerkv: step %d was reported by %d of %d workers%s; revoking its saves",
+            seq,
+            awaited.num_reports,
+            self._num_workers,
+            within,
+        )
         self._decided.append(StepVerdict(seq, revoke_all=True))
         self._stats.unreported_steps += 1

@@ -15,6 +15,7 @@ import numpy as np
 
 from layerkv.config import PlanMode
 
+
 class PlanKind(NamedTuple):
     """A kind of load plan: its mode and how many concurrent calls each read uses."""
 
@@ -97,8 +98,14 @@ class Costs:
                 if fit.dirty:
                     for attr, unit in zip(_FIT_FIELDS[name], np.array(prior) * fit.solve()):
                         setattr(self, attr, 1 / float(unit) if attr.endswith("bytes_per_s") else float(unit))
-            return dataclasses.replace(self, kind_factor=dict(self.kind_factor), finish_factor=dict(self.finish_factor),
-                                       finish_samples=dict(self.finish_samples), _lock=threading.Lock(), _fits={})
+            return dataclasses.replace(
+                self,
+                kind_factor=dict(self.kind_factor),
+                finish_factor=dict(self.finish_factor),
+                finish_samples=dict(self.finish_samples),
+                _lock=threading.Lock(),
+                _fits={},
+            )
 
     def observe_ranges(self, seconds: float, num_calls: int, ranges_per_call: int, nbytes: int) -> None:
         """One (possibly concurrent) range read or write: `num_calls` calls of (at most)
@@ -147,7 +154,9 @@ class Costs:
         one such step slows the others; whole-object reads end before layer 0), else 1."""
         if kind in self.finish_factor:
             return self.finish_factor[kind]
-        alike = [f for (mode, _), f in self.finish_factor.items() if (mode == PlanMode.WHOLE) == (kind[0] == PlanMode.WHOLE)]
+        alike = [
+            f for (mode, _), f in self.finish_factor.items() if (mode == PlanMode.WHOLE) == (kind[0] == PlanMode.WHOLE)
+        ]
         return sum(alike) / len(alike) if alike else 1.0
 
     def measured(self, name: str) -> bool:
@@ -175,5 +184,3 @@ class Costs:
 
 def _mix(old: float, new: float, weight: float) -> float:
     return (1 - weight) * old + weight * new
-
-

@@ -109,7 +109,9 @@ class StreamCopies:
         event.record(self._torch.cuda.current_stream(self._device))
         return event
 
-    def run_after(self, marker: Marker, enqueue: Callable[[], None], *, save: bool = False) -> Marker:  # pragma: no cover - needs a GPU
+    def run_after(
+        self, marker: Marker, enqueue: Callable[[], None], *, save: bool = False
+    ) -> Marker:  # pragma: no cover - needs a GPU
         side = self._saves if save else self._loads
         with self._torch.cuda.device(self._device), self._torch.cuda.stream(side):  # a transfer thread's device is 0
             if marker is not None:

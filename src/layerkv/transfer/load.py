@@ -7,7 +7,8 @@ last read returned. Objects whose bytes fail their checksum (or whose header is 
 removed from the pool. With `staged` (GROUPS / WHOLE plans: the default, and the only plans
 unless the KV cache itself is registered) it reads groups of layers (or whole objects) as one range
 per key into its staging rows and copies them into the cache, verified where no peer can change
-them any more (in the cache for host caches, in a private copy for device caches; views.py). More keys than staging rows stream through the rows a wave at a time, and their get
+them any more (in the cache for host caches, in a private copy for device caches; views.py). More keys than staging
+rows stream through the rows a wave at a time, and their get
 sessions are opened for one wave and ended behind it (a sliding session window): the sessions and
 staging a step holds are bounded whatever the prompt length. A job that gave up touches nothing
 any more: no copy into the cache, no verification, no removal of objects.
@@ -28,25 +29,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from layerkv.errors import LayoutError
-from layerkv.objects.header import Header
 from layerkv.messages import BlockHash
+from layerkv.objects.header import Header
 from layerkv.objects.ranges import RangeLists
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.caches import LentRows, RegisteredCaches
-from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.calls import JobReads, KeyRows, Lanes
-from layerkv.transfer.planner import GROUPS, LAYERS, LoadPlan, Measured, WHOLE
+from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.device import Marker
+from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, LoadPlan, Measured
 from layerkv.transfer.sessions import GetSessions
-from layerkv.transfer.views import LayerGroup, groups_of
 from layerkv.transfer.thread import JobState
+from layerkv.transfer.views import LayerGroup, groups_of
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,10 @@ class LoadJob(JobState):
         self._renew_after_s = renew_after_s
         self._staged = caches.staged if plan.mode != LAYERS else None  # GROUPS / WHOLE plans
         if plan.mode == LAYERS and (not views.on_host or headers[0].sealer.encrypts):
-            raise LayoutError("per-layer reads straight into a device cache (or of encrypted objects) cannot be "
-                              "verified there; they go through staging")
+            raise LayoutError(
+                "per-layer reads straight into a device cache (or of encrypted objects) cannot be "
+                "verified there; they go through staging"
+            )
         if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
             raise LayoutError(f"{slots.size} staging rows for a {plan.mode} load of {len(keys)} keys")
         self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, slots if plan.mode == LAYERS else None)
@@ -128,9 +130,16 @@ class LoadJob(JobState):
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.outcome = LoadOutcome()  # receive thread; read after finished
         self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
-        self._reads = JobReads(store, [k.key for k in keys], lanes, plan.lanes, self.outcome, self._fail)  # receive thread
-        self._checks = ObjectChecks(headers, [k.key for k in keys], [k.block_hash for k in keys],
-                                    layout.num_layers, [k.generation for k in keys])  # receive thread
+        self._reads = JobReads(
+            store, [k.key for k in keys], lanes, plan.lanes, self.outcome, self._fail
+        )  # receive thread
+        self._checks = ObjectChecks(
+            headers,
+            [k.key for k in keys],
+            [k.block_hash for k in keys],
+            layout.num_layers,
+            [k.generation for k in keys],
+        )  # receive thread
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> bool:
@@ -328,8 +337,11 @@ class LoadJob(JobState):
 
             try:
                 if self.plan.mode == WHOLE:
-                    good = self._reads.whole(wave, lambda r: self._staging.ctypes.data + slot_of[r] * self._staging.strides[0],
-                                             self._layout.object_nbytes)
+                    good = self._reads.whole(
+                        wave,
+                        lambda r: self._staging.ctypes.data + slot_of[r] * self._staging.strides[0],
+                        self._layout.object_nbytes,
+                    )
                 else:
                     good = self._reads.ranges(wave, ranges, group.first_layer, group.label)
             finally:
@@ -359,9 +371,16 @@ class LoadJob(JobState):
         with self._cache_writes:
             if self.cancelled:
                 return -1
-            copied, bad, marker = self._staged.publish(group, self._staging, rows, slots, self._rows.block_ids,
-                                                       (self._extra_rows, self._extra_blocks), self._checks,
-                                                       after=self._start_marker)
+            copied, bad, marker = self._staged.publish(
+                group,
+                self._staging,
+                rows,
+                slots,
+                self._rows.block_ids,
+                (self._extra_rows, self._extra_blocks),
+                self._checks,
+                after=self._start_marker,
+            )
             if marker is not None:
                 with self.cond:
                     self._markers.append((group.end_layer, marker))
@@ -380,7 +399,9 @@ class LoadJob(JobState):
         """Mask of `rows` whose freshly read layer (in the cache) matches the header's tag."""
         if rows.size == 0:
             return np.ones(0, dtype=bool)
-        tags = self._views.tags(layer_idx, self._rows.block_ids[rows], self._checks.contexts(rows), self._checks.sealer(rows))
+        tags = self._views.tags(
+            layer_idx, self._rows.block_ids[rows], self._checks.contexts(rows), self._checks.sealer(rows)
+        )
         ok = self._checks.layers(layer_idx, rows, tags.reshape(rows.size, 1, -1))
         if not ok.all():
             self._fail(rows[~ok], "layer tag mismatch")

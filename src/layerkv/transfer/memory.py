@@ -40,7 +40,9 @@ class RegisteredMemory:
     """The regions this worker registers. `register` at start-up (compute thread, before the
     first step); `ready` from the compute thread each step (never calls the store itself)."""
 
-    def __init__(self, store: CheckedStore, retry_interval_s: float, who: str, submit: Callable[[StepJob], None]) -> None:
+    def __init__(
+        self, store: CheckedStore, retry_interval_s: float, who: str, submit: Callable[[StepJob], None]
+    ) -> None:
         self._store, self._retry_interval_s, self._who, self._submit = store, retry_interval_s, who, submit
         self._lock = threading.Lock()
         self._registered: list[int] = []  # guarded by _lock
@@ -98,8 +100,13 @@ class RegisteredMemory:
             try:
                 self._store.register_buffer(ptr, nbytes)
             except StoreError as exc:
-                log.warning("layerkv: %s cannot register its staging memory with the store (%s); serving without "
-                            "the pool, retrying every %.1f s", self._who, exc, self._retry_interval_s)
+                log.warning(
+                    "layerkv: %s cannot register its staging memory with the store (%s); serving without "
+                    "the pool, retrying every %.1f s",
+                    self._who,
+                    exc,
+                    self._retry_interval_s,
+                )
                 return False
             with self._lock:
                 closed = self._closed

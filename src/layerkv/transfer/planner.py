@@ -109,7 +109,9 @@ def transfer_s(plan: LoadPlan, shape: StepShape, costs: Costs) -> float:
     return _simulate(plan, shape, costs, 1, factor=1.0)[0]
 
 
-def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, factor: float | None = None) -> tuple[float, float]:
+def _simulate(
+    plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, factor: float | None = None
+) -> tuple[float, float]:
     """(when the last layer is read, when it is computed)."""
     if factor is None:
         factor = costs.kind_factor.get(plan.kind, 1.0)
@@ -124,8 +126,12 @@ def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, f
             read = costs.whole_call_s + keys_per_lane * costs.whole_key_s + payload / costs.whole_bytes_per_s
         else:
             ranges = shape.segments_per_layer * k if plan.mode == LAYERS else 1
-            read = (lanes * costs.call_s + keys_per_lane * ranges * costs.range_s + N * ranges * costs.range_cpu_s
-                    + payload / costs.bytes_per_s)
+            read = (
+                lanes * costs.call_s
+                + keys_per_lane * ranges * costs.range_s
+                + N * ranges * costs.range_cpu_s
+                + payload / costs.bytes_per_s
+            )
         copy = 0.0 if plan.mode == LAYERS else payload / costs.copy_bytes_per_s
         arrived += (read + copy) * factor
         for _ in range(k):
@@ -134,8 +140,9 @@ def _simulate(plan: LoadPlan, shape: StepShape, costs: Costs, num_tokens: int, f
     return arrived, done
 
 
-def best_of_kinds(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
-                  lanes: int | None = None) -> dict[PlanKind, LoadPlan]:
+def best_of_kinds(
+    shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4, lanes: int | None = None
+) -> dict[PlanKind, LoadPlan]:
     """Each kind's (mode, lanes) best candidate, with its predicted finish time (the simulation
     times the kind's finish factor; ties: fewer groups); with `lanes`, only plans on exactly
     that many lanes. In `plan_kinds` order."""
@@ -154,8 +161,14 @@ def fastest(plans: Iterable[LoadPlan]) -> LoadPlan:
     return min(plans, key=lambda p: (p.predicted_s, len(p.group_ends), p.lanes))
 
 
-def choose_plan(shape: StepShape, costs: Costs, num_tokens: int, max_lanes: int = 4,
-                kind: PlanKind | None = None, lanes: int | None = None) -> LoadPlan:
+def choose_plan(
+    shape: StepShape,
+    costs: Costs,
+    num_tokens: int,
+    max_lanes: int = 4,
+    kind: PlanKind | None = None,
+    lanes: int | None = None,
+) -> LoadPlan:
     """The candidate with the lowest predicted finish time; with `kind` (mode, lanes), the best
     candidate of that kind (if there is one); with `lanes`, only plans on that many lanes."""
     best = best_of_kinds(shape, costs, num_tokens, max_lanes, lanes)
@@ -241,8 +254,16 @@ class Planner:
     entered from two places only: `choose` a step's plan (the fixed knobs, or the fastest
     simulated plan with `mode` auto), and `observe` what a step measured. Compute thread."""
 
-    def __init__(self, mode: PlanMode, shape: StepShape, *, lanes: int = 0, prefetch_layers: int | None = None,
-                 group_ends: tuple[int, ...] = (), exploration: Exploration | None = None) -> None:
+    def __init__(
+        self,
+        mode: PlanMode,
+        shape: StepShape,
+        *,
+        lanes: int = 0,
+        prefetch_layers: int | None = None,
+        group_ends: tuple[int, ...] = (),
+        exploration: Exploration | None = None,
+    ) -> None:
         self.mode = PlanMode(mode)
         self.costs = Costs()
         self.exploration = exploration or Exploration()

@@ -20,7 +20,8 @@ Direct (register_kv_cache: true, per-layer writes): put start, then each layer's
 from the cache as it is handed over, then the headers; released when the last write returned.
 
 Compute thread: hand_layer / finalize / wait; the send thread runs staged copies, the write
-thread the writes (direct saves: all of `run`). Shared state guarded by JobState.cond. Never raises into the compute thread.
+thread the writes (direct saves: all of `run`). Shared state guarded by JobState.cond. Never raises into the compute
+thread.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from layerkv.objects.header import Header
 from layerkv.messages import BlockHash, ReqId
+from layerkv.objects.header import Header
 from layerkv.objects.seal import NONCE_NBYTES, TAG_NBYTES, context
 from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
 from layerkv.transfer.caches import LentRows, RegisteredCaches
-from layerkv.transfer.commit import Commits, PendingPut
 from layerkv.transfer.calls import KeyRows, Lanes, split_rows
-from layerkv.transfer.views import LayerGroup
+from layerkv.transfer.commit import Commits, PendingPut
 from layerkv.transfer.thread import JobState
+from layerkv.transfer.views import LayerGroup
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,9 @@ class SaveJob(JobState):
         self._sent_layers: set[int] = set()  # the thread that runs `run` (send: staged, write: direct)
         self._tags = np.zeros((len(keys), layout.num_layers, TAG_NBYTES), dtype=np.uint8)  # likewise
         # one random nonce per object write: tags of an earlier write (or another object) never verify
-        self._nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * len(keys)), dtype=np.uint8).reshape(-1, NONCE_NBYTES)
+        self._nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * len(keys)), dtype=np.uint8).reshape(
+            -1, NONCE_NBYTES
+        )
         self._contexts = [context(k.key, self._nonces[i].tobytes()) for i, k in enumerate(keys)]
         self._epoch = 0
         self.outcome = SaveOutcome()
@@ -183,8 +186,10 @@ class SaveJob(JobState):
                 if active.size:
                     whole = LayerGroup(0, self._layout.num_layers, 0, self._layout.object_nbytes)
                     parts = split_rows(active, self._num_lanes)
-                    writes = [functools.partial(self._put, part, self._rows.span(whole, self._slots[part]), None)
-                              for part in parts]
+                    writes = [
+                        functools.partial(self._put, part, self._rows.span(whole, self._slots[part]), None)
+                        for part in parts
+                    ]
                     ok = np.concatenate(self._lanes.run(writes))
                     if not ok.all():
                         self._revoke(active[~ok], "object write failed")
@@ -232,18 +237,29 @@ class SaveJob(JobState):
                 start = time.perf_counter()
                 self._sent_layers.add(layer_idx)
                 # device caches: copied on the side stream once the layer's compute marker is reached
-                self._tags[:, layer_idx] = self._staged.gather_sealed(layer_idx, self._staging, rows, self._rows.block_ids,
-                                                                      self._contexts, self._header.sealer, after=event)
+                self._tags[:, layer_idx] = self._staged.gather_sealed(
+                    layer_idx,
+                    self._staging,
+                    rows,
+                    self._rows.block_ids,
+                    self._contexts,
+                    self._header.sealer,
+                    after=event,
+                )
                 self.outcome.copy_s += time.perf_counter() - start
         with self.cond:
             complete = len(self._sent_layers) == self._layout.num_layers and not self.cancelled
         if not complete:
             self.outcome.incomplete = not self.cancelled
-            log.info("layerkv: %d of %d layers handed over this step; nothing saved", len(self._sent_layers),
-                     self._layout.num_layers)
+            log.info(
+                "layerkv: %d of %d layers handed over this step; nothing saved",
+                len(self._sent_layers),
+                self._layout.num_layers,
+            )
             return False
-        self._header.encode_into(self._staging, rows, [k.block_hash for k in self.keys], [k.key for k in self.keys],
-                                 self._nonces, self._tags)
+        self._header.encode_into(
+            self._staging, rows, [k.block_hash for k in self.keys], [k.key for k in self.keys], self._nonces, self._tags
+        )
         return True
 
     def _start_sessions(self) -> None:
@@ -288,8 +304,12 @@ class SaveJob(JobState):
         ok = self._put(active, self._rows.layer(layer_idx, active), layer_idx)
         written = active[ok]
         if written.size:
-            self._tags[written, layer_idx] = self._views.tags(layer_idx, self._rows.block_ids[written],
-                                                              [self._contexts[i] for i in written.tolist()], self._header.sealer)
+            self._tags[written, layer_idx] = self._views.tags(
+                layer_idx,
+                self._rows.block_ids[written],
+                [self._contexts[i] for i in written.tolist()],
+                self._header.sealer,
+            )
         if not ok.all():
             self._revoke(active[~ok], f"layer {layer_idx} write failed")
 
@@ -309,8 +329,14 @@ class SaveJob(JobState):
         rows = np.flatnonzero(self._open)
         if rows.size == 0:
             return
-        self._header.encode_into(self._staging, self._slots[rows], [self.keys[i].block_hash for i in rows.tolist()],
-                                 [self.keys[i].key for i in rows.tolist()], self._nonces[rows], self._tags[rows])
+        self._header.encode_into(
+            self._staging,
+            self._slots[rows],
+            [self.keys[i].block_hash for i in rows.tolist()],
+            [self.keys[i].key for i in rows.tolist()],
+            self._nonces[rows],
+            self._tags[rows],
+        )
         ok = self._put(rows, self._rows.header(rows), None)
         if not ok.all():
             self._revoke(rows[~ok], "header write failed")
@@ -338,7 +364,9 @@ class SaveJob(JobState):
             self.outcome.saved_bytes += expected * int(ok.sum())
         if not ok.all():
             what = "object" if self._staged is not None else "header" if layer_idx is None else f"layer {layer_idx}"
-            log.warning("layerkv: %s write failed for %d keys (%s)", what, int((~ok).sum()), sorted(set(results[~ok].tolist())))
+            log.warning(
+                "layerkv: %s write failed for %d keys (%s)", what, int((~ok).sum()), sorted(set(results[~ok].tolist()))
+            )
         return ok
 
     def _revoke(self, rows: np.ndarray, reason: str) -> None:

@@ -51,8 +51,14 @@ class SegmentView:
 class CacheViews:
     """Per layer, the segment views of a registered layout (object order)."""
 
-    def __init__(self, layout: CacheLayout, caches: Mapping[str, Any] | None = None, *, on_host: bool | None = None,
-                 copies: DeviceCopies | None = None) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        caches: Mapping[str, Any] | None = None,
+        *,
+        on_host: bool | None = None,
+        copies: DeviceCopies | None = None,
+    ) -> None:
         """`on_host` defaults to the caches' device; False on CPU torch caches exercises the
         device path (torch views and copies, no host checksums). `copies`: how device copies
         are ordered (default: the caches' device's, transfer/device.py)."""
@@ -60,16 +66,18 @@ class CacheViews:
         self.on_host = layout.device_type == "cpu" if on_host is None else on_host
         self.device: Any = "cpu"
         if self.on_host:
-            self.layers = tuple(_host_views(layout, l) for l in range(layout.num_layers))
+            self.layers = tuple(_host_views(layout, li) for li in range(layout.num_layers))
         else:
             if caches is None:
                 raise LayoutError(f"views of {layout.device_type} caches need the registered tensors")
             storages = _storages(caches)
-            self.layers = tuple(_device_views(layout, l, storages) for l in range(layout.num_layers))
+            self.layers = tuple(_device_views(layout, li, storages) for li in range(layout.num_layers))
             self.device = storages[0][2].device
         self.copies: DeviceCopies = copies if copies is not None else copies_for(self.device)
 
-    def tags(self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer | RowSealers) -> np.ndarray:
+    def tags(
+        self, layer_idx: int, block_ids: np.ndarray, contexts: Sequence[bytes], sealer: Sealer | RowSealers
+    ) -> np.ndarray:
         """Each block's tag of its layer bytes in object order (layerkv.objects.seal): uint8
         [len(block_ids), 16]. Host caches only (device caches are not read from the host)."""
         assert self.on_host, "tags of device caches are not computed on the host"
@@ -95,7 +103,10 @@ def _host_views(layout: CacheLayout, layer_idx: int) -> tuple[SegmentView, ...]:
     template = layout.template(layer_idx)
     views = []
     for ptr, stride, nbytes, offset in zip(
-        template.base_ptrs.tolist(), template.strides_nbytes.tolist(), template.nbytes.tolist(), template.object_offsets.tolist()
+        template.base_ptrs.tolist(),
+        template.strides_nbytes.tolist(),
+        template.nbytes.tolist(),
+        template.object_offsets.tolist(),
     ):
         extent = (layout.num_blocks - 1) * stride + nbytes  # never past the last block's bytes
         flat = np.frombuffer((ctypes.c_char * extent).from_address(ptr), dtype=np.uint8)
@@ -125,7 +136,10 @@ def _device_views(layout: CacheLayout, layer_idx: int, storages: list[tuple[int,
     template = layout.template(layer_idx)
     views = []
     for ptr, stride, nbytes, offset in zip(
-        template.base_ptrs.tolist(), template.strides_nbytes.tolist(), template.nbytes.tolist(), template.object_offsets.tolist()
+        template.base_ptrs.tolist(),
+        template.strides_nbytes.tolist(),
+        template.nbytes.tolist(),
+        template.object_offsets.tolist(),
     ):
         extent = (layout.num_blocks - 1) * stride + nbytes
         owner = next((s for s in storages if s[0] <= ptr and ptr + extent <= s[0] + s[1]), None)
@@ -196,10 +210,16 @@ class StagedLayers:
         for layer_idx in range(group.first_layer, group.end_layer):
             for seg in self._views[layer_idx]:
                 col = seg.object_offset - group.span_start
-                src = staging[first : first + n, col : col + seg.nbytes] if in_order else staging[slots, col : col + seg.nbytes]
+                src = (
+                    staging[first : first + n, col : col + seg.nbytes]
+                    if in_order
+                    else staging[slots, col : col + seg.nbytes]
+                )
                 seg.blocks[block_ids] = src
 
-    def scatter_device(self, group: LayerGroup, private: Any, local: np.ndarray, block_ids: np.ndarray, after: Marker) -> Marker:
+    def scatter_device(
+        self, group: LayerGroup, private: Any, local: np.ndarray, block_ids: np.ndarray, after: Marker
+    ) -> Marker:
         """Device caches: cache[block_ids[j]] <- private[local[j]] for every segment of `group`,
         queued on the side stream once `after` is reached (transfer/device.py): one copy of the
         pinned rows to the device, then one indexed copy per segment there (device memory: those
@@ -219,9 +239,17 @@ class StagedLayers:
 
         return self._cache.copies.run_after(after, enqueue)
 
-    def publish(self, group: LayerGroup, staging: np.ndarray, rows: np.ndarray, slots: np.ndarray,
-                block_ids: np.ndarray, fan_out: tuple[np.ndarray, np.ndarray], checks: ObjectChecks,
-                after: Marker = None) -> tuple[int, np.ndarray, Marker]:
+    def publish(
+        self,
+        group: LayerGroup,
+        staging: np.ndarray,
+        rows: np.ndarray,
+        slots: np.ndarray,
+        block_ids: np.ndarray,
+        fan_out: tuple[np.ndarray, np.ndarray],
+        checks: ObjectChecks,
+        after: Marker = None,
+    ) -> tuple[int, np.ndarray, Marker]:
         """Copy `group` of the keys `rows` (block `block_ids[row]`, read into staging `slots`)
         into the cache, verified where no peer can change the bytes any more: host caches are
         copied first and their tags computed in the cache (staging stays writable by anyone who
@@ -232,7 +260,7 @@ class StagedLayers:
         caches and copies that ran at once). The caller holds its cache-writes lock."""
         extra_rows, extra_blocks = fan_out
         layers = range(group.first_layer, group.end_layer)
-        layer_nbytes = sum(self.layout.layer_nbytes(l) for l in layers)
+        layer_nbytes = sum(self.layout.layer_nbytes(li) for li in layers)
         sealer = checks.sealer(rows)
         bad = np.zeros(0, dtype=np.int64)
         if self.on_host and not sealer.encrypts:
@@ -241,13 +269,13 @@ class StagedLayers:
                 contexts = checks.contexts(rows)
                 tags = np.empty((rows.size, len(layers), TAG_NBYTES), dtype=np.uint8)
                 ids = block_ids[rows].tolist()
-                for j, l in enumerate(layers):  # in the cache: no peer can change these bytes
-                    tags[:, j] = sealer.rows_tags(contexts, l, [v.blocks for v in self._views[l]], ids)
+                for j, li in enumerate(layers):  # in the cache: no peer can change these bytes
+                    tags[:, j] = sealer.rows_tags(contexts, li, [v.blocks for v in self._views[li]], ids)
                 ok = checks.layers(group.first_layer, rows, tags)
                 rows, bad = rows[ok], rows[~ok]
             fan = np.isin(extra_rows, rows)
-            for l in layers:
-                self._cache.copy_blocks(l, block_ids[extra_rows[fan]], extra_blocks[fan])
+            for li in layers:
+                self._cache.copy_blocks(li, block_ids[extra_rows[fan]], extra_blocks[fan])
             return layer_nbytes * (int(rows.size) + int(fan.sum())), bad, None
         # device caches and encrypted objects: verified (decrypted) in a private copy, then copied
         host = self._cache.copies.pinned((len(slots), group.span_nbytes)) if not self.on_host else None
@@ -275,8 +303,9 @@ class StagedLayers:
         marker = self.scatter_device(group, host, sources, targets, after)
         return layer_nbytes * int(targets.size), bad, marker
 
-    def open(self, group: LayerGroup, private: np.ndarray, rows: np.ndarray, contexts: Sequence[bytes],
-             checks: ObjectChecks) -> np.ndarray:
+    def open(
+        self, group: LayerGroup, private: np.ndarray, rows: np.ndarray, contexts: Sequence[bytes], checks: ObjectChecks
+    ) -> np.ndarray:
         """Decrypt each layer of `group` in `private` (row i = key rows[i]'s span) in place,
         against the tags the headers carry; returns bool [rows, layers of group]: decrypted."""
         out = np.empty((rows.size, group.end_layer - group.first_layer), dtype=bool)
@@ -284,11 +313,21 @@ class StagedLayers:
             col = self.layout.layer_offset(layer_idx) - group.span_start
             width = self.layout.layer_nbytes(layer_idx)
             want = checks.expected(rows, layer_idx)
-            out[:, j] = checks.sealer(rows).open_layers(contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want)
+            out[:, j] = checks.sealer(rows).open_layers(
+                contexts, layer_idx, [private[i, col : col + width] for i in range(rows.size)], want
+            )
         return out
 
-    def gather_sealed(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
-                      contexts: Sequence[bytes], sealer: Sealer, after: Marker = None) -> np.ndarray:
+    def gather_sealed(
+        self,
+        layer_idx: int,
+        staging: np.ndarray,
+        slots: np.ndarray,
+        block_ids: np.ndarray,
+        contexts: Sequence[bytes],
+        sealer: Sealer,
+        after: Marker = None,
+    ) -> np.ndarray:
         """`gather` plus the layer's tags (uint8 [len(slots), 16]), computed where no peer can
         change the bytes: in the cache (host caches) or in the private pinned copies (device
         caches), never in staging, which anyone who reaches the store's ports may write while we
@@ -298,7 +337,9 @@ class StagedLayers:
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         if not sealer.encrypts:
             segments, ids = self._private_layer(layer_idx, block_ids, after)
-            tags = sealer.rows_tags(contexts, layer_idx, segments, range(len(block_ids)) if ids is None else ids.tolist())
+            tags = sealer.rows_tags(
+                contexts, layer_idx, segments, range(len(block_ids)) if ids is None else ids.tolist()
+            )
             self._stage(layer_idx, staging, slots, segments, ids)
             return tags
         private = np.empty((len(slots), col + width), dtype=np.uint8)  # the layer at its object offset
@@ -308,8 +349,9 @@ class StagedLayers:
         staging[slots, col : col + width] = private[:, col:]
         return tags
 
-    def gather(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray,
-               after: Marker = None) -> None:
+    def gather(
+        self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray, after: Marker = None
+    ) -> None:
         """staging[slots[j]] <- cache[block_ids[j]] for every segment of `layer_idx`, at the
         layer's place in the object image (rows are whole objects: header first). Device
         caches: copied into pinned buffers on the side stream once `after` (the layer's
@@ -317,7 +359,9 @@ class StagedLayers:
         segments, ids = self._private_layer(layer_idx, block_ids, after)
         self._stage(layer_idx, staging, slots, segments, ids)
 
-    def _private_layer(self, layer_idx: int, block_ids: np.ndarray, after: Marker) -> tuple[list[np.ndarray], np.ndarray | None]:
+    def _private_layer(
+        self, layer_idx: int, block_ids: np.ndarray, after: Marker
+    ) -> tuple[list[np.ndarray], np.ndarray | None]:
         """The layer's segments (object order) as host arrays no peer can write, and the row of
         each block in them: the cache itself (host caches), or pinned copies of the blocks made
         on the side stream once `after` is reached (device caches, rows in order: None; this
@@ -336,13 +380,20 @@ class StagedLayers:
         copies.host_wait(copies.run_after(after, enqueue, save=True))
         return [as_numpy(host) for host in hosts], None
 
-    def _stage(self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, segments: list[np.ndarray],
-               ids: np.ndarray | None) -> None:
+    def _stage(
+        self, layer_idx: int, staging: np.ndarray, slots: np.ndarray, segments: list[np.ndarray], ids: np.ndarray | None
+    ) -> None:
         for seg, src in zip(self._views[layer_idx], segments):
             staging[slots, seg.object_offset : seg.object_offset + seg.nbytes] = src if ids is None else src[ids]
 
-    def tags(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, contexts: Sequence[bytes],
-             sealer: Sealer | RowSealers) -> np.ndarray:
+    def tags(
+        self,
+        group: LayerGroup,
+        staging: np.ndarray,
+        slots: np.ndarray,
+        contexts: Sequence[bytes],
+        sealer: Sealer | RowSealers,
+    ) -> np.ndarray:
         """Tags of each layer of `group` in staging rows `slots` (spans of the group): uint8
         [len(slots), layers in group, 16] (the same values CacheViews.tags gives for a block)."""
         out = np.empty((len(slots), group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)
