@@ -1,4 +1,4 @@
-"""Layer tags of a 32-layer load, the two ways the worker has computed them (docs/performance.md,
+"""Layer tags of a 32-layer load, the two ways the worker has computed them (docs/performance-history.md,
 overlap): `Sealer.layer_tags` over a Python list of each block's segment views (before
 2026-12-03) against `Sealer.rows_tags` over rows of the cache's segments (now). Prints the time
 per request of each, then the receive thread's verify-and-copy time and TTFT of the overlap
