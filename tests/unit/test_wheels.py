@@ -34,7 +34,9 @@ def installed(monkeypatch):
 )
 def test_the_wheel_matches_the_torch_build(cuda, extra) -> None:
     assert wheels.wheel_for(cuda).extra == extra
-    assert wheels.install_hint(cuda, detect=False).startswith(f"pip install 'layerkv[{extra}]'")
+    hint = wheels.install_hint(cuda, detect=False)
+    assert hint.startswith(f"pip install '{wheels.wheel_for(cuda).distribution}==0.3.13.post1'")
+    assert hint.endswith(f"pip install '.[{extra}]')")
 
 
 def test_this_machines_cpu_torch_gets_the_host_only_wheel() -> None:
@@ -57,7 +59,11 @@ def test_a_cuda_cache_registered_with_the_host_only_wheel_is_refused_with_the_fi
         wheels.check_device_path("cuda", register_kv_cache=True)
     message = str(err.value)
     assert "the KV caches live on cuda" in message
-    assert "pip install 'layerkv[mooncake-cuda12]' (installs mooncake-transfer-engine)" in message
+    hint = (
+        "pip install 'mooncake-transfer-engine==0.3.13.post1' ("
+        "from a layerkv checkout: pip install '.[mooncake-cuda12]')"
+    )
+    assert hint in message
     assert "Set register_kv_cache: false" in message
     installed(mooncake_transfer_engine_cuda13="0.3.13.post1")  # even a CUDA wheel: staging is where KV is verified
     with pytest.raises(ConfigError, match=r"the installed mooncake-transfer-engine-cuda13 could register it"):
@@ -78,3 +84,12 @@ def test_the_version_check_knows_every_wheel(installed) -> None:
         assert mooncake.installed_version() == "0.3.13.post1"
     installed()
     assert mooncake.installed_version() is None
+
+
+def test_the_hinted_version_is_the_one_the_extras_pin() -> None:
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    pins = {w.extra: f"{w.distribution}=={wheels.VERSION}" for w in wheels.WHEELS}
+    assert {extra: extras["optional-dependencies"][extra] for extra in pins} == {e: [p] for e, p in pins.items()}

@@ -1,10 +1,10 @@
 """The Mooncake wheels layerkv knows, what each can move, and the startup check that a KV cache's
 device and the configured data path fit the store.
 
-    distribution                         extra                      moves device memory
-    mooncake-transfer-engine-non-cuda    layerkv[mooncake]          no (host memory only)
-    mooncake-transfer-engine             layerkv[mooncake-cuda12]   CUDA 12
-    mooncake-transfer-engine-cuda13      layerkv[mooncake-cuda13]   CUDA 13
+    distribution                         extra of a checkout  moves device memory
+    mooncake-transfer-engine-non-cuda    .[mooncake]          no (host memory only)
+    mooncake-transfer-engine             .[mooncake-cuda12]   CUDA 12
+    mooncake-transfer-engine-cuda13      .[mooncake-cuda13]   CUDA 13
 
 The three ship the same `mooncake` package: installing one over another replaces it (the
 `mooncake` extra over a CUDA install breaks the CUDA engine's own Mooncake use), so the extra
@@ -34,6 +34,7 @@ WHEELS = (
     Wheel("mooncake-transfer-engine-cuda13", "mooncake-cuda13", "13"),
 )
 DISTRIBUTIONS = tuple(w.distribution for w in WHEELS)
+VERSION = "0.3.13.post1"  # the release tested (pyproject's extras pin it)
 
 
 def installed() -> list[tuple[Wheel, str]]:
@@ -63,9 +64,10 @@ def wheel_for(cuda: str | None) -> Wheel:
 
 
 def install_hint(cuda: str | None = None, *, detect: bool = True) -> str:
-    """`pip install 'layerkv[<extra>]'` for this machine's torch (or for CUDA `cuda`)."""
+    """The pip command for the wheel that fits this machine's torch (or CUDA `cuda`), and the extra
+    that installs it from a layerkv checkout (layerkv is not published on PyPI)."""
     wheel = wheel_for(cuda if cuda is not None or not detect else torch_cuda())
-    return f"pip install 'layerkv[{wheel.extra}]' (installs {wheel.distribution})"
+    return f"pip install '{wheel.distribution}=={VERSION}' (from a layerkv checkout: pip install '.[{wheel.extra}]')"
 
 
 def clash() -> str | None:
