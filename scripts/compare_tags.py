@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from layerkv.bench import overlap
 from layerkv.bench.common import BenchOptions
+from layerkv.bench.micro import overlap
 from layerkv.objects.seal import Sealer
 from layerkv.transfer import views
 

@@ -19,7 +19,7 @@ from tempfile import mkdtemp
 import torch
 
 from layerkv.bench.common import BenchOptions
-from layerkv.bench.overlap import _best, _Rig
+from layerkv.bench.micro.overlap import _best, _Rig
 
 _RECV_CPU_S: list[float] = []
 

@@ -15,8 +15,8 @@ import pytest
 from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import BenchOptions, SuiteResult
 from layerkv.bench.runner import markdown
-from layerkv.bench.serving_grid import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
-from layerkv.bench.serving_report import (
+from layerkv.bench.serving.grid import LOAD_PREFIX_TOKENS, Grid, load_prompts, prefix_ids, suffix_ids
+from layerkv.bench.serving.report import (
     CEILING,
     CONTENDERS,
     KEY_CONTENDERS,
@@ -381,7 +381,7 @@ def test_the_bound_is_the_ceiling_or_the_transfer_alone_whichever_is_slower() ->
     """x_bound = TTFT / max(ceiling, transfer alone); the transfer row has no correctness to
     compare; the summary counts the cells within 1.25x the bound and within 1.1x of
     register_kv_cache."""
-    from layerkv.bench.serving_report import TRANSFER, suite_rows
+    from layerkv.bench.serving.report import TRANSFER, suite_rows
 
     transfer = [Run(TRANSFER, CELL, r, 80.0 + r, CELL[0], (), ()) for r in range(3)]  # median 81 > ceiling 50
     rows = _rows(_cell_runs() + transfer)
@@ -443,8 +443,8 @@ class _Reader:
 def test_every_timed_run_follows_the_same_work_in_its_engine() -> None:
     """Recompute and pool runs: the same request just before (cache reset both times), the second
     timed; the ceiling: the prefix's own forward just before; producers' references run once."""
-    from layerkv.bench.serving import ENGINE_OF, measure
-    from layerkv.bench.serving_report import Step
+    from layerkv.bench.serving.report import Step
+    from layerkv.bench.serving.suite import ENGINE_OF, measure
 
     calls: list[tuple[str, int, bool]] = []
     rig = type("Rig", (), {})()

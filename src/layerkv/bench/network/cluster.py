@@ -1,9 +1,9 @@
-"""`layerkv bench network`'s cluster: python -m layerkv.bench.network_cluster <job.json>, run by
-the suite (layerkv.bench.network) inside a private network namespace. Makes a namespace cluster
-of three hosts (a master host, a storage host, the consumer's host; layerkv.bench.cluster_pool),
+"""`layerkv bench network`'s cluster: python -m layerkv.bench.network.cluster <job.json>, run by
+the suite (layerkv.bench.network.suite) inside a private network namespace. Makes a namespace cluster
+of three hosts (a master host, a storage host, the consumer's host; layerkv.bench.cluster.pool),
 then for each link rate shapes what the switch sends the consumer (tc tbf; none: unshaped) and
-runs layerkv.bench.network_host on the consumer host; with the job's `engine_python`, then the
-real vLLM engines of layerkv.bench.network_vllm (on a fourth host, the producer's); writes the
+runs layerkv.bench.network.host on the consumer host; with the job's `engine_python`, then the
+real vLLM engines of layerkv.bench.network.engines (on a fourth host, the producer's); writes the
 cells to the job's `out`.
 Removes the cluster on exit. Main thread only.
 """
@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from layerkv.bench import network_vllm
-from layerkv.bench.cluster_pool import started_pool
+from layerkv.bench.cluster.pool import started_pool
+from layerkv.bench.network import engines
 
 HOSTS = ("master", "store", "consumer")  # and the producer host when vLLM engines run
 CELL_TIMEOUT_S = 1800.0  # one rate's measurements (bounded: the reference engine's few prompts)
@@ -39,7 +39,7 @@ def main(job_path: str) -> int:
                 "tiny": job["tiny"],
                 "write": i == 0,
             }
-            proc = pool.run_module("consumer", "layerkv.bench.network_host", host_job, f"consumer-{i}")
+            proc = pool.run_module("consumer", "layerkv.bench.network.host", host_job, f"consumer-{i}")
             try:
                 cells = json.loads(proc.line("@@", CELL_TIMEOUT_S))
             finally:
@@ -49,7 +49,7 @@ def main(job_path: str) -> int:
         pool.cluster.unlimit("consumer")
         if job.get("engine_python"):
             (work / "vllm").mkdir()
-            vllm = network_vllm.run(pool, job["engine_python"], job["rates"], job["quick"], work / "vllm")
+            vllm = engines.run(pool, job["engine_python"], job["rates"], job["quick"], work / "vllm")
     Path(job["out"]).write_text(json.dumps({"reference": results, "vllm": vllm}))
     return 0
 

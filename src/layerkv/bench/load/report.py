@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from layerkv.bench.common import Row, SuiteResult
-from layerkv.bench.load_plan import CONTENDER_TITLES, LAYERKV, NONE, LoadPlan
-from layerkv.bench.load_probe import SHUTDOWN_NOISE, PutBalance, Series, rss_slope_pct_per_10min
+from layerkv.bench.load.plan import CONTENDER_TITLES, LAYERKV, NONE, LoadPlan
+from layerkv.bench.load.probe import SHUTDOWN_NOISE, PutBalance, Series, rss_slope_pct_per_10min
 from layerkv.bench.plots import line_plot, xy_plot
 
 
@@ -93,7 +93,7 @@ def rss_growth(record: LoadRecord, warmup_fraction: float = 0.25) -> float | Non
 
 def errors_by_phase(record: LoadRecord) -> dict[str, int]:
     """ERROR / CRITICAL lines and tracebacks per phase over the record's servers (vLLM's own
-    shutdown noise left out: load_probe.SHUTDOWN_NOISE)."""
+    shutdown noise left out: probe.SHUTDOWN_NOISE)."""
     counts = dict.fromkeys(PHASES, 0)
     for phases in record.log_errors.values():
         for phase, lines in phases.items():

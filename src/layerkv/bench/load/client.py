@@ -3,7 +3,7 @@ installed there): `vllm.benchmarks.serve.main` with its own arguments, its whole
 (per-request TTFTs, ITLs, generated texts, errors) written as JSON. One process per run; vLLM's
 client is asyncio in this process's main thread.
 
-    python -m layerkv.bench.load_client OUT.json URL[,URL...] -- <vllm bench serve arguments>
+    python -m layerkv.bench.load.client OUT.json URL[,URL...] -- <vllm bench serve arguments>
 
 With several URLs, requests go round robin over the servers (a backend registered here that
 rewrites each request's URL, then calls vLLM's own OpenAI completions request function).

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from layerkv.bench.common import Row
-from layerkv.bench.decode_engine import StepTimes
+from layerkv.bench.decode.engine import StepTimes
 from layerkv.store.base import STORE_CALLS
 
 # Hooks a KVConnectorBase_V1 subclass may implement, by the role that calls them; timed when the

@@ -2,7 +2,7 @@
 transformers' save_pretrained (no download), and deterministic token ids. Runs in whatever
 process calls it (imports torch / transformers only inside `save_random_llama`).
 
-    python -m layerkv.bench.vllm_model PATH [--layers 8] [--hidden 1024] [--dtype float32]
+    python -m layerkv.bench.vllm.model PATH [--layers 8] [--hidden 1024] [--dtype float32]
         [--lm-head-scale 10] [--tokenizer]
 
 `--tokenizer` adds a word-level tokenizer (for `vllm serve` and vLLM's benchmark client) whose
@@ -99,7 +99,7 @@ def save_in(
         [
             python,
             "-m",
-            "layerkv.bench.vllm_model",
+            "layerkv.bench.vllm.model",
             str(path),
             "--layers",
             str(num_layers),

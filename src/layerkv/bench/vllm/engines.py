@@ -1,4 +1,4 @@
-"""The driver side of layerkv.bench.vllm_host: an `EngineProcess` starts one real vLLM engine
+"""The driver side of layerkv.bench.vllm.host: an `EngineProcess` starts one real vLLM engine
 under the engine's Python at construction (so several start at once), `ready()` waits for it,
 `generate()` sends one command and waits for the reply, `stop()` shuts it down. Driver thread
 only; one reader thread per process moves reply lines into a queue.
@@ -76,7 +76,7 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
 
 
 class EngineProcess:
-    """One `python -m layerkv.bench.vllm_host` child running `LLM(**llm_kwargs)` with `env`; it
+    """One `python -m layerkv.bench.vllm.host` child running `LLM(**llm_kwargs)` with `env`; it
     leads its own process group (vLLM's engine core and workers are in it)."""
 
     def __init__(
@@ -86,7 +86,7 @@ class EngineProcess:
         llm_kwargs: dict[str, Any],
         env: dict[str, str],
         log_dir: Path,
-        host: str = "layerkv.bench.vllm_host",
+        host: str = "layerkv.bench.vllm.host",
     ) -> None:
         """`host`: the module the child runs (`python -m host`); the tests' host adds commands."""
         self.name = name

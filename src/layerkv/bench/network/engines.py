@@ -4,9 +4,9 @@ suite serving's contenders — recompute and the local-cache ceiling (engine pla
 producers (which fill the pool) on the producer host, the consumers and the plain engine on the
 consumer host, the pool's storage on the storage host. Per link rate the switch shapes what the
 consumer host (and this process, whose bare Mooncake client times the transfer alone) receives;
-every cell is suite serving's `measure` (layerkv.bench.serving), so the bit checks against each
+every cell is suite serving's `measure` (layerkv.bench.serving.suite), so the bit checks against each
 producer's local-cache run and the bound max(ceiling, transfer alone) are the same.
-Driver thread (layerkv.bench.network_cluster, inside the cluster's namespace).
+Driver thread (layerkv.bench.network.cluster, inside the cluster's namespace).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.cluster_pool import ClusterPool
-from layerkv.bench.netns import TEST_HOST, TEST_HOST_ADDR
-from layerkv.bench.pool_reader import PoolReader
-from layerkv.bench.serving import engine_spec, make_model, measure
-from layerkv.bench.serving_grid import BLOCK_SIZE, Grid
-from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, Run, Step, schedule, suite_rows
-from layerkv.bench.vllm_engines import EngineProcess, link_layerkv
-from layerkv.bench.vllm_model import native_dtype
+from layerkv.bench.cluster.netns import TEST_HOST, TEST_HOST_ADDR
+from layerkv.bench.cluster.pool import ClusterPool
+from layerkv.bench.serving.grid import BLOCK_SIZE, Grid
+from layerkv.bench.serving.pool_reader import PoolReader
+from layerkv.bench.serving.report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, Run, Step, schedule, suite_rows
+from layerkv.bench.serving.suite import engine_spec, make_model, measure
+from layerkv.bench.vllm.engines import EngineProcess, link_layerkv
+from layerkv.bench.vllm.model import native_dtype
 
 CONTENDERS = (RECOMPUTE, CEILING, LAYERKV, MOONCAKE)
 HOST_OF = {

@@ -1,6 +1,6 @@
 """Suite `network` (only when named; needs root): time to first token on the reference engine
 across hosts — the consumer on its own network-namespace host, the pool's storage on another,
-the master on a third (layerkv.bench.network_cluster) — over consumer<-storage link rates
+the master on a third (layerkv.bench.network.cluster) — over consumer<-storage link rates
 (unshaped, 10 Gbit/s, 1 Gbit/s) and two prompt lengths with 90 % of each in the pool:
 recompute, the local-cache ceiling, layerkv (defaults), layerkv layerwise, load-everything-first. Per cell the
 transfer alone (load-everything-first's load time) and the bound max(ceiling, transfer alone),
@@ -20,8 +20,8 @@ from typing import Any
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult, ratio
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.serving_report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE
-from layerkv.bench.vllm_engines import check_engine_python
+from layerkv.bench.serving.report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE
+from layerkv.bench.vllm.engines import check_engine_python
 
 NAME = "network"
 RATES = ("", "10gbit", "1gbit")  # "": unshaped
@@ -60,7 +60,7 @@ def _run_cluster(options: BenchOptions, engine_python: str) -> dict[str, Any]:
                 }
             )
         )
-        argv = [sys.executable, "-m", "layerkv.bench.network_cluster", str(job)]
+        argv = [sys.executable, "-m", "layerkv.bench.network.cluster", str(job)]
         if os.environ.get("LAYERKV_IN_NETNS") != "1":  # the cluster's switch is joined from a private namespace
             argv = [
                 "unshare",
@@ -119,11 +119,10 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result.summary["cells"] = float(len(result.rows))
     layers = sorted({cell["model_layers"] for run_ in runs for cell in run_["cells"]})
     result.notes += [
-        "hosts: network namespaces on one bridge (layerkv.bench.netns): the master host (`layerkv master --host`, no "
-        "storage), one storage host (`layerkv segment`, 1 GB), the consumer host; the reference engine on the consumer "
-        "host reads over the bridge. `link` shapes what the storage host sends the consumer (tc tbf on the switch "
-        "port; "
-        "unshaped: a veth, about 1.3 GB/s here).",
+        "hosts: network namespaces on one bridge (layerkv.bench.cluster.netns): the master host (`layerkv master "
+        "--host`, no storage), one storage host (`layerkv segment`, 1 GB), the consumer host; the reference engine on "
+        "the consumer host reads over the bridge. `link` shapes what the storage host sends the consumer (tc tbf on "
+        "the switch port; unshaped: a veth, about 1.3 GB/s here).",
         f"model as suite overlap ({', '.join(map(str, layers))} layers); 90 % of each prompt in the pool; best "
         f"of {options.reps} fresh engines per variant (torch with 1 thread, the 2 CPUs are shared).",
         "ceiling = the suffix computed over a prefix in the engine's own prefix cache; transfer alone = "
@@ -179,7 +178,7 @@ def _vllm(result: SuiteResult, vllm: dict[str, Any], options: BenchOptions) -> N
         all(r["bits_equal_local_cache_run"] is True for r in rows if r["contender"] in (LAYERKV, MOONCAKE))
     )
     result.notes.append(
-        "real vLLM engines: suite serving's model and contenders across hosts (layerkv.bench.network_vllm): the "
+        "real vLLM engines: suite serving's model and contenders across hosts (layerkv.bench.network.engines): the "
         "producers "
         "(layerkv and MooncakeStoreConnector, kv_producer) on a producer host, the consumers and the plain engine "
         "(recompute, ceiling) on the consumer host, the pool's storage on the storage host; `link` shapes what the "

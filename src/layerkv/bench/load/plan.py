@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from layerkv.bench.vllm_model import kv_bytes_per_token
+from layerkv.bench.vllm.model import kv_bytes_per_token
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 MiB = 1 << 20
@@ -42,7 +42,7 @@ SCENARIOS = (CAPACITY, EVICTION, TWO_SERVERS, DECODE)
 
 @dataclass(frozen=True, slots=True)
 class LoadModel:
-    """A random-weight Llama (vllm_model.save_random_llama) with the 3-letter word tokenizer."""
+    """A random-weight Llama (layerkv.bench.vllm.model.save_random_llama) with the 3-letter word tokenizer."""
 
     num_layers: int
     hidden_size: int

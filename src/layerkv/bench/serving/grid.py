@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions
-from layerkv.bench.serving_report import LAYERKV_DIRECT
-from layerkv.bench.vllm_model import kv_bytes_per_token, native_dtype, tokens
+from layerkv.bench.serving import report
+from layerkv.bench.serving.report import LAYERKV_DIRECT
+from layerkv.bench.vllm.model import kv_bytes_per_token, native_dtype, tokens
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30

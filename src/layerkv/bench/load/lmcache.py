@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.serve_proc import wait_http_ok
-from layerkv.bench.vllm_engines import LOOPBACK_ENV, QUIET_ENV, log_tail, stop_group
+from layerkv.bench.vllm.engines import LOOPBACK_ENV, QUIET_ENV, log_tail, stop_group
+from layerkv.bench.vllm.serve_proc import wait_http_ok
 from layerkv.errors import UnsupportedSetupError
 from layerkv.store.mooncake_master import MasterPorts
 

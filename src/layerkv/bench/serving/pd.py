@@ -5,7 +5,7 @@ A prefill engine (kv_producer, TP=2) answers each prompt with one token; the mom
 a decode engine (kv_consumer, TP=1); both split blocks alike (store_shards 2). Against it, a TP=1
 engine without a connector computes the prompt whole: the decode server that recomputes.
 Driver thread: this process makes the model, runs the master and drives the three engines
-(layerkv.bench.vllm_host under the engine's Python), one request at a time.
+(layerkv.bench.vllm.host under the engine's Python), one request at a time.
 
 Per prompt (a prefix of 512 or 2,048 tokens and 32 more):
     prefill_ms          the prefill engine's answer (its generate's wall time)
@@ -35,10 +35,10 @@ from typing import Any
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.serving import LAYERKV_EXTRA, engine_spec, make_model
-from layerkv.bench.serving_grid import Grid, prefix_ids, suffix_ids
-from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, link_layerkv
-from layerkv.bench.vllm_model import native_dtype
+from layerkv.bench.serving.grid import Grid, prefix_ids, suffix_ids
+from layerkv.bench.serving.suite import LAYERKV_EXTRA, engine_spec, make_model
+from layerkv.bench.vllm.engines import EngineProcess, check_engine_python, link_layerkv
+from layerkv.bench.vllm.model import native_dtype
 
 NAME = "pd"
 SUFFIX_TOKENS = 32

@@ -1,9 +1,9 @@
 """One real vLLM engine (offline `LLM`) in its own process, run under the engine's Python (the
-vLLM venv) and driven by `layerkv bench serving` (layerkv.bench.vllm_engines): JSON commands on
+vLLM venv) and driven by `layerkv bench serving` (layerkv.bench.vllm.engines): JSON commands on
 stdin, one JSON reply per command on the file descriptor given as argv[2]; stdout / stderr
 carry vLLM's logs to a file. vLLM spawns its engine core and workers from here. Main thread only.
 
-    python -m layerkv.bench.vllm_host '<spec json>' <reply fd>   (tests: tests.vllm_engine.engine_host)
+    python -m layerkv.bench.vllm.host '<spec json>' <reply fd>   (tests: tests.vllm_engine.engine_host)
     spec: {"llm": {LLM keyword arguments}}
     commands: {"op": "generate", "prompts": [[ids]], "max_tokens": 1, "reset_prefix_cache": bool,
                "commit": bool, "kv_transfer_params": {...} or null}, {"op": "counters"}, {"op": "shutdown"}

@@ -2,7 +2,7 @@
 time to first token in real vLLM engines, layerkv against vLLM's own MooncakeStoreConnector on
 one `layerkv master` pool, with recompute and vLLM's local prefix cache as floor and ceiling.
 Driver thread: this process makes the model, runs the master and drives six engine processes
-(layerkv.bench.vllm_host under the engine's Python), one request at a time.
+(layerkv.bench.vllm.host under the engine's Python), one request at a time.
 
     engine             connector                                      serves
     plain              none                                           recompute; local prefix cache (ceiling)
@@ -30,11 +30,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
-from layerkv.bench import serving_report as report
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.pool_reader import PoolReader
-from layerkv.bench.serving_grid import (
+from layerkv.bench.serving import report
+from layerkv.bench.serving.grid import (
     BLOCK_SIZE,
     LOAD_MAX_TOKENS,
     LOAD_MISS_EVERY,
@@ -46,7 +45,8 @@ from layerkv.bench.serving_grid import (
     prefix_ids,
     suffix_ids,
 )
-from layerkv.bench.serving_report import (
+from layerkv.bench.serving.pool_reader import PoolReader
+from layerkv.bench.serving.report import (
     CEILING,
     LAYERKV,
     LAYERKV_DIRECT,
@@ -59,8 +59,8 @@ from layerkv.bench.serving_report import (
     Run,
     Step,
 )
-from layerkv.bench.vllm_engines import EngineProcess, check_engine_python, engine_env, link_layerkv
-from layerkv.bench.vllm_model import save_in
+from layerkv.bench.vllm.engines import EngineProcess, check_engine_python, engine_env, link_layerkv
+from layerkv.bench.vllm.model import save_in
 
 NAME = "serving"
 LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
@@ -190,7 +190,7 @@ def engine_spec(
     connector_config: Path,
     key_file: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The LLM kwargs and environment of engine `name` (ENGINES of serving_grid) on `model`, its
+    """The LLM kwargs and environment of engine `name` (ENGINES of grid.py) on `model`, its
     pool clients configured by `layerkv_config` (layerkv) / `connector_config` (vLLM's
     MooncakeStoreConnector); `key_file`: the keyed engines' tenant key."""
     g = grid
@@ -253,7 +253,7 @@ def _run(contender: str, step: Step, reply: dict[str, Any], reference: bool = Fa
 
 
 class Engines(Protocol):
-    """What `measure` needs of a rig: Rig here, layerkv.bench.network_vllm's across hosts."""
+    """What `measure` needs of a rig: Rig here, layerkv.bench.network.engines's across hosts."""
 
     engines: dict[str, EngineProcess]
     reader: PoolReader

@@ -1,6 +1,6 @@
 """Pure logic of suite `serving`: the order in which contenders run, and the table built from the
 runs (medians, spread, ratios side by side, the correctness columns). No engine, no I/O: the
-suite (layerkv.bench.serving) feeds it `Run`s. Driver thread only.
+suite (layerkv.bench.serving.suite) feeds it `Run`s. Driver thread only.
 
 Correctness: a pool contender's first token must equal recompute's (same prompt), and its
 token and logprob bits must equal the same connector's run served from vLLM's local prefix

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.load_plan import (
+from layerkv.bench.load.plan import (
     BLOCK_SIZE,
     LAYERKV_CONSUMER,
     LAYERKV_KINDS,
@@ -22,9 +22,9 @@ from layerkv.bench.load_plan import (
     LoadPlan,
     Scenario,
 )
-from layerkv.bench.load_probe import LogPhases
-from layerkv.bench.serve_proc import ServeProcess
-from layerkv.bench.vllm_engines import engine_env
+from layerkv.bench.load.probe import LogPhases
+from layerkv.bench.vllm.engines import engine_env
+from layerkv.bench.vllm.serve_proc import ServeProcess
 from layerkv.store.mooncake_master import MasterPorts
 
 SERVED_NAME = "load-model"
@@ -57,7 +57,7 @@ class ContenderFleet:
         """`pythons`: contender -> the Python that runs its servers (LMCache has its own venv)."""
         self.contender, self.work_dir = contender, work_dir
         self.master: Any = None  # LocalMaster for the Mooncake contenders
-        self.lmcache: Any = None  # load_lmcache.LMCacheServer
+        self.lmcache: Any = None  # lmcache.LMCacheServer
         self.servers: list[ServeProcess] = []
         self.logs: dict[str, LogPhases] = {}
         self._layerkv_extra = {**LAYERKV_EXTRA, **(layerkv_extra or {})}
@@ -101,7 +101,7 @@ class ContenderFleet:
             path.write_text(json.dumps(config))
             return {"MOONCAKE_CONFIG_PATH": str(path)}
         if self.contender == LMCACHE:
-            from layerkv.bench.load_lmcache import LMCacheServer
+            from layerkv.bench.load.lmcache import LMCacheServer
 
             self.lmcache = LMCacheServer(pythons[LMCACHE], self.work_dir, pool_bytes, {})
             self.lmcache.ready(120)

@@ -1,4 +1,4 @@
-"""A Mooncake pool spread over network-namespace hosts (layerkv.bench.netns): `layerkv master
+"""A Mooncake pool spread over network-namespace hosts (layerkv.bench.cluster.netns): `layerkv master
 --host` on a master host with no storage of its own, `layerkv segment` on each storage host,
 and processes started on any host with the pool's client config for that host. Used by `layerkv
 bench network` and the cluster test tiers. `started_pool` makes one and removes it (checked: no
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import layerkv
-from layerkv.bench.netns import Cluster, Host, missing_tools
+from layerkv.bench.cluster.netns import Cluster, Host, missing_tools
 
 SEGMENT = "256MB"
 

@@ -1,8 +1,8 @@
 """Suite `decode` (opt-in): a KV connector's host cost per engine step in steady-state decode,
-through vLLM's REAL Scheduler and REAL worker hook path (decode_engine.py) with N requests
+through vLLM's REAL Scheduler and REAL worker hook path (engine.py) with N requests
 decoding. Contenders: layerkv (embedded store; Mooncake), vLLM's MooncakeStoreConnector (as is;
 with save_decode_cache), no connector. Connector hooks are timed on the connector instances
-(decode_meters.py). Driver thread only; the connectors' transfer threads run beside the steps.
+(meters.py). Driver thread only; the connectors' transfer threads run beside the steps.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult
-from layerkv.bench.decode_engine import (
+from layerkv.bench.decode.engine import (
     BLOCK_SIZE,
     VLLM_CPU_ENV,
     DecodeEngine,
@@ -29,7 +29,7 @@ from layerkv.bench.decode_engine import (
     environ,
     write_model,
 )
-from layerkv.bench.decode_meters import EngineMeters, StepSample, hook_rows, summarize, warmup_row
+from layerkv.bench.decode.meters import EngineMeters, StepSample, hook_rows, summarize, warmup_row
 
 NAME = "decode"
 PROMPT_TOKENS = 40  # not a multiple of 16: most decode steps complete no block
@@ -69,7 +69,7 @@ def sizes(options: BenchOptions) -> Sizes:
 @dataclass(frozen=True, slots=True)
 class Contender:
     """`transfer_base`: the KVTransferConfig arguments (None: no connector); `env`: set while it
-    runs; `worker_process`: the connector needs what a vLLM worker process has (decode_engine's
+    runs; `worker_process`: the connector needs what a vLLM worker process has (engine.py's
     worker_process_state)."""
 
     name: str
