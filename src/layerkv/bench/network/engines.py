@@ -22,7 +22,8 @@ from layerkv.bench.cluster.pool import ClusterPool
 from layerkv.bench.serving.grid import BLOCK_SIZE, Grid
 from layerkv.bench.serving.pool_reader import PoolReader
 from layerkv.bench.serving.report import CEILING, LAYERKV, MOONCAKE, RECOMPUTE, Run, Step, schedule, suite_rows
-from layerkv.bench.serving.suite import engine_spec, make_model, measure
+from layerkv.bench.serving.rig import engine_spec, make_model
+from layerkv.bench.serving.suite import measure
 from layerkv.bench.vllm.engines import EngineProcess, link_layerkv
 from layerkv.bench.vllm.model import native_dtype
 

@@ -11,6 +11,7 @@ from layerkv.bench.serving import report
 from layerkv.bench.serving.report import LAYERKV_DIRECT
 from layerkv.bench.vllm.model import kv_bytes_per_token, native_dtype, tokens
 
+NAME = "serving"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 GiB = 1 << 30
 ENGINES = (

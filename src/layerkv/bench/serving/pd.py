@@ -36,7 +36,7 @@ from typing import Any
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
 from layerkv.bench.serving.grid import Grid, prefix_ids, suffix_ids
-from layerkv.bench.serving.suite import LAYERKV_EXTRA, engine_spec, make_model
+from layerkv.bench.serving.rig import LAYERKV_EXTRA, engine_spec, make_model
 from layerkv.bench.vllm.engines import EngineProcess, check_engine_python, link_layerkv
 from layerkv.bench.vllm.model import native_dtype
 

@@ -17,34 +17,24 @@ exactly the pool run's schedule; consumers never save, so a pool run sees only t
 cell, this process also times reading the prefix's layerkv objects whole into its own memory
 with a bare Mooncake client (the transfer alone, no compute): max(ceiling, transfer alone)
 bounds what any pool could reach.
+
+The engines, the model and the pool: rig.py; the table: report.py; the notes under it: notes.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.bench.plots import bar_plot
-from layerkv.bench.serving import report
-from layerkv.bench.serving.grid import (
-    BLOCK_SIZE,
-    LOAD_MAX_TOKENS,
-    LOAD_MISS_EVERY,
-    LOAD_PREFIX_TOKENS,
-    LOAD_PREFIXES,
-    LOAD_SUFFIX_TOKENS,
-    Grid,
-    load_prompts,
-    prefix_ids,
-    suffix_ids,
-)
+from layerkv.bench.serving import notes, report
+from layerkv.bench.serving.grid import BLOCK_SIZE, LOAD_MAX_TOKENS, NAME, Grid, load_prompts, prefix_ids, suffix_ids
 from layerkv.bench.serving.pool_reader import PoolReader
 from layerkv.bench.serving.report import (
     CEILING,
@@ -59,14 +49,9 @@ from layerkv.bench.serving.report import (
     Run,
     Step,
 )
-from layerkv.bench.vllm.engines import EngineProcess, check_engine_python, engine_env, link_layerkv
-from layerkv.bench.vllm.model import save_in
+from layerkv.bench.serving.rig import Rig, engine_counters
+from layerkv.bench.vllm.engines import EngineProcess, check_engine_python
 
-NAME = "serving"
-LAYERKV_EXTRA = {"backend": "mooncake", "load_timeout_s": 60, "tenant": "bench-serving"}
-DIRECT_EXTRA = {"register_kv_cache": True}  # contender LAYERKV_DIRECT
-KEYED_EXTRA = {"tenant_key_file": "<work dir>/tenant.key"}  # LAYERKV_KEYED (its producer too); the path is set per run
-ENCRYPTED_EXTRA = {**KEYED_EXTRA, "encrypt_objects": True}  # LAYERKV_ENCRYPTED (its producer too)
 ENGINE_OF = {
     RECOMPUTE: "plain",
     CEILING: "plain",
@@ -83,158 +68,6 @@ REFERENCES = (
     ("layerkv-keyed-producer", LAYERKV_KEYED),
     ("layerkv-encrypted-producer", LAYERKV_ENCRYPTED),
 )
-
-
-def make_model(python: str, pythonpath: Path, work_dir: Path, grid: Grid) -> Path:
-    """The grid's random-weight Llama in work_dir/model, made by the engine's Python."""
-    return save_in(
-        python, engine_env(pythonpath, {}), work_dir / "model", grid.num_layers, grid.hidden_size, grid.dtype
-    )
-
-
-def omp_bind() -> str:
-    """Every CPU for vLLM's OpenMP threads in every engine (one engine computes at a time);
-    LAYERKV_BENCH_OMP_BIND overrides (e.g. "0": one core for compute)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return os.environ.get("LAYERKV_BENCH_OMP_BIND", ",".join(map(str, cpus)))
-
-
-class Rig:
-    """The model, the pool (a `layerkv master` child) and the six engines, started once."""
-
-    def __init__(
-        self, options: BenchOptions, grid: Grid, vllm_version: str, work_dir: Path, progress: Progress
-    ) -> None:
-        from layerkv.store.local_master import LocalMaster
-
-        self.grid, self.work_dir = grid, work_dir
-        self.python, self.vllm_version = os.path.abspath(options.engine_python), vllm_version  # engines run in work_dir
-        self.pythonpath = link_layerkv(work_dir)
-        progress.case(f"{NAME}: model")
-        self.model = make_model(self.python, self.pythonpath, work_dir, grid)
-        progress.case(f"{NAME}: pool")
-        self.master = LocalMaster(segment_size=str(grid.pool_bytes()))
-        self.engines: dict[str, EngineProcess] = {}
-        self.reader = PoolReader(
-            self.master.info["metrics_url"], self.master.client_config, grid.kv_bytes_per_token * BLOCK_SIZE + 4096
-        )  # header <= 4 KiB
-        self.prefix_keys: dict[tuple[int, int], list[str]] = {}  # (prefix tokens, repeat) -> its layerkv objects
-        self.stopped_counters: dict[str, dict[str, Any]] = {}
-        try:
-            layerkv_config = work_dir / "mooncake-layerkv.json"
-            layerkv_config.write_text(json.dumps(self.master.client_config))
-            # vLLM's connector refuses global_segment_size 0 in its "embedded" mode; "standalone-store"
-            # mounts nothing, like layerkv's clients: every object of both lives in the master's segment.
-            connector_config = work_dir / "mooncake-connector.json"
-            connector_config.write_text(
-                json.dumps(
-                    {
-                        **self.master.client_config,
-                        "mode": "standalone-store",
-                        "global_segment_size": 0,
-                        "local_buffer_size": 512 << 20,
-                    }
-                )
-            )
-            progress.case(f"{NAME}: starting {len(grid.engines)} vLLM engines")
-            for name in grid.engines:
-                kwargs, env = self._spec(name, layerkv_config, connector_config)
-                self.engines[name] = EngineProcess(name, self.python, kwargs, env, work_dir)
-            for engine in self.engines.values():
-                engine.ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def _spec(self, name: str, layerkv_config: Path, connector_config: Path) -> tuple[dict[str, Any], dict[str, str]]:
-        keyed = name.startswith(("layerkv-keyed", "layerkv-encrypted"))
-        return engine_spec(
-            self.grid,
-            self.model,
-            self.pythonpath,
-            name,
-            layerkv_config,
-            connector_config,
-            self.key_file() if keyed else None,
-        )
-
-    def key_file(self) -> Path:
-        """The keyed engines' tenant key (one for all of them: a producer and its consumer share it)."""
-        from layerkv.objects.tenant_key import write_key_file
-
-        path = self.work_dir / "tenant.key"
-        if not path.exists():
-            write_key_file(path)
-        return path
-
-    def stop_engine(self, name: str) -> None:
-        """Stop one engine now (its counters are read first and kept in `stopped_counters`)."""
-        self.stopped_counters[name] = _engine_counters(self.engines[name])
-        self.engines[name].stop()
-
-    def close(self) -> None:
-        for engine in self.engines.values():  # all shut down at once, then each is waited for
-            engine.request_stop()
-        for engine in self.engines.values():
-            engine.stop()
-        self.reader.close()
-        self.master.stop()
-
-
-def engine_spec(
-    grid: Grid,
-    model: Path,
-    pythonpath: Path,
-    name: str,
-    layerkv_config: Path,
-    connector_config: Path,
-    key_file: Path | None = None,
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """The LLM kwargs and environment of engine `name` (ENGINES of grid.py) on `model`, its
-    pool clients configured by `layerkv_config` (layerkv) / `connector_config` (vLLM's
-    MooncakeStoreConnector); `key_file`: the keyed engines' tenant key."""
-    g = grid
-    kwargs: dict[str, Any] = dict(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype=g.dtype,
-        block_size=BLOCK_SIZE,
-        enforce_eager=True,
-        max_model_len=g.max_model_len,
-        max_num_batched_tokens=g.max_model_len,
-        gpu_memory_utilization=0.3,
-        seed=0,
-        disable_log_stats=False,
-    )
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(g.engine_cache_gib()), "VLLM_CPU_OMP_THREADS_BIND": omp_bind()}
-    if name.startswith("layerkv"):
-        role = "kv_producer" if name.endswith("producer") else "kv_consumer"
-        extra: dict[str, Any] = {**LAYERKV_EXTRA, **(DIRECT_EXTRA if name == "layerkv-direct" else {})}
-        if name.startswith(("layerkv-keyed", "layerkv-encrypted")):
-            extra.update(
-                ENCRYPTED_EXTRA if name.startswith("layerkv-encrypted") else KEYED_EXTRA, tenant_key_file=str(key_file)
-            )
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "LayerKVConnector",
-            "kv_connector_module_path": "layerkv.integrations.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        }
-        env["MOONCAKE_CONFIG_PATH"] = str(layerkv_config)
-    elif name.startswith("mooncake"):
-        producer = name.endswith("producer")
-        # the lookup server's IPC socket is named after lookup_rpc_port: one per engine
-        extra = {"lookup_rpc_port": os.getpid() * 4 + (1 if producer else 2)}
-        if producer:
-            extra["enable_lookup"] = False  # never loads: its reference runs are local-cache runs
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "MooncakeStoreConnector",
-            "kv_role": "kv_producer" if producer else "kv_consumer",
-            "kv_connector_extra_config": extra,
-        }
-        env["MOONCAKE_CONFIG_PATH"] = str(connector_config)
-    return kwargs, engine_env(pythonpath, env)
 
 
 def _run(contender: str, step: Step, reply: dict[str, Any], reference: bool = False) -> Run:
@@ -296,7 +129,7 @@ def measure(rig: Engines, step: Step) -> list[Run]:
 
 def _warm_run(engine: EngineProcess, prompt: list[int]) -> dict[str, Any]:
     """The request twice (cache reset before each: the same work, consumers save nothing), the
-    second timed: a first large forward after other engines computed runs cold (_notes)."""
+    second timed: a first large forward after other engines computed runs cold (notes.py)."""
     engine.generate([prompt], reset_prefix_cache=True)
     return engine.generate([prompt], reset_prefix_cache=True)
 
@@ -348,10 +181,18 @@ def _measure_loads(rig: Rig, progress: Progress, load_runs: list[LoadRun]) -> st
     return ""
 
 
+@dataclass
+class _Measured:
+    """What one run of the suite measured (serving_runs.json holds all of it)."""
+
+    runs: list[Run] = field(default_factory=list)
+    load_runs: list[LoadRun] = field(default_factory=list)
+    load_error: str = ""  # the error that ended the load batches early ("" if none)
+    counters: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     grid = Grid.for_options(options)
-    cells = [(p, s) for p in grid.prefixes for s in grid.suffixes]
-    steps = report.schedule(grid.prefixes, grid.suffixes, grid.repeats, grid.contenders)
     vllm_version = check_engine_python(options.engine_python)
     work_dir = Path(tempfile.mkdtemp(prefix="layerkv-bench-serving-"))
     try:
@@ -359,8 +200,20 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     except BaseException:
         print(f"layerkv bench serving: engine logs kept in {work_dir}")
         raise
-    runs: list[Run] = []
-    load_runs: list[LoadRun] = []
+    measured = _measure_all(rig, progress, options.out_dir)
+    rig.close()
+    startup_s = {name: engine.startup_s for name, engine in rig.engines.items()}
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return _result(options.out_dir, rig, measured, startup_s)
+
+
+def _measure_all(rig: Rig, progress: Progress, out_dir: Path) -> _Measured:
+    """The warm-up, every step of the TTFT grid, the load batches and the counters. On any
+    failure the rig is closed, the runs so far are written (serving_runs.partial.json) and the
+    engine logs kept, then the error goes on."""
+    grid = rig.grid
+    steps = report.schedule(grid.prefixes, grid.suffixes, grid.repeats, grid.contenders)
+    measured = _Measured()
     try:
         # first calls are slow, and first loads of a size (buffers, plans, connections) more so:
         # one untimed step per prefix size, every contender alike
@@ -371,113 +224,54 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
             progress.case(
                 f"{NAME} {i + 1}/{len(steps)}: prefix {step.cell[0]}, suffix {step.cell[1]}, repeat {step.repeat + 1}"
             )
-            runs += measure(rig, step)
-        load_error = _measure_loads(rig, progress, load_runs)
-        counters = _counters(rig)
+            measured.runs += measure(rig, step)
+        measured.load_error = _measure_loads(rig, progress, measured.load_runs)
+        measured.counters = _counters(rig)
         rig.master.check_alive()  # numbers measured without a pool are not results
     except BaseException:
         rig.close()
-        (options.out_dir / "serving_runs.partial.json").write_text(
-            json.dumps([asdict(r) for r in runs], indent=1) + "\n"
-        )
-        print(
-            f"layerkv bench serving: engine logs kept in {work_dir}; runs so far in "
-            f"{options.out_dir / 'serving_runs.partial.json'}"
-        )
+        partial = out_dir / "serving_runs.partial.json"
+        partial.write_text(json.dumps([asdict(r) for r in measured.runs], indent=1) + "\n")
+        print(f"layerkv bench serving: engine logs kept in {rig.work_dir}; runs so far in {partial}")
         raise
-    rig.close()
-    startup_s = {name: engine.startup_s for name, engine in rig.engines.items()}
-    shutil.rmtree(work_dir, ignore_errors=True)
+    return measured
+
+
+def _result(out_dir: Path, rig: Rig, measured: _Measured, startup_s: dict[str, float | None]) -> SuiteResult:
+    """The table, the load table, the notes and the plots; writes serving_runs.json."""
+    grid = rig.grid
+    cells = [(p, s) for p in grid.prefixes for s in grid.suffixes]
     result = SuiteResult(NAME)
-    result.rows, result.summary = report.suite_rows(runs, cells)
-    if load_runs:
-        result.tables[
-            f"Throughput under load: {grid.load_requests} concurrent requests, "
-            f"{100 - 100 // LOAD_MISS_EVERY} % over {LOAD_PREFIXES} shared {LOAD_PREFIX_TOKENS}-token "
-            f"prefixes, the rest with a prefix of their own; {LOAD_SUFFIX_TOKENS} own tokens each, "
-            f"{LOAD_MAX_TOKENS} generated"
-        ] = report.load_rows(load_runs)
-    raw = {"runs": [asdict(r) for r in runs], "load_runs": [asdict(r) for r in load_runs], "counters": counters}
-    (options.out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
+    result.rows, result.summary = report.suite_rows(measured.runs, cells)
+    if measured.load_runs:
+        result.tables[notes.load_table_title(grid)] = report.load_rows(measured.load_runs)
+    raw = {
+        "runs": [asdict(r) for r in measured.runs],
+        "load_runs": [asdict(r) for r in measured.load_runs],
+        "counters": measured.counters,
+    }
+    (out_dir / "serving_runs.json").write_text(json.dumps(raw, indent=1) + "\n")
     if MOONCAKE not in grid.contenders:
-        result.notes.append(
-            f"--tenant-keys: {LAYERKV} (no key), {LAYERKV_KEYED} (the same plus tenant_key_file: keyed names, a keyed "
-            f"BLAKE3 MAC per layer and header, verified in staging) and {LAYERKV_ENCRYPTED} (plus encrypt_objects: "
-            "AES-256-GCM per layer, decrypted in private memory); each has its own kv_producer with the same key "
-            "settings, whose local-cache runs are its bit references. Recompute, the local-cache ceiling and "
-            "MooncakeStoreConnector are left out (six engines is what this machine's memory holds), so their "
-            "ratio columns are empty; the cost is the summary's '<keyed> / layerkv' per cell."
-        )
-    result.notes += _notes(grid, rig, startup_s)
+        result.notes.append(notes.TENANT_KEYS)
+    result.notes += notes.notes(grid, rig.vllm_version, startup_s)
     result.notes += [
         f"{name} engine's connector counters at the end (non-zero): " + report.counters_text(values)
-        for name, values in counters.items()
+        for name, values in measured.counters.items()
     ]
-    if load_error:
-        result.notes.append(f"throughput under load FAILED (the TTFT grid above is complete): {load_error}")
-    result.plots += _plots(options.out_dir, result, cells)
+    if measured.load_error:
+        result.notes.append(f"throughput under load FAILED (the TTFT grid above is complete): {measured.load_error}")
+    result.plots += _plots(out_dir, result, cells)
     return result
-
-
-def _notes(grid: Grid, rig: Rig, startup_s: dict[str, float | None]) -> list[str]:
-    starts = ", ".join(f"{name} {s:.0f} s" for name, s in startup_s.items() if s is not None)
-    return [
-        f"vLLM {rig.vllm_version} (CPU), random-weight Llama {grid.num_layers} layers x {grid.hidden_size} hidden "
-        f"({grid.hidden_size // 128} KV heads x 128), {grid.dtype}, block {BLOCK_SIZE} tokens, "
-        f"{grid.kv_bytes_per_token // 1024} KiB of KV per token; {grid.repeats} repeats per cell, every prompt new.",
-        "TTFT = wall time of one `generate` with max_tokens=1 in the engine's front-end process, one request at a "
-        "time; vLLM's local prefix cache is reset before every pool and recompute run, so a hit comes from the pool. "
-        "Before the timed steps, one untimed step per prefix size for every contender (first loads of a size "
-        "allocate buffers and open connections). Every timed recompute and pool run follows an untimed run of the "
-        "same request in the same engine (cache reset before each: the same work); the ceiling's follows the "
-        "prefix's own forward. An engine's first large forward after the others computed on these cores ran up to "
-        "1.5x slower, whichever connector it had (before this, only the ceiling was timed warm).",
-        f"one `layerkv master` pool (Mooncake over TCP loopback, one {grid.pool_bytes() >> 20} MiB segment in the "
-        "master's process); both connectors' clients mount nothing (MooncakeStoreConnector in its standalone-store "
-        "mode), so every load crosses a process boundary.",
-        f"layerkv: kv_consumer with defaults plus {json.dumps(LAYERKV_EXTRA)} (transfer_plan auto, prefetch 2; "
-        "only the staging area registered, every layer verified there before it is copied into the cache); "
-        f"{LAYERKV_DIRECT}: the same plus {json.dumps(DIRECT_EXTRA)} (the live KV cache registered too, so the "
-        "auto plan may also read layer by layer straight into it: the pre-staging data path). "
-        f"{TRANSFER}: this benchmark process reads the prefix's layerkv objects whole (one batch_get_into) into "
-        "its own registered memory with a bare Mooncake client, no compute; x_bound = TTFT / max(ceiling, "
-        "transfer alone), the most any pool could reach in the cell. "
-        "MooncakeStoreConnector: kv_consumer with its defaults (whole-block objects loaded before the forward pass, "
-        "load_async). Producers: kv_producer engines of the same connector that computed the prefix.",
-        f"VLLM_CPU_KVCACHE_SPACE={grid.engine_cache_gib()} GiB and VLLM_CPU_OMP_THREADS_BIND={omp_bind()} in every "
-        f"engine; engine start-up (all six at once): {starts}.",
-        "x_recompute / x_ceiling / x_mooncake_connector: this row's median TTFT over that contender's median in the "
-        "same cell (< 1: faster). runs_cache_as_expected: runs whose num_cached_tokens was the whole prefix (0 for "
-        "recompute); a pool miss recomputes, and its time stays in the median.",
-        "tokens_equal_recompute: the first token equals recompute's. bits_equal_local_cache_run: token and logprob "
-        "bits equal the same connector's producer serving the prefix from its local cache (same schedule); not "
-        "compared with recompute, whose numerics differ without a connector. All runs: serving_runs.json.",
-        f"Throughput under load: {grid.load_requests} requests in one `generate` (submitted at once) per contender, "
-        f"{grid.load_repeats} repeats; every {LOAD_MISS_EVERY}th request's prefix is its own (a pool miss); "
-        "batch_ms_median = wall time of the batch; ttft_ms = vLLM's own arrival -> "
-        "first token per request (its RequestStateStats), mean and p90 over all requests; requests sharing a prefix "
-        "also share vLLM's local prefix cache within the batch, in every contender. Tokens (16 per request, greedy, "
-        "random weights) are compared per request with recompute's and with the local-prefix-cache ceiling's: under "
-        "batching a request whose prefix was cached and one whose prefix was computed may differ in vLLM's numerics "
-        "(every cached contender alike), so the ceiling is the comparison for pool hits.",
-    ]
 
 
 def _counters(rig: Rig) -> dict[str, dict[str, Any]]:
     """Each connector engine's counters; an engine that cannot tell reports {"error": ...}
     (the measurements stand without them)."""
     return {
-        name: rig.stopped_counters.get(name) or _engine_counters(rig.engines[name])
+        name: rig.stopped_counters.get(name) or engine_counters(rig.engines[name])
         for name in rig.grid.engines
         if name != "plain"
     }
-
-
-def _engine_counters(engine: EngineProcess) -> dict[str, Any]:
-    try:
-        return engine.call("counters", timeout_s=60)["counters"]
-    except (RuntimeError, TimeoutError) as exc:
-        return {"error": str(exc).splitlines()[0]}
 
 
 def _plots(out_dir: Path, result: SuiteResult, cells: list[tuple[int, int]]) -> list[str]:
