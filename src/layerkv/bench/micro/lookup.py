@@ -120,6 +120,31 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "windowed lookup asks for all blocks of a prompt of N blocks + 1 token. backend_exists_calls counts the "
         "CheckedStore chunks (at most 64 keys each) sent to the store.",
     ]
+    _summarise(result)
+    big_rows = [
+        r
+        for r in result.rows
+        if r["prompt_tokens"] == max(r["prompt_tokens"] for r in result.rows)
+        and r["window_blocks"] in (32, r["blocks"])
+    ]
+    labels = [f"{r['backend']} {int(r['hit_rate'] * 100)}%" for r in big_rows if r["variant"] == "windowed"]
+    groups = {v: [r["ms"] for r in big_rows if r["variant"] == v] for v in ("windowed", "one query")}
+    result.plots.append(
+        bar_plot(
+            options.out_dir / "lookup_ms.png",
+            labels,
+            groups,
+            title=f"hit lookup on a {big_rows[0]['prompt_tokens']}-token prompt",
+            ylabel="ms",
+            logy=True,
+        )
+    )
+    return result
+
+
+def _summarise(result: SuiteResult) -> None:
+    """Headlines per backend and hit rate on the longest prompt: one query over the windowed
+    lookup (32-block windows), in keys queried and in time."""
     for backend in sorted({r["backend"] for r in result.rows}):
         big = max(r["prompt_tokens"] for r in result.rows)
         for hit in HIT_RATES:
@@ -144,22 +169,3 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
                 o["keys_queried"], w["keys_queried"]
             )
             result.summary[f"{backend}.{big}tok.hit{int(hit * 100)}.time_one_over_windowed"] = ratio(o["ms"], w["ms"])
-    big_rows = [
-        r
-        for r in result.rows
-        if r["prompt_tokens"] == max(r["prompt_tokens"] for r in result.rows)
-        and r["window_blocks"] in (32, r["blocks"])
-    ]
-    labels = [f"{r['backend']} {int(r['hit_rate'] * 100)}%" for r in big_rows if r["variant"] == "windowed"]
-    groups = {v: [r["ms"] for r in big_rows if r["variant"] == v] for v in ("windowed", "one query")}
-    result.plots.append(
-        bar_plot(
-            options.out_dir / "lookup_ms.png",
-            labels,
-            groups,
-            title=f"hit lookup on a {big_rows[0]['prompt_tokens']}-token prompt",
-            ylabel="ms",
-            logy=True,
-        )
-    )
-    return result

@@ -231,52 +231,19 @@ def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> lis
     put_s, get_s = _whole(backend, case, object_nbytes, reps)
     base = {"backend": backend.name, "entry": kib(case.entry_nbytes), "keys": case.num_keys, "layers": case.num_layers}
     rows: list[Row] = [
-        {
-            **base,
-            "direction": "get",
-            "path": "whole object",
-            "ms": get_s * 1e3,
-            "gbps": gbps(payload, get_s),
-            "vs_whole": 1.0,
-        },
-        {
-            **base,
-            "direction": "put",
-            "path": "whole object",
-            "ms": put_s * 1e3,
-            "gbps": gbps(payload, put_s),
-            "vs_whole": 1.0,
-        },
+        {**base, "direction": d, "path": "whole object", "ms": s * 1e3, "gbps": gbps(payload, s), "vs_whole": 1.0}
+        for d, s in (("get", get_s), ("put", put_s))
     ]
     try:
         for plan in SAVE_PLANS:
-            progress.case(f"{NAME} {backend.name} save {plan}")
             saver = producer if plan == "layers" else _Worker(backend, case, tag, transfer_plan=plan)
-            run_hashes: list[tuple[bytes, ...]] = []
-
-            def fresh() -> None:
-                run_hashes.append(_hashes(f"{tag}:{plan}:{len(run_hashes)}", case.num_keys))
-
-            fresh()
-            saver.save(run_hashes[-1])  # warm-up
-            s = median_s(lambda: saver.save(run_hashes[-1]), reps, setup=fresh)
-            assert saver.store.batch_is_exist(saver.keys(run_hashes[-1])) == [1] * case.num_keys, (
-                "saved objects not readable"
-            )
-            rows.append(
-                {
-                    **base,
-                    "direction": "put",
-                    "path": f"layerkv save ({plan})",
-                    "ms": s * 1e3,
-                    "gbps": gbps(payload, s),
-                    "vs_whole": ratio(put_s, s),
-                }
-            )
-            for h in run_hashes:
-                saver.store.batch_remove(saver.keys(h))
-            if saver is not producer:
-                saver.close()
+            try:
+                rows.append(
+                    {**base, **_save_row(backend, saver, f"{tag}:{plan}", plan, payload, put_s, reps, progress)}
+                )
+            finally:
+                if saver is not producer:
+                    saver.close()
         hashes = _hashes(f"{tag}:load", case.num_keys)
         producer.save(hashes)
         for plan in LOAD_PLANS:
@@ -293,6 +260,33 @@ def _measure(backend: Backend, case: Case, reps: int, progress: Progress) -> lis
     finally:
         producer.close()
     return rows
+
+
+def _save_row(
+    backend: Backend, saver: _Worker, tag: str, plan: str, payload: int, put_s: float, reps: int, progress: Progress
+) -> Row:
+    """One save plan's row: `saver` saves fresh keys each repetition (after one warm-up save);
+    every saved object must be readable; they are removed after."""
+    progress.case(f"{NAME} {backend.name} save {plan}")
+    num_keys = saver.case.num_keys
+    run_hashes: list[tuple[bytes, ...]] = []
+
+    def fresh() -> None:
+        run_hashes.append(_hashes(f"{tag}:{len(run_hashes)}", num_keys))
+
+    fresh()
+    saver.save(run_hashes[-1])  # warm-up
+    s = median_s(lambda: saver.save(run_hashes[-1]), reps, setup=fresh)
+    assert saver.store.batch_is_exist(saver.keys(run_hashes[-1])) == [1] * num_keys, "saved objects not readable"
+    for h in run_hashes:
+        saver.store.batch_remove(saver.keys(h))
+    return {
+        "direction": "put",
+        "path": f"layerkv save ({plan})",
+        "ms": s * 1e3,
+        "gbps": gbps(payload, s),
+        "vs_whole": ratio(put_s, s),
+    }
 
 
 def tag_rows(options: BenchOptions) -> list[Row]:

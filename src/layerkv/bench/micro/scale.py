@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
@@ -123,17 +124,20 @@ def measure(setup: _Setup, num_layers: int, prompt_tokens: int, reps: int) -> Ro
     }
 
 
+def grid(options: BenchOptions) -> dict[int, tuple[int, ...]]:
+    """layers -> the prompt lengths measured with that many layers."""
+    if options.tiny:
+        return {4: (1024, 2048)}
+    if options.quick:
+        return {8: (1024, 4096, 16384, 32768), 32: (4096,)}
+    return {8: (1024, 2048, 4096, 8192, 16384, 32768), 2: (8192,), 16: (8192,), 32: (8192, 32768), 64: (8192,)}
+
+
 def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result = SuiteResult(NAME)
-    grid: dict[int, tuple[int, ...]]  # layers -> prompt lengths
-    if options.tiny:
-        grid = {4: (1024, 2048)}
-    elif options.quick:
-        grid = {8: (1024, 4096, 16384, 32768), 32: (4096,)}
-    else:
-        grid = {8: (1024, 2048, 4096, 8192, 16384, 32768), 2: (8192,), 16: (8192,), 32: (8192, 32768), 64: (8192,)}
+    layers_grid = grid(options)
     reps = 1 if options.tiny else 2 if options.quick else 3
-    for num_layers, prompts in grid.items():
+    for num_layers, prompts in layers_grid.items():
         setup = _Setup(num_layers, max(prompts))
         try:
             for tokens in prompts:
@@ -149,10 +153,16 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         "python_peak_mib = tracemalloc peak during one pass (layerkv's Python objects: range lists, keys, plans; "
         "the KV bytes live in numpy / the store arena and are not traced).",
     ]
-    by_len = sorted(
-        (r for r in result.rows if r["layers"] == min(grid, key=lambda li: -len(grid[li]))),
-        key=lambda r: r["prompt_tokens"],
-    )
+    # the layer count with the most prompt lengths: the length sweep
+    sweep_layers = min(layers_grid, key=lambda li: -len(layers_grid[li]))
+    _report_length_sweep(result, [r for r in result.rows if r["layers"] == sweep_layers], options.out_dir)
+    return result
+
+
+def _report_length_sweep(result: SuiteResult, rows: list[Row], out_dir: Path) -> None:
+    """Headlines (growth per doubling of the prompt, the longest prompt's load time and peak) and
+    the time and memory plots of one layer count's prompt lengths."""
+    by_len = sorted(rows, key=lambda r: r["prompt_tokens"])
     if by_len:
         result.summary["load_ms_growth_per_token_doubling"] = (by_len[-1]["load_ms"] / by_len[0]["load_ms"]) ** (
             1 / max(1e-9, np.log2(by_len[-1]["prompt_tokens"] / by_len[0]["prompt_tokens"]))
@@ -164,7 +174,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         xs = [r["prompt_tokens"] for r in by_len]
         result.plots.append(
             line_plot(
-                options.out_dir / "scale_time.png",
+                out_dir / "scale_time.png",
                 xs,
                 {k: [r[k] for r in by_len] for k in ("save_ms", "lookup_ms", "load_ms")},
                 title=f"layerkv cost vs prompt length ({by_len[0]['layers']} layers)",
@@ -176,7 +186,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         )
         result.plots.append(
             line_plot(
-                options.out_dir / "scale_memory.png",
+                out_dir / "scale_memory.png",
                 xs,
                 {"python peak MiB": [r["python_peak_mib"] for r in by_len], "KV MiB": [r["kv_mib"] for r in by_len]},
                 title="memory vs prompt length",
@@ -186,4 +196,3 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
                 logy=True,
             )
         )
-    return result

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from layerkv.bench.common import BenchOptions
-from layerkv.bench.micro.overlap import (
+from layerkv.bench.micro.overlap_rig import (
     BLOCK_SIZE,
     HIT_FRACTION,
     LoadAllFirst,
-    _best,
-    _model,
+    best_of,
+    model_for,
     ttft_compute_alone,
     ttft_recompute,
 )
@@ -42,7 +42,7 @@ class NetworkRig:
         from layerkv.engine import EngineConfig, init_weights
 
         self.store = store
-        self.model, _ = _model(options)
+        self.model, _ = model_for(options)
         self.weights = init_weights(self.model)
         self.prompt_tokens = prompt_tokens
         self.engine_config = EngineConfig(
@@ -115,14 +115,14 @@ def measure(store: MooncakeStore, options: BenchOptions, prompt_tokens: int, wri
     if write:
         rig.write_prefix()
     reps = options.reps
-    load_all, transfer, _ = _best(lambda: rig.pooled(True), reps)
-    defaults, _, plans = _best(lambda: rig.pooled(False), reps)
-    layerwise, _, _ = _best(lambda: rig.pooled(False, "layers"), reps)
+    load_all, transfer, _ = best_of(lambda: rig.pooled(True), reps)
+    defaults, _, plans = best_of(lambda: rig.pooled(False), reps)
+    layerwise, _, _ = best_of(lambda: rig.pooled(False, "layers"), reps)
     return {
         "prompt_tokens": prompt_tokens,
         "prefix_tokens": rig.prefix_tokens,
-        "recompute_s": _best(rig.recompute, reps),
-        "ceiling_s": _best(rig.ceiling, reps),
+        "recompute_s": best_of(rig.recompute, reps),
+        "ceiling_s": best_of(rig.ceiling, reps),
         "layerkv_s": defaults,
         "layerwise_s": layerwise,
         "load_all_s": load_all,
