@@ -8,5 +8,7 @@ process against the embedded store or a local Mooncake pool, no vLLM, no root.
     lookup       scheduler hit queries: windowed exists vs one query over every block
     objects      objects, keys, sessions and store calls per step: per block vs per layer
     overlap      time to first token on the reference engine: transfer hidden behind compute
+    overlap_rig  its rig: the reference engine over a pool holding the prompt's prefix (also
+                 suite network's consumer host)
     scale        layerkv's own cost as prompts and layers grow
 """

@@ -3,6 +3,8 @@ another venv's Python, driven through layerkv.bench.vllm) on one `layerkv master
 
     suite.py        suite serving: layerkv against vLLM's MooncakeStoreConnector, recompute and
                     the local prefix cache as floor and ceiling; `measure` (also suite network's)
+    rig.py          the model, the pool and the engines, started once; each engine's LLM kwargs and
+                    environment (`engine_spec`, also suite pd's and suite network's engines)
     notes.py        the prose of its report: what each column means, how to read the table
     grid.py         what it measures: model, TTFT grid, contenders, engines, prompts (pure)
     report.py       the order of the runs and the table built from them (pure)
