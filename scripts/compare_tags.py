@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from layerkv.bench import overlap
 from layerkv.bench.common import BenchOptions
+from layerkv.bench.micro import overlap_rig
 from layerkv.objects.seal import Sealer
 from layerkv.transfer import views
 
@@ -59,7 +59,7 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def in_the_engine(runs: int = 8, delay_s: float = 0.00356) -> None:
-    rig = overlap._Rig(BenchOptions(quick=False, out_dir=Path("/tmp")), deep=True)
+    rig = overlap_rig.Rig(BenchOptions(quick=False, out_dir=Path("/tmp")), deep=True)
     ways = {"list of views": _list_of_views, "rows_tags": views.CacheViews.tags}
     got: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     try:

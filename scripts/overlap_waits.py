@@ -19,7 +19,7 @@ from tempfile import mkdtemp
 import torch
 
 from layerkv.bench.common import BenchOptions
-from layerkv.bench.overlap import _best, _Rig
+from layerkv.bench.micro.overlap_rig import Rig, best_of
 
 _RECV_CPU_S: list[float] = []
 
@@ -38,7 +38,7 @@ def _record_receive_cpu() -> None:
     threading.Thread.run = timed_run  # type: ignore[method-assign]
 
 
-def _pooled(rig: _Rig, prefetch: int, delay: float, load_all: bool) -> tuple[float, float, float]:
+def _pooled(rig: Rig, prefetch: int, delay: float, load_all: bool) -> tuple[float, float, float]:
     """(TTFT, compute thread's waits, receive thread CPU seconds) of one fresh consumer engine."""
     _RECV_CPU_S.clear()
     ttft, _, _, waited = rig.ttft_pooled(prefetch, delay, load_all)
@@ -52,10 +52,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the suite
     _record_receive_cpu()
-    rig = _Rig(BenchOptions(quick=False, out_dir=Path(mkdtemp())), deep=True)
+    rig = Rig(BenchOptions(quick=False, out_dir=Path(mkdtemp())), deep=True)
     try:
-        compute = _best(rig.ttft_compute_alone, args.repeats)
-        _, transfer0, calls, _ = _best(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
+        compute = best_of(rig.ttft_compute_alone, args.repeats)
+        _, transfer0, calls, _ = best_of(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
         delay = max(0.0, (compute - transfer0) / calls)
         print(
             f"{rig.model.num_layers} layers: compute alone {compute * 1e3:.0f} ms, transfer without delay "

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
-from layerkv.bench import serving_report as report
-from layerkv.bench.serving_report import Run
+from layerkv.bench.serving import report
+from layerkv.bench.serving.report import Run
 
 
 def main(path: str) -> None:

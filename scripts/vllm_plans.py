@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_ttft import ttft_ms  # scripts/ is on sys.path when this file runs
 
-from layerkv.bench.vllm_model import save_random_llama, tokens
+from layerkv.bench.vllm.model import save_random_llama, tokens
 
 PLANS: dict[str, dict[str, Any]] = {
     "auto": {},

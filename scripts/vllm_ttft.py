@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.vllm_model import native_dtype, save_random_llama, tokens
+from layerkv.bench.vllm.model import native_dtype, save_random_llama, tokens
 
 SUFFIX_TOKENS = 16
 

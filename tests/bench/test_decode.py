@@ -12,7 +12,7 @@ import pytest
 
 from layerkv.bench import OPT_IN_SUITES, SUITES
 from layerkv.bench.common import BenchOptions
-from layerkv.bench.decode_meters import MethodTimer, StoreCallCounter
+from layerkv.bench.decode.meters import MethodTimer, StoreCallCounter
 
 
 class _Hooks:
@@ -99,7 +99,7 @@ def _rows(result, contender: str, num_requests: int) -> dict[str, dict]:
 
 
 def test_every_contender_ran_every_batch_size_for_the_configured_steps(tiny_run) -> None:
-    from layerkv.bench import decode
+    from layerkv.bench.decode import suite as decode
 
     options, result = tiny_run
     size = decode.sizes(options)
@@ -119,7 +119,7 @@ def test_every_contender_ran_every_batch_size_for_the_configured_steps(tiny_run)
 
 
 def test_layerkv_per_layer_hooks_and_store_calls_are_counted(tiny_run) -> None:
-    from layerkv.bench import decode
+    from layerkv.bench.decode import suite as decode
 
     options, result = tiny_run
     size = decode.sizes(options)

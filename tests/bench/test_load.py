@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from layerkv.bench.load_plan import (
+from layerkv.bench.load.plan import (
     BLOCK_SIZE,
     CAPACITY,
     DECODE,
@@ -21,7 +21,7 @@ from layerkv.bench.load_plan import (
     TWO_SERVERS,
     LoadPlan,
 )
-from layerkv.bench.load_probe import (
+from layerkv.bench.load.probe import (
     SHUTDOWN_NOISE,
     LogPhases,
     Series,
@@ -32,8 +32,8 @@ from layerkv.bench.load_probe import (
     rss_slope_pct_per_10min,
     total,
 )
-from layerkv.bench.load_report import LoadRecord, errors_by_phase, failed_requests, goals, row, same_outputs
-from layerkv.bench.serve_proc import group_rss_bytes
+from layerkv.bench.load.report import LoadRecord, errors_by_phase, failed_requests, goals, row, same_outputs
+from layerkv.bench.vllm.serve_proc import group_rss_bytes
 from layerkv.commands.bench import duration_s
 
 
@@ -242,7 +242,7 @@ def test_a_server_is_sent_one_sigterm_and_exits_cleanly(tmp_path):
     import sys
     import time
 
-    from layerkv.bench.serve_proc import ServeProcess
+    from layerkv.bench.vllm.serve_proc import ServeProcess
 
     server = ServeProcess("fake", [sys.executable, "-c", SHUTS_DOWN_ON_SIGTERM], 1, dict(os.environ), tmp_path)
 

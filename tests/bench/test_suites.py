@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerkv.bench import SUITES
+from layerkv.bench import SUITE_MODULES, SUITES
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
 from layerkv.cli import main
 
@@ -19,7 +19,7 @@ def _run(name: str, tmp_path: Path, mooncake: bool = False) -> SuiteResult:
     options = BenchOptions(quick=True, out_dir=tmp_path, mooncake=mooncake, tiny=True)
     progress = Progress(1, enabled=False)
     try:
-        return importlib.import_module(f"layerkv.bench.{name}").run(options, progress)
+        return importlib.import_module(SUITE_MODULES[name]).run(options, progress)
     finally:
         progress.close()
 
@@ -75,7 +75,7 @@ def test_descriptors_lists_identical(tmp_path: Path) -> None:
 def test_descriptor_loop_matches_template_lists() -> None:
     import numpy as np
 
-    from layerkv.bench.descriptors import build_layout, loop_ranges
+    from layerkv.bench.micro.descriptors import build_layout, loop_ranges
 
     layout = build_layout("gqa kv[2,N,16,8,128]", 32)
     ids = np.array([5, 0, 31, 7])
@@ -196,7 +196,7 @@ def test_plans_rows_compare_every_plan_with_whole_objects(tmp_path: Path) -> Non
 def test_network_on_a_namespace_cluster(tmp_path: Path) -> None:
     """The suite over a real three-host namespace cluster (needs root: CI runs as root); every
     cell of 3 link rates x 2 prompts, with the bound max(ceiling, transfer alone) it is judged by."""
-    from layerkv.bench.cluster_pool import cluster_problems
+    from layerkv.bench.cluster.pool import cluster_problems
 
     if cluster_problems():
         pytest.fail("suite network cannot run here: " + "; ".join(cluster_problems()), pytrace=False)

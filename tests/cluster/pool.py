@@ -1,4 +1,4 @@
-"""The tests' side of layerkv.bench.cluster_pool: the five hosts of the cluster tier, the pool
+"""The tests' side of layerkv.bench.cluster.pool: the five hosts of the cluster tier, the pool
 started for a test module (a failure, never a skip, where no cluster can be made: CI runs as
 root), and the reference engine of tests/cluster/engine_process.py started on a host. Used by
 the cluster tier (tests/cluster) and the real-engine tier's cluster pair. Test thread."""
@@ -13,8 +13,8 @@ from typing import Any, cast
 
 import pytest
 
-from layerkv.bench.cluster_pool import ClusterPool, HostProcess, cluster_problems
-from layerkv.bench.cluster_pool import started_pool as _started_pool
+from layerkv.bench.cluster.pool import ClusterPool, HostProcess, cluster_problems
+from layerkv.bench.cluster.pool import started_pool as _started_pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ("master", "store1", "store2", "producer", "consumer")

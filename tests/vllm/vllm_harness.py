@@ -238,7 +238,7 @@ def make_vllm_config(
         )
     else:
         transfer = KVTransferConfig(**layerkv, kv_load_failure_policy=failure_policy)
-    from layerkv.bench.decode_engine import cpu_platform_without_triton
+    from layerkv.bench.decode.engine import cpu_platform_without_triton
 
     with cpu_platform_without_triton():
         return VllmConfig(

@@ -1,4 +1,4 @@
-"""The real-engine tier's engine host: layerkv.bench.vllm_host (one offline vLLM `LLM` in its own
+"""The real-engine tier's engine host: layerkv.bench.vllm.host (one offline vLLM `LLM` in its own
 process, JSON commands on stdin, replies on a file descriptor) plus test commands:
 `abort_while_loading`, `metrics` and `update_weights`. Run by the tests as `python -m tests.vllm_engine.engine_host`
 (the repo root is on the engine's PYTHONPATH). Main thread only.
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.vllm_host import HANDLERS, _output, _params, main
+from layerkv.bench.vllm.host import HANDLERS, _output, _params, main
 
 
 def abort_while_loading(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:

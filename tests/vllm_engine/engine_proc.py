@@ -1,7 +1,7 @@
-"""The test side of the engine processes: `TierEngine` is layerkv.bench.vllm_engines'
+"""The test side of the engine processes: `TierEngine` is layerkv.bench.vllm.engines'
 EngineProcess running the tier's host (tests/vllm_engine/engine_host.py), whose `generate`
 commits the last step by default and returns the outputs; `ServeProcess` (`vllm serve` with its
-/health polled) is layerkv.bench.serve_proc's. Test thread only.
+/health polled) is layerkv.bench.vllm.serve_proc's. Test thread only.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.serve_proc import ServeProcess
-from layerkv.bench.vllm_engines import EngineProcess
+from layerkv.bench.vllm.engines import EngineProcess
+from layerkv.bench.vllm.serve_proc import ServeProcess
 
 __all__ = ["ServeProcess", "TierEngine"]
 
@@ -33,7 +33,7 @@ class TierEngine(EngineProcess):
         commit: bool = True,
     ) -> list[dict[str, Any]]:
         """Outputs in prompt order; `commit` (default): the last step's saves are committed
-        before this returns (layerkv.bench.vllm_host.generate)."""
+        before this returns (layerkv.bench.vllm.host.generate)."""
         return super().generate(prompts, reset_prefix_cache=reset_prefix_cache, commit=commit, max_tokens=max_tokens)[
             "outputs"
         ]

@@ -1,4 +1,4 @@
-"""`layerkv bench pd` (layerkv.bench.pd), smallest grid: one 512-token prefix, a TP=2 prefill
+"""`layerkv bench pd` (layerkv.bench.serving.pd), smallest grid: one 512-token prefix, a TP=2 prefill
 engine, a TP=1 decode engine and a TP=1 engine without a connector on one master. Checks the row
 the suite reports: the decode engine loaded every full block the prefill engine wrote (as shards
 of another TP size), and every timing was measured (the plots are the driver's: .venv has matplotlib). Timings are
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from layerkv.bench import pd
 from layerkv.bench.common import BenchOptions, Progress
+from layerkv.bench.serving import pd
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from layerkv.bench.vllm_engines import EngineProcess
+from layerkv.bench.vllm.engines import EngineProcess
 from tests.cluster.pool import Pool, started_pool
 from tests.vllm_engine.engine_proc import TierEngine
 from tests.vllm_engine.tier import BLOCK_SIZE, engine_env, layerkv_transfer, llm_kwargs, pool_diagnosis, same_bits

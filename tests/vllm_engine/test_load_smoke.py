@@ -1,5 +1,5 @@
 """The load smoke of `layerkv bench load` (issue 44), through the suite's own code path
-(layerkv.bench.load.run_plan + load_report.build): vLLM's benchmark client sends 24 greedy
+(layerkv.bench.load.suite.run_plan + layerkv.bench.load.report.build): vLLM's benchmark client sends 24 greedy
 requests over 8 shared prefixes (Poisson, 6 req/s) to one `vllm serve` without a connector,
 then to two layerkv servers sharing one `layerkv master` pool (round robin: a prefix computed by
 one server is loaded by the other), each server's local KV cache a quarter of the prefixes.
@@ -18,9 +18,9 @@ import sys
 import pytest
 
 from layerkv.bench.common import BenchOptions, Progress
-from layerkv.bench.load import run_plan
-from layerkv.bench.load_plan import CAPACITY, LAYERKV, NONE, TWO_SERVERS, LoadPlan
-from layerkv.bench.load_report import build, errors_by_phase, same_outputs
+from layerkv.bench.load.plan import CAPACITY, LAYERKV, NONE, TWO_SERVERS, LoadPlan
+from layerkv.bench.load.report import build, errors_by_phase, same_outputs
+from layerkv.bench.load.suite import run_plan
 from tests.vllm_engine.tier import TIER_BOUNDS
 
 pytestmark = pytest.mark.timeout(1200)

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from layerkv.bench.load_probe import layerkv_counters as counters_of
+from layerkv.bench.load.probe import layerkv_counters as counters_of
 from tests.vllm_engine.engine_proc import ServeProcess
 from tests.vllm_engine.tier import BLOCK_SIZE, MODEL_NAME, readme_serve_argv
 from tests.vllm_engine.tiny_model import prompt, words

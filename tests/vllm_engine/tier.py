@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from layerkv.bench.vllm_engines import engine_env as bench_engine_env
+from layerkv.bench.vllm.engines import engine_env as bench_engine_env
 from layerkv.store.mooncake_master import MasterPorts
 from tests.vllm_engine.engine_proc import ServeProcess
 

@@ -100,7 +100,7 @@ def _save(model: Any, lm_head_scale: float, dtype: str, path: Path) -> Path:
 def save_word_tokenizer(path: Path) -> None:
     """A WordLevel tokenizer whose words are w0..w4095 (whitespace-split), saved as
     tokenizer.json + tokenizer_config.json so `vllm serve` and transformers load it."""
-    from layerkv.bench.vllm_model import save_word_tokenizer as save
+    from layerkv.bench.vllm.model import save_word_tokenizer as save
 
     save(path, lambda t: f"{WORD_PREFIX}{t}", max_length=4096)
 

@@ -31,7 +31,7 @@ class BenchOptions:
     tenant_keys: bool = (
         False  # suite serving: layerkv with no key, a tenant key and encrypt_objects instead of the peers
     )
-    # suite load (load_plan.py): scenarios and contenders (empty: the defaults), a soak's duration,
+    # suite load (load/plan.py): scenarios and contenders (empty: the defaults), a soak's duration,
     # the request rate / count instead of the plan's, LMCache's Python (empty: build .venv-lmcache)
     load_scenarios: tuple[str, ...] = ()
     load_contenders: tuple[str, ...] = ()

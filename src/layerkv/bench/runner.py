@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from layerkv.bench import OPT_IN_SUITES, SUITES
+from layerkv.bench import OPT_IN_SUITES, SUITE_MODULES, SUITES
 from layerkv.bench.common import BenchOptions, Progress, Row, SuiteResult
 
 
@@ -34,7 +34,7 @@ def run_bench(
     started = time.perf_counter()
     try:
         for name in chosen:
-            module = importlib.import_module(f"layerkv.bench.{name}")
+            module = importlib.import_module(SUITE_MODULES[name])
             suite_start = time.perf_counter()
             result = module.run(options, bar)
             result.seconds = time.perf_counter() - suite_start

@@ -18,7 +18,7 @@ LOAD_SCENARIOS = (
     "eviction",
     "two-servers",
     "decode",
-)  # layerkv.bench.load_plan's (not imported: cheap parser)
+)  # layerkv.bench.load.plan's (not imported: cheap parser)
 LOAD_CONTENDERS = (
     "none",
     "layerkv",
