@@ -15,7 +15,8 @@ import sys
 def main(config_path: str, tenant: str, seed: int, num_tokens: int) -> None:
     import vllm
 
-    from tests.vllm.pool_rig import Node, StandInModel, prompt
+    from tests.tokens import prompt
+    from tests.vllm.pool_rig import Node, StandInModel
     from tests.vllm.vllm_harness import make_engine, make_worker
 
     extra = {"tenant": tenant, "backend": "mooncake", "mooncake_config_path": config_path}

@@ -32,10 +32,6 @@ SAMPLED_TOKEN = 7  # what runner_output samples for every request
 _tenants = itertools.count()
 
 
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 41 + k) % 500 + 3 for k in range(num_tokens)]
-
-
 def kv_rows(layer_idx: int, positions: torch.Tensor, tokens: torch.Tensor, heads: int, width: int) -> torch.Tensor:
     """The stand-in model's KV for (positions, tokens) of one layer: [T, heads, width] float16,
     exact in float16 (multiples of 0.25 below 512)."""

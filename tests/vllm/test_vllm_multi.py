@@ -24,7 +24,8 @@ require_vllm()
 import torch  # noqa: E402
 
 from layerkv.integrations import vllm_plugin  # noqa: E402
-from tests.vllm.pool_rig import Node, StandInModel, expected_block, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import Node, StandInModel, expected_block  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 _tenants = itertools.count()

@@ -20,7 +20,8 @@ from tests.vllm.vllm_harness import clean_agent, require_vllm  # noqa: F401  (cl
 
 require_vllm()
 
-from tests.vllm.pool_rig import assert_blocks, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import assert_blocks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
