@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.vllm_harness import clean_agent, require_vllm  # noqa: F401  (clean_agent: a fixture)
+from tests.vllm.vllm_harness import require_vllm
+from tests.vllm.worker_rig import clean_agent  # noqa: F401  (a fixture)
 
 require_vllm()
 

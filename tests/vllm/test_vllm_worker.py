@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.tokens import prompt
-from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, make_worker, require_vllm, runner_output
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, require_vllm, runner_output
+from tests.vllm.worker_rig import make_worker
 
 require_vllm()
 
