@@ -53,6 +53,18 @@ class Req:
         return self.num_computed >= len(self.tokens)
 
 
+def _rig_config(config: dict[str, Any]) -> LayerKVConfig:
+    """Short transfer timeouts; the per-layer plan unless a test asks for another (most tests pin
+    per-layer behaviour), straight into a registered cache (register_kv_cache) unless a test
+    asks for staging."""
+    plan = "groups" if config.get("read_layers_per_range", 1) > 1 else "layers"
+    direct = config.get("transfer_plan", plan) == "layers"
+    return LayerKVConfig.from_dict(
+        {"load_timeout_s": 5.0, "save_timeout_s": 5.0, "transfer_plan": plan, "register_kv_cache": direct, **config},
+        env={},
+    )
+
+
 class Rig:
     """One scheduler connector and `tp_size` worker connectors over one test backend."""
 
@@ -74,20 +86,7 @@ class Rig:
         # first_layer / window_blocks: this rig is one KV cache group of a hybrid model (its
         # layers are the model's first_layer.., a sliding-window group when window_blocks > 0)
         self.first_layer = first_layer
-        # the per-layer plan unless a test asks for another (most tests pin per-layer behaviour)
-        # (straight into a registered cache: register_kv_cache, unless a test asks for staging)
-        plan = "groups" if config.get("read_layers_per_range", 1) > 1 else "layers"
-        direct = config.get("transfer_plan", plan) == "layers"
-        self.config = LayerKVConfig.from_dict(
-            {
-                "load_timeout_s": 5.0,
-                "save_timeout_s": 5.0,
-                "transfer_plan": plan,
-                "register_kv_cache": direct,
-                **config,
-            },
-            env={},
-        )
+        self.config = _rig_config(config)
         self.backend = backend
         self.num_layers, self.num_blocks, self.tp_size, self.call_save = num_layers, num_blocks, tp_size, call_save
         heads_per_rank = max(1, num_kv_heads // tp_size)
@@ -109,21 +108,25 @@ class Rig:
         self.workers: list[WorkerConnector] = []
         self.caches: list[dict[str, torch.Tensor]] = []
         for rank in range(tp_size):
-            faulty = FaultyStore(backend.client())
-            checked = self._checked(faulty)
-            worker = WorkerConnector(self.config, dataclasses.replace(self.deployment, tp_rank=rank), checked)
-            caches = {
-                self.layer_name(li): torch.zeros(2, num_blocks, BLOCK_SIZE, heads_per_rank, head_dim)
-                for li in range(num_layers)
-            }  # [2, num_blocks, block_size, heads, head_dim]
-            worker.register_kv_caches(caches, num_blocks)
-            self.faults.append(faulty)
-            self.checked.append(checked)
-            self.workers.append(worker)
-            self.caches.append(caches)
+            self._open_worker(rank, heads_per_rank, head_dim)
         self.next_block = 0
         self.reqs: dict[str, Req] = {}
         self.finished: set[str] = set()
+
+    def _open_worker(self, rank: int, heads_per_rank: int, head_dim: int) -> None:
+        """Rank `rank`'s worker connector over its own store client, its caches registered."""
+        faulty = FaultyStore(self.backend.client())
+        checked = self._checked(faulty)
+        worker = WorkerConnector(self.config, dataclasses.replace(self.deployment, tp_rank=rank), checked)
+        caches = {
+            self.layer_name(li): torch.zeros(2, self.num_blocks, BLOCK_SIZE, heads_per_rank, head_dim)
+            for li in range(self.num_layers)
+        }  # [2, num_blocks, block_size, heads, head_dim]
+        worker.register_kv_caches(caches, self.num_blocks)
+        self.faults.append(faulty)
+        self.checked.append(checked)
+        self.workers.append(worker)
+        self.caches.append(caches)
 
     def _checked(self, faulty: FaultyStore) -> CheckedStore:
         """As layerkv opens its store: chunked, bounded metadata calls, outage short-circuit."""
@@ -297,6 +300,10 @@ class Rig:
                 (self.block_values(rank, layer, req.block_ids[i]) == self.expected_block(rank, layer, hashes[i])).all()
             )
         ]
+
+    def pool_exists(self, keys: list[str]) -> list[int]:
+        """The pool's exists answer for `keys`, past the scheduler side's fault rules and checks."""
+        return self.sched_faults.inner.batch_is_exist(keys)
 
     def poison(self, req: Req) -> None:
         """Overwrite `req`'s local blocks so a later check proves they were loaded."""

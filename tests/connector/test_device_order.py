@@ -22,6 +22,7 @@ from layerkv.messages import KVRole
 from layerkv.store.faults import GET_RANGES
 from layerkv.transfer.views import CacheViews
 from tests.connector.rig import BLOCK_SIZE, Req
+from tests.tokens import block_tokens
 
 
 class LaggingStream:
@@ -111,10 +112,6 @@ def lagging(monkeypatch) -> Iterator[Callable[..., Any]]:
     assert not [e for s in streams for e in s.errors]
 
 
-def _tokens(num_blocks: int, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + 1))
-
-
 def _layer_wrong(rig: Any, req: Req, layer_idx: int, blocks: range) -> list[int]:
     return [
         i
@@ -130,7 +127,7 @@ def test_a_loaded_layer_is_in_the_cache_when_wait_for_layer_load_returns(
     make_rig, lagging, read_layers_per_range
 ) -> None:
     producer = make_rig(num_layers=4, transfer_plan="groups")
-    tokens = _tokens(4)
+    tokens = block_tokens(4, BLOCK_SIZE)
     producer.run(Req("p", tokens))
     rig, stream = lagging(
         make_rig,
@@ -156,7 +153,7 @@ def test_a_loaded_layer_is_in_the_cache_when_wait_for_layer_load_returns(
 
 def test_a_saved_layer_is_written_after_its_copy_landed(make_rig, lagging) -> None:
     rig, _ = lagging(make_rig, 0.05, num_layers=3, transfer_plan="groups")
-    tokens = _tokens(3)
+    tokens = block_tokens(3, BLOCK_SIZE)
     rig.run(Req("p", tokens))
     consumer = make_rig(num_layers=3, role=KVRole.CONSUMER, transfer_plan="groups")
     a = Req("a", list(tokens))
@@ -168,7 +165,7 @@ def test_a_saved_layer_is_written_after_its_copy_landed(make_rig, lagging) -> No
 
 def test_a_load_that_gave_up_lets_no_queued_copy_land_afterwards(make_rig, backend, lagging) -> None:
     producer = make_rig(num_layers=2, transfer_plan="groups")
-    tokens = _tokens(6)
+    tokens = block_tokens(6, BLOCK_SIZE)
     producer.run(Req("p", tokens))
     object_nbytes = producer.workers[0].layout.object_nbytes
     # 2 staging rows for loads: the 6 keys of layer 0 pass in 3 waves; the last one stalls

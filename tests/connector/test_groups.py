@@ -14,6 +14,7 @@ from layerkv.messages import ScheduledRequest, SchedulerStep, WorkerReport
 from layerkv.store.base import Code
 from layerkv.store.faults import GET_RANGES
 from tests.connector.rig import BLOCK_SIZE, Req
+from tests.tokens import block_tokens
 
 NULL = 0
 WINDOW = 2  # blocks
@@ -127,13 +128,9 @@ class Hybrid:
         assert self.worker.flush(5.0)
 
 
-def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
-
-
 def test_a_hit_needs_every_full_group_block_and_only_the_window_of_a_sliding_group(make_rig, backend) -> None:
     producer = Hybrid(make_rig)
-    tokens = _tokens(8)
+    tokens = block_tokens(8, BLOCK_SIZE)
     assert producer.admit("p", tokens) == 0
     producer.step("p")
     producer.settle()
@@ -166,13 +163,13 @@ def test_a_hit_needs_every_full_group_block_and_only_the_window_of_a_sliding_gro
 
 def test_a_load_failure_in_one_group_revokes_the_request_s_saves_in_every_group(make_rig, backend) -> None:
     producer = Hybrid(make_rig)
-    prefix = _tokens(4, extra=0)
+    prefix = block_tokens(4, BLOCK_SIZE, extra=0)
     producer.admit("p", prefix + [9999])
     producer.step("p")
     producer.settle()
 
     consumer = Hybrid(make_rig)
-    tokens = prefix + _tokens(4, base=5000)  # 4 loaded blocks, then 4 new full blocks in each group
+    tokens = prefix + block_tokens(4, BLOCK_SIZE, base=5000)  # 4 loaded blocks, then 4 new full blocks in each group
     full_keys = consumer.full.keys(Req("x", tokens), blocks=[4, 5, 6, 7])
     swa_keys = consumer.swa.keys(Req("x", tokens), blocks=[4, 5, 6, 7])
     block1 = consumer.full.keys(Req("x", tokens), blocks=[1])[0]
@@ -199,13 +196,13 @@ def test_a_step_is_reported_once_every_group_ran_it(make_rig, backend) -> None:
     load is still running holds its step back, and so must the composite (else the verdict
     could come before that group's failures)."""
     producer = Hybrid(make_rig)
-    producer.admit("p", _tokens(3))
+    producer.admit("p", block_tokens(3, BLOCK_SIZE))
     producer.step("p")
     producer.settle()
 
     consumer = Hybrid(make_rig)
     consumer.full.faults[0].delay(GET_RANGES, 1.0, layer_idx=2, times=1)
-    consumer.admit("c", _tokens(3))
+    consumer.admit("c", block_tokens(3, BLOCK_SIZE))
     full, swa = consumer.reqs["c"]
     scheduled = [
         ScheduledRequest("c", tuple(r.block_ids), r.num_computed, len(r.tokens) - r.num_computed, r.hashes)
@@ -229,7 +226,7 @@ def test_async_loads_report_a_failed_group_as_a_failed_request_never_as_blocks(m
     runs in a step of its own and a failure in any group fails the request (vLLM recomputes it
     from token 0), which is then not offered the pool again."""
     producer = Hybrid(make_rig)
-    tokens = _tokens(6)
+    tokens = block_tokens(6, BLOCK_SIZE)
     producer.admit("p", tokens)
     producer.step("p")
     producer.settle()

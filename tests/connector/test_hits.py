@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from layerkv.store.faults import IS_EXIST
 from tests.connector.rig import BLOCK_SIZE, Req
-
-
-def _tokens(num_blocks: int, extra: int = 0, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+from tests.tokens import block_tokens
 
 
 def test_hit_needs_every_storage_rank(make_rig, backend) -> None:
     rig = make_rig(tp_size=2, num_kv_heads=2)
-    tokens = _tokens(8, extra=1)
+    tokens = block_tokens(8, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     ext, _ = rig.admit(Req("b", tokens))
     assert ext == 8 * BLOCK_SIZE
@@ -26,7 +23,7 @@ def test_hit_needs_every_storage_rank(make_rig, backend) -> None:
 
 def test_hit_stops_at_the_first_miss(make_rig, backend) -> None:
     rig = make_rig()
-    tokens = _tokens(8, extra=1)
+    tokens = block_tokens(8, BLOCK_SIZE)
     a = Req("a", tokens)
     rig.run(a)
     assert backend.remove(rig.keys(a, blocks=[3])) == [0]
@@ -39,9 +36,9 @@ def test_hit_stops_at_the_first_miss(make_rig, backend) -> None:
 
 def test_windowed_queries_stop_at_the_first_window_with_a_miss(make_rig) -> None:
     rig = make_rig(exists_window_blocks=4)
-    rig.run(Req("a", _tokens(5, extra=1)))
+    rig.run(Req("a", block_tokens(5, BLOCK_SIZE)))
     rig.sched_faults.clear_calls()
-    ext, _ = rig.admit(Req("b", _tokens(40, extra=1)))
+    ext, _ = rig.admit(Req("b", block_tokens(40, BLOCK_SIZE)))
     assert ext == 5 * BLOCK_SIZE
     calls = rig.sched_faults.calls(IS_EXIST)
     assert [len(c.keys) for c in calls] == [4, 8]  # blocks 0-3, then a doubled window 4-11 (miss at 5)
@@ -50,7 +47,7 @@ def test_windowed_queries_stop_at_the_first_window_with_a_miss(make_rig) -> None
 
 def test_full_hit_leaves_at_least_one_token(make_rig) -> None:
     rig = make_rig()
-    aligned = _tokens(6)
+    aligned = block_tokens(6, BLOCK_SIZE, extra=0)
     rig.run(Req("a", aligned))
     ext, s = rig.admit(Req("b", aligned))
     assert ext == 5 * BLOCK_SIZE and s.num_scheduled_tokens == BLOCK_SIZE  # last block recomputed
@@ -62,7 +59,7 @@ def test_full_hit_leaves_at_least_one_token(make_rig) -> None:
 
 def test_malformed_exists_answer_is_a_miss_not_a_hit(make_rig) -> None:
     rig = make_rig()
-    tokens = _tokens(4, extra=1)
+    tokens = block_tokens(4, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     rig.sched_faults.malformed(IS_EXIST, [1], times=1)  # one int for 4 keys
     ext, _ = rig.admit(Req("b", tokens))
@@ -105,7 +102,7 @@ def test_pipeline_parallel_hit_needs_every_stage() -> None:
 
 def test_a_long_full_hit_doubles_the_window(make_rig) -> None:
     rig = make_rig(exists_window_blocks=2, num_blocks=128)
-    tokens = _tokens(30, extra=1)
+    tokens = block_tokens(30, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     rig.sched_faults.clear_calls()
     ext, _ = rig.admit(Req("b", tokens))
@@ -118,13 +115,13 @@ def test_may_hit_asks_one_block_and_answers_what_the_pool_holds(make_rig, backen
     """The cheap hint vLLM 0.34 asks for as a request arrives (connector/hybrid.py
     may_load_async): one exists query of the first block (every storage rank's key)."""
     rig = make_rig(tp_size=2, num_kv_heads=2)
-    tokens = _tokens(4, extra=1)
+    tokens = block_tokens(4, BLOCK_SIZE)
     assert rig.scheduler.may_hit(Req("a", tokens).view()) is False  # an empty pool
     rig.run(Req("a", tokens))
     rig.sched_faults.clear_calls()
     assert rig.scheduler.may_hit(Req("b", tokens).view()) is True
     assert [len(c.keys) for c in rig.sched_faults.calls(IS_EXIST)] == [2]  # block 0 on both storage ranks
-    assert rig.scheduler.may_hit(Req("c", _tokens(4, extra=1, base=1000)).view()) is False  # another prompt
+    assert rig.scheduler.may_hit(Req("c", block_tokens(4, BLOCK_SIZE, base=1000)).view()) is False  # another prompt
     assert rig.scheduler.may_hit(Req("d", tokens[:BLOCK_SIZE]).view()) is False  # no full block before its last token
     assert backend.remove(rig.keys(Req("x", tokens), rank=1, blocks=[0])) == [0]
     assert rig.scheduler.may_hit(Req("e", tokens).view()) is False  # one storage rank's key is not a block

@@ -7,15 +7,12 @@ from __future__ import annotations
 from layerkv.messages import KVRole
 from layerkv.store.faults import GET_END, GET_RANGES, GET_START, IS_EXIST, PUT_END, PUT_RANGES, PUT_START
 from tests.connector.rig import BLOCK_SIZE, Req
-
-
-def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+from tests.tokens import block_tokens
 
 
 def test_consumer_only_worker_loads_and_advances_without_save_calls(make_rig) -> None:
     producer = make_rig(num_layers=5)
-    tokens = _tokens(6)
+    tokens = block_tokens(6, BLOCK_SIZE)
     producer.run(Req("a", tokens))
     consumer = make_rig(num_layers=5, role=KVRole.CONSUMER, call_save=False, prefetch_layers=1, load_timeout_s=2.0)
     b = Req("b", tokens)
@@ -30,7 +27,7 @@ def test_consumer_only_worker_loads_and_advances_without_save_calls(make_rig) ->
 
 def test_chunked_prefill_saves_each_chunk_and_resume_rereads_the_prefix(make_rig) -> None:
     rig = make_rig()
-    a = Req("a", _tokens(10, extra=2))
+    a = Req("a", block_tokens(10, BLOCK_SIZE, extra=2))
     ext, s = rig.admit(a, budget=4 * BLOCK_SIZE)
     assert ext == 0
     per_step = []
@@ -53,7 +50,7 @@ def test_chunked_prefill_saves_each_chunk_and_resume_rereads_the_prefix(make_rig
 
 def test_preemption_and_an_aborted_step_release_everything(make_rig, backend) -> None:
     rig = make_rig()
-    tokens = _tokens(6)
+    tokens = block_tokens(6, BLOCK_SIZE)
     p = Req("p", tokens[: 3 * BLOCK_SIZE] + [5])
     rig.run(p)
     rig.finish(p)
@@ -69,7 +66,7 @@ def test_preemption_and_an_aborted_step_release_everything(make_rig, backend) ->
     assert worker.is_idle(5.0)  # its jobs were cancelled: the save revoked, the load ended
     new_keys = rig.keys(a, blocks=[3, 4, 5])
     assert backend.processing_keys(new_keys) == []
-    assert rig.sched_faults.inner.batch_is_exist(new_keys) == [0, 0, 0]  # half-written: never committed
+    assert rig.pool_exists(new_keys) == [0, 0, 0]  # half-written: never committed
     rig.step([], preempted=frozenset({"a"}))
     assert worker.is_idle(5.0)
     assert len(rig.faults[0].calls(GET_END)) == len(rig.faults[0].calls(GET_START))
@@ -78,7 +75,7 @@ def test_preemption_and_an_aborted_step_release_everything(make_rig, backend) ->
 def test_transfer_limits_split_calls_by_rows_and_bytes(make_rig) -> None:
     # one block of one K or V entry: 4 tokens * 2 heads * 256 * 4 B = 8 KiB > 4 KiB limit
     rig = make_rig(head_dim=256, max_transfer_blocks=4, max_transfer_bytes=4096, exists_window_blocks=64)
-    tokens = _tokens(10)
+    tokens = block_tokens(10, BLOCK_SIZE)
     a = Req("a", tokens)
     rig.run(a)
     f = rig.faults[0]

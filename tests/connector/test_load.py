@@ -10,17 +10,17 @@ import pytest
 
 from layerkv.store.faults import GET_END, GET_RANGES, GET_START
 from tests.connector.rig import BLOCK_SIZE, Req, assert_get_sessions_well_formed
-
-
-def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+from tests.tokens import block_tokens
 
 
 def _two_sharing(rig, shared_blocks: int = 4):
     """Save a prefix, then admit two requests that both load it; returns (a, b, [sa, sb])."""
-    prefix = _tokens(shared_blocks, extra=0)
+    prefix = block_tokens(shared_blocks, BLOCK_SIZE, extra=0)
     rig.run(Req("p", prefix + [1]))
-    a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
+    a, b = (
+        Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100)),
+        Req("b", prefix + block_tokens(2, BLOCK_SIZE, base=200)),
+    )
     (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)
     assert ext_a == ext_b == shared_blocks * BLOCK_SIZE
     return a, b, [sa, sb]
@@ -67,7 +67,7 @@ def test_get_session_end_exactly_once_and_never_during_a_read(make_rig) -> None:
 @pytest.mark.parametrize("fault", ["fail", "expire", "raise", "malformed"])
 def test_read_fault_marks_exactly_its_blocks_invalid(make_rig, fault) -> None:
     rig = make_rig(max_transfer_blocks=4)
-    tokens = _tokens(8)
+    tokens = block_tokens(8, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", tokens)
     ext, s = rig.admit(b)
@@ -101,7 +101,7 @@ class _Boom(BaseException):
 
 def test_exception_in_the_receive_thread_does_not_hang(make_rig) -> None:
     rig = make_rig()
-    tokens = _tokens(4)
+    tokens = block_tokens(4, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", tokens)
     _, s = rig.admit(b)
@@ -114,7 +114,7 @@ def test_exception_in_the_receive_thread_does_not_hang(make_rig) -> None:
 
 def test_stalled_store_is_a_recompute_within_the_timeout_never_an_exception(make_rig) -> None:
     rig = make_rig(load_timeout_s=0.5)
-    tokens = _tokens(4)
+    tokens = block_tokens(4, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", tokens)
     _, s = rig.admit(b)
@@ -140,7 +140,7 @@ def test_receive_thread_reads_exactly_prefetch_layers_ahead_of_compute(make_rig,
     from layerkv.messages import SchedulerStep
 
     rig = make_rig(num_layers=5, prefetch_layers=prefetch)
-    tokens = _tokens(4)
+    tokens = block_tokens(4, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", tokens)
     _, scheduled = rig.admit(b)

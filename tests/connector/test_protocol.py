@@ -23,26 +23,19 @@ from layerkv.store.faults import GET_RANGES, PUT_RANGES, PUT_REVOKE
 from layerkv.transfer.views import CacheViews
 from tests.backends import Backend, EmbeddedBackend, MooncakeBackend
 from tests.connector.rig import BLOCK_SIZE, Req, Rig
-
-
-def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
-
-
-def _exists(rig: Rig, keys: list[str]) -> list[int]:
-    return rig.sched_faults.inner.batch_is_exist(keys)
+from tests.tokens import block_tokens
 
 
 def test_saves_are_readable_only_after_the_next_steps_verdict(make_rig) -> None:
     rig = make_rig()
-    a = Req("a", _tokens(3))
+    a = Req("a", block_tokens(3, BLOCK_SIZE))
     _, s = rig.admit(a)
     rig.step([s])
     keys = rig.keys(a)
-    assert _exists(rig, keys) == [0, 0, 0]  # written, waiting for the verdict
+    assert rig.pool_exists(keys) == [0, 0, 0]  # written, waiting for the verdict
     assert rig.workers[0].open_sessions()["pending_puts"] == 3
     rig.settle()  # the next step carries the verdict
-    assert _exists(rig, keys) == [1, 1, 1]
+    assert rig.pool_exists(keys) == [1, 1, 1]
     assert rig.workers[0].stats().committed_keys == 3
 
 
@@ -53,20 +46,20 @@ def test_an_exception_after_put_start_revokes_everything(make_rig, backend, monk
         raise RuntimeError("header encoder broke")
 
     rig = make_rig()
-    a = Req("a", _tokens(4))
+    a = Req("a", block_tokens(4, BLOCK_SIZE))
     monkeypatch.setattr(Header, "encode_into", broken)
     rig.run(a)  # nothing raised into the engine
     monkeypatch.undo()
     keys = rig.keys(a)
     assert rig.workers[0].is_idle(5.0)
-    assert backend.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
+    assert backend.processing_keys(keys) == [] and rig.pool_exists(keys) == [0] * 4
     assert sorted(rig.faults[0].keys_sent(PUT_REVOKE)) == sorted(keys)
     assert rig.workers[0].stats().transfer_errors == 1
 
 
 def test_a_stalled_save_is_revoked_and_the_step_goes_on(make_rig, backend) -> None:
     rig = make_rig(save_timeout_s=0.5)
-    a = Req("a", _tokens(4))
+    a = Req("a", block_tokens(4, BLOCK_SIZE))
     rig.faults[0].delay(PUT_RANGES, 30.0, layer_idx=1, times=1)
     start = time.monotonic()
     _, s = rig.admit(a)
@@ -77,12 +70,12 @@ def test_a_stalled_save_is_revoked_and_the_step_goes_on(make_rig, backend) -> No
     assert rig.workers[0].is_idle(5.0)
     rig.settle()
     keys = rig.keys(a)
-    assert backend.processing_keys(keys) == [] and _exists(rig, keys) == [0] * 4
+    assert backend.processing_keys(keys) == [] and rig.pool_exists(keys) == [0] * 4
 
 
 def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, backend) -> None:
     rig = make_rig(commit_timeout_s=1.0)
-    a = Req("a", _tokens(3))
+    a = Req("a", block_tokens(3, BLOCK_SIZE))
     _, s = rig.admit(a)
     rig.step([s])
     worker = rig.workers[0]
@@ -94,18 +87,18 @@ def test_a_verdict_that_never_comes_revokes_after_commit_timeout(make_rig, backe
     assert worker.open_sessions()["pending_puts"] == 0 and worker.stats().revoked_unsettled == 3
     assert backend.processing_keys(rig.keys(a)) == []
     rig.settle()  # a late verdict for a step already revoked is harmless
-    assert _exists(rig, rig.keys(a)) == [0, 0, 0]
+    assert rig.pool_exists(rig.keys(a)) == [0, 0, 0]
 
 
 def test_shutdown_revokes_what_waits_for_a_verdict(make_rig, backend) -> None:
     rig = make_rig()
-    a = Req("a", _tokens(3))
+    a = Req("a", block_tokens(3, BLOCK_SIZE))
     _, s = rig.admit(a)
     rig.step([s])
     worker = rig.workers[0]
     worker.shutdown()
     assert worker.stats().revoked_on_shutdown == 3
-    assert backend.processing_keys(rig.keys(a)) == [] and _exists(rig, rig.keys(a)) == [0, 0, 0]
+    assert backend.processing_keys(rig.keys(a)) == [] and rig.pool_exists(rig.keys(a)) == [0, 0, 0]
     rig.finished.add("a")  # nothing left to drain
 
 
@@ -127,7 +120,7 @@ def test_a_step_longer_than_the_lease_renews_its_sessions(request, backend_name:
         embedded_lease_ttl_s=1000.0,
     )  # the config's TTL; the backend above expires leases after 1 s
     try:
-        tokens = _tokens(4)
+        tokens = block_tokens(4, BLOCK_SIZE)
         rig.run(Req("a", tokens))
         b = Req("b", tokens)
         _, s = rig.admit(b)
@@ -218,7 +211,7 @@ def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, backen
     after the forward released them: a write held until the test lets it go costs the step
     nothing (the step returns before it completed, and no save timed out)."""
     rig = make_rig(transfer_plan=plan, save_timeout_s=5.0)
-    a = Req("a", _tokens(4))
+    a = Req("a", block_tokens(4, BLOCK_SIZE))
     held = rig.faults[0].delay(PUT_RANGES, 30.0, times=1)
     start = time.monotonic()
     _, s = rig.admit(a)
@@ -228,10 +221,10 @@ def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, backen
     assert rig.workers[0].stats().save_timeouts == 0
     rig.faults[0].release()
     rig.settle()  # waits for the background write, then commits
-    assert _exists(rig, rig.keys(a)) == [1] * 4
+    assert rig.pool_exists(rig.keys(a)) == [1] * 4
     writes = rig.faults[0].calls(PUT_RANGES)
     assert sum(c.num_ranges for c in writes) == 4 and {c.layer_idx for c in writes} == {None}  # one image per key
-    b = Req("b", _tokens(4))
+    b = Req("b", block_tokens(4, BLOCK_SIZE))
     _, s = rig.admit(b)
     rig.poison(b)
     assert rig.step([s]) == set()
@@ -240,11 +233,11 @@ def test_staged_saves_never_make_the_forward_wait_for_the_store(make_rig, backen
 
 def test_a_failed_image_write_revokes_only_its_key(make_rig, backend) -> None:
     rig = make_rig(transfer_plan="auto")
-    a = Req("a", _tokens(5))
+    a = Req("a", block_tokens(5, BLOCK_SIZE))
     keys = rig.keys(a)
     rig.faults[0].fail(PUT_RANGES, keys[2])
     rig.run(a)
-    assert _exists(rig, keys) == [1, 1, 0, 1, 1]
+    assert rig.pool_exists(keys) == [1, 1, 0, 1, 1]
     assert rig.faults[0].keys_sent(PUT_REVOKE) == [keys[2]]
     assert backend.processing_keys(keys) == []
     stats = rig.workers[0].stats()
@@ -253,7 +246,7 @@ def test_a_failed_image_write_revokes_only_its_key(make_rig, backend) -> None:
 
 def test_a_staged_save_whose_step_is_abandoned_saves_nothing(make_rig, backend) -> None:
     rig = make_rig(transfer_plan="auto")
-    a = Req("a", _tokens(3))
+    a = Req("a", block_tokens(3, BLOCK_SIZE))
     _, s = rig.admit(a)
     worker = rig.workers[0]
     worker.bind_connector_metadata(rig.scheduler.build_connector_meta(rig.step_of([s])))

@@ -10,10 +10,7 @@ import time
 from layerkv.errors import StoreError
 from layerkv.store.faults import PUT_START, FaultyStore
 from tests.connector.rig import BLOCK_SIZE, Req
-
-
-def _tokens(num_blocks: int, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + 1))
+from tests.tokens import block_tokens
 
 
 def test_a_refused_registration_is_retried_off_the_compute_thread(make_rig, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -33,7 +30,7 @@ def test_a_refused_registration_is_retried_off_the_compute_thread(make_rig, monk
     rig = make_rig(transfer_plan="groups", read_layers_per_range=2, store_retry_interval_s=0.05, num_blocks=128)
     worker = rig.workers[0]
     assert threads == [threading.current_thread().name]  # start-up: the caller's thread, once
-    rig.run(Req("a", _tokens(3)))  # served without the pool: nothing saved
+    rig.run(Req("a", block_tokens(3, BLOCK_SIZE)))  # served without the pool: nothing saved
     assert rig.faults[0].keys_sent(PUT_START) == [] and worker._memory.regions() == []
     refuse.clear()
     for i in range(10):  # bounded: a step queues a retry once the interval has passed; it runs on the write thread
@@ -43,8 +40,8 @@ def test_a_refused_registration_is_retried_off_the_compute_thread(make_rig, monk
         if retry is not None:
             assert retry.wait_finished(5.0)
         time.sleep(rig.config.store_retry_interval_s)  # the interval itself must pass (a timer, not a sync)
-        rig.run(Req(f"b{i}", _tokens(1, base=100 * (i + 1))))
+        rig.run(Req(f"b{i}", block_tokens(1, BLOCK_SIZE, base=100 * (i + 1))))
     assert worker._memory.regions(), "the staging areas were never registered"
     assert len(threads) > 1 and all(name.startswith("layerkv-write-") for name in threads[1:]), threads
-    rig.run(Req("c", _tokens(3, base=5000)))
+    rig.run(Req("c", block_tokens(3, BLOCK_SIZE, base=5000)))
     assert rig.faults[0].keys_sent(PUT_START), "registered, yet nothing was saved"

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 from layerkv.objects.manifest import manifest_key
 from tests.connector.rig import BLOCK_SIZE, Req
+from tests.tokens import block_tokens
 
 NUM_BLOCKS = 6
 
 
-def _tokens(base: int = 0) -> list[int]:
-    return list(range(base, base + NUM_BLOCKS * BLOCK_SIZE + 1))
-
-
 def test_after_a_reset_nothing_written_before_is_served(make_rig, backend) -> None:
     rig = make_rig(tp_size=2, num_kv_heads=2)
-    tokens = _tokens()
+    tokens = block_tokens(NUM_BLOCKS, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     old_keys = rig.keys(Req("x", tokens))
     old_namespace = rig.scheduler.namespace
@@ -41,7 +38,7 @@ def test_after_a_reset_nothing_written_before_is_served(make_rig, backend) -> No
 
 def test_a_request_running_across_a_reset_saves_nothing_more(make_rig) -> None:
     rig = make_rig()
-    tokens = _tokens(base=100)
+    tokens = block_tokens(NUM_BLOCKS, BLOCK_SIZE, base=100)
     a = Req("a", tokens)
     _, s = rig.admit(a, budget=2 * BLOCK_SIZE)
     rig.step([s])  # blocks 0-1 computed with the old weights

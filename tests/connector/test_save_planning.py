@@ -11,17 +11,14 @@ from layerkv.connector.saved import SavedBlocks
 from layerkv.messages import KVRole
 from layerkv.store.faults import IS_EXIST, PUT_START
 from tests.connector.rig import BLOCK_SIZE, Req
-
-
-def _tokens(num_blocks: int, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + 1))
+from tests.tokens import block_tokens
 
 
 def test_saves_are_planned_with_the_scheduler_store_unreachable(make_rig, backend) -> None:
     """After the lookup, every exists call of the scheduler side would hang: the request's
     chunks still plan their saves at once, and the pool holds them."""
     rig = make_rig()
-    a = Req("a", _tokens(4))
+    a = Req("a", block_tokens(4, BLOCK_SIZE))
     ext, s = rig.admit(a, budget=2 * BLOCK_SIZE)
     assert ext == 0
     asked = len(rig.sched_faults.calls(IS_EXIST))
@@ -42,7 +39,7 @@ def test_a_producer_does_not_plan_again_what_it_committed(make_rig) -> None:
     """A kv_producer never looks up: the same prompt computed again plans no save (its blocks
     were committed by this engine) and the worker starts no put."""
     rig = make_rig(role=KVRole.PRODUCER)
-    tokens = _tokens(4)
+    tokens = block_tokens(4, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     puts = len(rig.faults[0].calls(PUT_START))
     rig.run(Req("b", tokens))
@@ -53,7 +50,7 @@ def test_a_producer_does_not_plan_again_what_it_committed(make_rig) -> None:
 
 def test_a_block_the_pool_lost_is_saved_again_once_a_lookup_misses_it(make_rig, backend) -> None:
     rig = make_rig()
-    tokens = _tokens(4)
+    tokens = block_tokens(4, BLOCK_SIZE)
     a = Req("a", tokens)
     rig.run(a)
     keys = rig.keys(a)

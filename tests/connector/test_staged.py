@@ -17,10 +17,7 @@ from layerkv.store.faults import GET_RANGES, GET_START
 from layerkv.transfer.costs import Costs
 from layerkv.transfer.views import layer_groups
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
-
-
-def _tokens(num_blocks: int, extra: int = 1, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
+from tests.tokens import block_tokens
 
 
 def _pattern_block(rig: Rig, rank: int, layer_idx: int, block_hash: bytes) -> torch.Tensor:
@@ -42,7 +39,7 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
     """max_rows=4 (staging_nbytes holds 4 load rows): the 6 keys pass through 4 staging rows
     in two waves per group, each wave with its own get sessions."""
     producer = make_pattern_rig(num_layers=num_layers)
-    prefix = _tokens(6, extra=0)
+    prefix = block_tokens(6, BLOCK_SIZE, extra=0)
     producer.run(Req("p", prefix + [1]))
     loaded = {}
     bound = 4 * max_rows * producer.workers[0].layout.object_nbytes  # a quarter for loads
@@ -50,7 +47,10 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
         rig = make_pattern_rig(
             num_layers=num_layers, role=KVRole.CONSUMER, read_layers_per_range=layers_per_range, staging_nbytes=bound
         )
-        a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
+        a, b = (
+            Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100)),
+            Req("b", prefix + block_tokens(2, BLOCK_SIZE, base=200)),
+        )
         (ext_a, sa), (ext_b, sb) = rig.admit(a), rig.admit(b)  # b's blocks are fan-out copies of a's
         assert ext_a == ext_b == 6 * BLOCK_SIZE
         rig.poison(a)
@@ -76,7 +76,7 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
 
 
 def test_each_group_is_one_range_per_key(make_rig) -> None:
-    tokens = _tokens(8)
+    tokens = block_tokens(8, BLOCK_SIZE)
     counts = {}
     for k in (1, 3):
         rig = make_rig(num_layers=5, read_layers_per_range=k)
@@ -100,9 +100,12 @@ def test_each_group_is_one_range_per_key(make_rig) -> None:
 
 def test_failed_group_read_marks_exactly_its_blocks(make_rig) -> None:
     rig = make_rig(num_layers=5, read_layers_per_range=2)
-    prefix = _tokens(6, extra=0)
+    prefix = block_tokens(6, BLOCK_SIZE, extra=0)
     rig.run(Req("p", prefix + [1]))
-    a, b = Req("a", prefix + _tokens(1, base=100)), Req("b", prefix + _tokens(2, base=200))
+    a, b = (
+        Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100)),
+        Req("b", prefix + block_tokens(2, BLOCK_SIZE, base=200)),
+    )
     (_, sa), (_, sb) = rig.admit(a), rig.admit(b)
     keys = rig.keys(a, blocks=range(6))
     f = rig.faults[0]
@@ -122,7 +125,7 @@ def test_failed_group_read_marks_exactly_its_blocks(make_rig) -> None:
 
 def test_header_of_another_block_is_detected(make_rig, backend, caplog) -> None:
     rig = make_rig(num_layers=4, read_layers_per_range=3)
-    tokens = _tokens(6)
+    tokens = block_tokens(6, BLOCK_SIZE)
     req = Req("a", tokens)
     keys, hashes = rig.keys(req), req.hashes
     # plant key 2's object with block 3's header before the rig saves (its put then skips key 2)
@@ -157,7 +160,7 @@ def test_only_staging_is_registered_and_it_is_allocated_at_start_up(make_rig) ->
     registered, pages mapped) and nothing else: the live cache is registered only with
     register_kv_cache. A run allocates and registers nothing more."""
     producer = make_rig()
-    prefix = _tokens(6, extra=0)
+    prefix = block_tokens(6, BLOCK_SIZE, extra=0)
     producer.run(Req("p", prefix + [1]))
     rig = make_rig(role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
     worker = rig.workers[0]
@@ -167,7 +170,7 @@ def test_only_staging_is_registered_and_it_is_allocated_at_start_up(make_rig) ->
     assert registered == sorted(a.ptr for a in areas.all())
     cache_ptrs = {t.untyped_storage().data_ptr() for t in rig.caches[0].values()}
     assert not cache_ptrs & set(registered)
-    ext, invalid = rig.run(Req("a", prefix + _tokens(1, base=100)))
+    ext, invalid = rig.run(Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100)))
     assert ext == 6 * BLOCK_SIZE and invalid == set()
     assert sorted(worker._memory.regions()) == registered and worker._areas is areas
     direct = make_rig(role=KVRole.CONSUMER, transfer_plan="layers", register_kv_cache=True)
@@ -179,13 +182,13 @@ def test_auto_plans_feed_their_measurements_back(make_rig) -> None:
     """Every auto-planned load corrects its kind's predicted reads with its measured transfer
     time -- the wiring the pure planner tests cannot see."""
     producer = make_rig()
-    prefix = _tokens(6, extra=0)
+    prefix = block_tokens(6, BLOCK_SIZE, extra=0)
     producer.run(Req("p", prefix + [1]))
     rig = make_rig(role=KVRole.CONSUMER, transfer_plan="auto")  # the default outside this rig
     worker = rig.workers[0]
     assert worker.planner.costs.kind_factor == {}
     for i in range(3):
-        ext, invalid = rig.run(Req(f"a{i}", prefix + _tokens(1, base=100 + i)))
+        ext, invalid = rig.run(Req(f"a{i}", prefix + block_tokens(1, BLOCK_SIZE, base=100 + i)))
         assert ext == 6 * BLOCK_SIZE and invalid == set()
     assert worker.planner.costs.kind_factor and all(f > 0 for f in worker.planner.costs.kind_factor.values())
     stats = worker.stats()
@@ -198,7 +201,7 @@ def test_compute_is_measured_without_reads_beside_it_and_steps_feed_their_kind(m
     every kind's compute); once compute is measured, every auto-planned step corrects its
     kind's finish factor with its measured time to the last layer."""
     producer = make_rig()
-    prefix = _tokens(6, extra=0)
+    prefix = block_tokens(6, BLOCK_SIZE, extra=0)
     producer.run(Req("p", prefix + [1]))
     layers = make_rig(role=KVRole.CONSUMER, transfer_plan="layers")
     computed: list[int] = []
@@ -211,17 +214,17 @@ def test_compute_is_measured_without_reads_beside_it_and_steps_feed_their_kind(m
         observe(self, seconds, num_layers, num_tokens)
 
     monkeypatch.setattr(Costs, "observe_compute", spy)
-    ext, _ = layers.run(Req("a", prefix + _tokens(1, base=100)))  # loads 6 blocks layer by layer
+    ext, _ = layers.run(Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100)))  # loads 6 blocks layer by layer
     assert ext == 6 * BLOCK_SIZE
     assert [n for n in computed if n > 0] == []  # (the run's empty settle step computes 0 tokens)
-    ext, _ = layers.run(Req("b", _tokens(3, base=300)))  # nothing in the pool: no load
+    ext, _ = layers.run(Req("b", block_tokens(3, BLOCK_SIZE, base=300)))  # nothing in the pool: no load
     assert ext == 0 and [n for n in computed if n > 0] != []
 
     rig = make_rig(role=KVRole.CONSUMER, transfer_plan="auto")
     worker = rig.workers[0]
     worker.planner.costs.observe_compute(0.01, 2, 16)  # compute known (as after any step without reads)
     for i in range(3):
-        ext, invalid = rig.run(Req(f"c{i}", prefix + _tokens(1, base=200 + i)))
+        ext, invalid = rig.run(Req(f"c{i}", prefix + block_tokens(1, BLOCK_SIZE, base=200 + i)))
         assert ext == 6 * BLOCK_SIZE and invalid == set()
     assert sum(worker.planner.costs.finish_samples.values()) == 3
     assert all(f > 0 for f in worker.planner.costs.finish_factor.values())
@@ -239,10 +242,10 @@ def test_device_caches_go_through_staging_and_every_layer_is_verified(make_patte
     monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=False))
     producer = make_pattern_rig(num_layers=4, transfer_plan="groups", read_layers_per_range=2)
     assert not producer.workers[0]._jobs.caches.views.on_host
-    prefix = _tokens(6, extra=0)
+    prefix = block_tokens(6, BLOCK_SIZE, extra=0)
     producer.run(Req("p", prefix + [1]))
     rig = make_pattern_rig(num_layers=4, role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
-    a = Req("a", prefix + _tokens(1, base=100))
+    a = Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100))
     ext, s = rig.admit(a)
     assert ext == 6 * BLOCK_SIZE
     rig.poison(a)
@@ -260,7 +263,7 @@ def test_device_caches_go_through_staging_and_every_layer_is_verified(make_patte
     finally:
         client.unregister_buffer(image.ctypes.data)
     again = make_pattern_rig(num_layers=4, role=KVRole.CONSUMER, transfer_plan="groups", read_layers_per_range=2)
-    b = Req("b", prefix + _tokens(1, base=200))
+    b = Req("b", prefix + block_tokens(1, BLOCK_SIZE, base=200))
     _, s = again.admit(b)
     again.poison(b)
     assert again.step([s]) == {b.block_ids[4]}
@@ -278,7 +281,7 @@ def test_saves_beyond_the_free_staging_rows_are_skipped_not_waited_for(make_rig,
     rig = make_rig(transfer_plan="groups", read_layers_per_range=2, staging_nbytes=4 * row)  # 1 load row, 3 save rows
     worker = rig.workers[0]
     assert worker._areas is not None and worker._areas.saves.num_rows == 3
-    req = Req("a", _tokens(8))
+    req = Req("a", block_tokens(8, BLOCK_SIZE))
     ext, invalid = rig.run(req)
     assert ext == 0 and invalid == set()
     assert rig.faults[0].keys_sent(PUT_START) == rig.keys(req, blocks=range(3))
@@ -333,23 +336,23 @@ def test_save_tags_cover_the_computed_bytes_not_what_a_peer_writes_into_staging(
 
     monkeypatch.setattr(StagedLayers, "gather_sealed", racing)
     staged = {"num_layers": 4, "transfer_plan": "groups", "read_layers_per_range": 2}
-    prefix = _tokens(4, extra=0)
+    prefix = block_tokens(4, BLOCK_SIZE, extra=0)
     producer = make_pattern_rig(**staged)
     assert producer.workers[0]._jobs.caches.views.on_host == on_host
     producer.run(Req("p", prefix + [1]))
     assert peers and all(p.writes for p in peers)
     rig = make_pattern_rig(role=KVRole.CONSUMER, **staged)
-    a = Req("a", prefix + _tokens(1, base=100))
+    a = Req("a", prefix + block_tokens(1, BLOCK_SIZE, base=100))
     ext, s = rig.admit(a)
     assert ext == 4 * BLOCK_SIZE
     rig.poison(a)
     assert rig.step([s]) == set() and rig.wrong_blocks(a, range(4)) == []
 
     after_tags["on"] = True
-    other = _tokens(3, extra=0, base=500)
+    other = block_tokens(3, BLOCK_SIZE, extra=0, base=500)
     make_pattern_rig(**staged).run(Req("q", other + [1]))
     again = make_pattern_rig(role=KVRole.CONSUMER, **staged)
-    b = Req("b", other + _tokens(1, base=200))
+    b = Req("b", other + block_tokens(1, BLOCK_SIZE, base=200))
     ext, s = again.admit(b)
     assert ext == 3 * BLOCK_SIZE
     again.poison(b)

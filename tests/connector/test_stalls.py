@@ -21,17 +21,14 @@ from layerkv.store.faults import (
     REMOVE,
 )
 from tests.connector.rig import BLOCK_SIZE, Req
+from tests.tokens import block_tokens
 
 STUCK_S = 8.0  # a read held this long (or until the test releases it): the stall a bound is compared with
 
 
-def _tokens(num_blocks: int, base: int = 0, extra: int = 1) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + extra))
-
-
 def test_a_given_up_load_writes_nothing_into_the_cache_afterwards(make_rig) -> None:
     rig = make_rig(num_layers=3, read_layers_per_range=2, load_timeout_s=0.3)
-    tokens = _tokens(3)
+    tokens = block_tokens(3, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", list(tokens))
     rig.faults[0].delay(GET_RANGES, 1.0, layer_idx=1, times=1)  # the group [1, 3) read is late
@@ -48,7 +45,7 @@ def test_a_given_up_load_writes_nothing_into_the_cache_afterwards(make_rig) -> N
 
 def test_loads_while_an_earlier_load_is_stuck_are_recomputed_at_once(make_rig) -> None:
     rig = make_rig(num_layers=3, transfer_plan="whole", load_timeout_s=0.3)
-    a_tokens, b_tokens = _tokens(2, base=0), _tokens(2, base=500)
+    a_tokens, b_tokens = block_tokens(2, BLOCK_SIZE, base=0), block_tokens(2, BLOCK_SIZE, base=500)
     rig.run(Req("pa", a_tokens))
     rig.run(Req("pb", b_tokens))
     a = Req("a", list(a_tokens))
@@ -73,14 +70,14 @@ def test_loads_while_an_earlier_load_is_stuck_are_recomputed_at_once(make_rig) -
 
 def test_each_load_failure_is_reported_once_in_the_speculative_decoding_hook_order(make_rig) -> None:
     rig = make_rig(num_layers=3)
-    tokens = _tokens(3)
+    tokens = block_tokens(3, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", list(tokens))
     rig.faults[0].fail(GET_RANGES, rig.keys(b, blocks=[1])[0], code=int(Code.TRANSFER_FAIL), layer_idx=1, times=1)
     _, s = rig.admit(b)
     invalid, steps = rig.worker_step([s], deferred=True)
     assert invalid == {b.block_ids[1]} and len(steps) == 1
-    c = Req("c", _tokens(2, base=300))
+    c = Req("c", block_tokens(2, BLOCK_SIZE, base=300))
     _, s = rig.admit(c)
     invalid, steps = rig.worker_step([s], deferred=True)
     assert invalid == set() and len(steps) == 1  # not the same failure again
@@ -92,7 +89,7 @@ def test_a_step_whose_load_settled_after_the_error_report_is_held_back(make_rig)
     reported with the errors read before it: the verdict would commit the saves of a request
     whose load failed. The step is held until its failures were reported."""
     rig = make_rig(num_layers=2)
-    tokens = _tokens(3)
+    tokens = block_tokens(3, BLOCK_SIZE)
     rig.run(Req("a", tokens))
     b = Req("b", list(tokens))
     key = rig.keys(b, blocks=[1])[0]
@@ -115,7 +112,7 @@ def test_a_step_whose_load_settled_after_the_error_report_is_held_back(make_rig)
 def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, backend) -> None:
     rig = make_rig(num_layers=3, transfer_plan="auto")
     rig.faults[0].delay(PUT_RANGES, 7.0, times=1)
-    a = Req("a", _tokens(3))
+    a = Req("a", block_tokens(3, BLOCK_SIZE))
     _, s = rig.admit(a)
     rig.worker_step([s])  # returns once the layers are copied; the write goes on
     rig.workers[0].shutdown()
@@ -126,13 +123,13 @@ def test_shutdown_with_a_slow_write_leaves_nothing_processing(make_rig, backend)
 
 def test_a_stuck_write_stalls_neither_loads_nor_later_steps(make_rig) -> None:
     rig = make_rig(num_layers=2, transfer_plan="auto", transfer_lanes=2, load_timeout_s=1.0, save_timeout_s=1.0)
-    pre = _tokens(4, base=100, extra=0)
+    pre = block_tokens(4, BLOCK_SIZE, base=100, extra=0)
     rig.run(Req("p", pre + [1]))
-    r1 = Req("r1", _tokens(8, base=200))
+    r1 = Req("r1", block_tokens(8, BLOCK_SIZE, base=200))
     rig.faults[0].delay(PUT_RANGES, 60.0, keys=rig.keys(r1, blocks=[7])[0], times=1)  # in the second lane's part
     _, s = rig.admit(r1)
     rig.worker_step([s])
-    c = Req("c", pre + _tokens(2, base=400))
+    c = Req("c", pre + block_tokens(2, BLOCK_SIZE, base=400))
     _, s = rig.admit(c)
     rig.poison(c)
     start = time.monotonic()
@@ -151,7 +148,7 @@ def test_a_hung_master_costs_one_bound_not_one_per_step(make_rig) -> None:
         faulty.delay(meta, 60.0)  # the master hangs (no TCP reset)
     times = []
     for i in range(4):
-        r = Req(f"r{i}", _tokens(5, base=100 + 50 * i))
+        r = Req(f"r{i}", block_tokens(5, BLOCK_SIZE, base=100 + 50 * i))
         start = time.monotonic()
         _, s = rig.admit(r)
         rig.worker_step([s])
@@ -167,7 +164,7 @@ def test_a_stalled_save_shows_its_staging_bytes_in_the_gauges_until_it_ends(make
     worker = rig.workers[0]
     assert worker.gauges()["staging_bytes_in_use"] == 0
     rig.faults[0].delay((PUT_RANGES, PUT_FROM), 1.0, times=1)  # the save's write holds its staging rows
-    a = Req("a", _tokens(2))
+    a = Req("a", block_tokens(2, BLOCK_SIZE))
     _, s = rig.admit(a)
     rig.step([s])  # wait_for_save does not wait for the write
     held = worker.gauges()

@@ -9,10 +9,7 @@ import time
 from layerkv.connector.worker import MAX_SAVES_IN_FLIGHT
 from layerkv.store.faults import PUT_RANGES
 from tests.connector.rig import BLOCK_SIZE, Req
-
-
-def _tokens(num_blocks: int, base: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK_SIZE + 1))
+from tests.tokens import block_tokens
 
 
 def _serve(rig, req: Req) -> None:  # type: ignore[no-untyped-def]
@@ -29,12 +26,12 @@ def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
     rig.faults[0].delay(PUT_RANGES, 60.0, times=1)  # the first step's object write never returns
     worker = rig.workers[0]
     start = time.monotonic()
-    _serve(rig, Req("r0", _tokens(4)))
+    _serve(rig, Req("r0", block_tokens(4, BLOCK_SIZE)))
     areas = worker._areas
     assert areas is not None
     held = areas.nbytes()
     for i in range(1, 6):  # 25 more steps that each have a block to save
-        _serve(rig, Req(f"r{i}", _tokens(4, base=100 * i)))
+        _serve(rig, Req(f"r{i}", block_tokens(4, BLOCK_SIZE, base=100 * i)))
     assert worker._areas is areas and areas.nbytes() == held  # fixed at start-up: never grows
     assert areas.saves.rows_in_use() <= MAX_SAVES_IN_FLIGHT  # the saves in flight hold one row each
     assert worker.stats().save_skipped_steps >= 25 - MAX_SAVES_IN_FLIGHT - 1  # all but those in flight behind the write

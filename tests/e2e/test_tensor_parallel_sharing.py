@@ -8,6 +8,8 @@ ranks, no pool). The pool's answer must be bit-identical to it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,16 +41,12 @@ def _given_producer_kv(oracle, producer: Engine, tp_size: int, prompt: list[int]
     workers = [CopyWorker(_heads_of(producer, tp_size, r)) for r in range(tp_size)]
     engine = Engine(
         oracle.model,
-        oracle.engine_config.__class__(**{**_fields(oracle.engine_config), "tp_size": tp_size, "kv_layout": "HND"}),
+        dataclasses.replace(oracle.engine_config, tp_size=tp_size, kv_layout="HND"),
         CopyScheduler(producer, BLOCK_SIZE),
         workers,
     )
     oracle.locals.append(engine)
     return engine.generate([prompt], MAX_TOKENS)[0]
-
-
-def _fields(config) -> dict:  # type: ignore[no-untyped-def]
-    return {f: getattr(config, f) for f in config.__dataclass_fields__}
 
 
 @BOTH_BACKENDS

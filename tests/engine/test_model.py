@@ -3,6 +3,7 @@ full layer, head mapping, paged cache writes and gathers."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -29,14 +30,10 @@ CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, hea
 
 
 def test_weights_are_a_function_of_the_seed() -> None:
-    a, b, c = init_weights(CFG), init_weights(CFG), init_weights(ModelConfig(**{**_fields(CFG), "seed": 2}))
+    a, b, c = init_weights(CFG), init_weights(CFG), init_weights(dataclasses.replace(CFG, seed=2))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
     assert a["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 8, 32)
-
-
-def _fields(cfg: ModelConfig) -> dict:
-    return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
 
 
 @pytest.mark.parametrize(
@@ -76,7 +73,7 @@ VARIANTS = {"gqa": {}, "mla": {"mla_latent_dim": 12}, "indexer": {"index_dim": 6
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_rank_partials_sum_to_the_unsharded_layer(tp_size: int, variant: str) -> None:
-    cfg = ModelConfig(**{**_fields(CFG), **VARIANTS[variant]})
+    cfg = dataclasses.replace(CFG, **VARIANTS[variant])
     weights = init_weights(cfg)
     full = RankShard(cfg, weights, 0, 1)
     shards = [RankShard(cfg, weights, r, tp_size) for r in range(tp_size)]
@@ -91,7 +88,7 @@ def test_cache_shapes_per_variant() -> None:
     names = CFG.layer_names
     assert names == ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
     assert cache_shapes(CFG, 1, 2, 10, 4) == {n: (2, 10, 4, 1, 8) for n in names}
-    mla = ModelConfig(**{**_fields(CFG), "mla_latent_dim": 12, "index_dim": 6, "num_mtp_layers": 1})
+    mla = dataclasses.replace(CFG, mla_latent_dim=12, index_dim=6, num_mtp_layers=1)
     shapes = cache_shapes(mla, 3, 4, 10, 4)
     assert list(shapes) == [
         "model.layers.0.self_attn.attn",
@@ -106,7 +103,7 @@ def test_cache_shapes_per_variant() -> None:
 
 
 def test_mtp_layers_do_not_change_the_main_weights() -> None:
-    base, mtp = init_weights(CFG), init_weights(ModelConfig(**{**_fields(CFG), "num_mtp_layers": 1}))
+    base, mtp = init_weights(CFG), init_weights(dataclasses.replace(CFG, num_mtp_layers=1))
     assert all(torch.equal(base[k], mtp[k]) for k in base)
     assert "model.mtp.layers.0.self_attn.q_proj.weight" in mtp
 
@@ -166,10 +163,10 @@ def test_hf_checkpoint_round_trip_gives_the_same_logits(tmp_path) -> None:  # ty
     from layerkv.engine import Engine
     from layerkv.engine.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 
-    cfg = ModelConfig(**{**_fields(CFG), "rope_theta": 500000.0, "rms_eps": 1e-5})
+    cfg = dataclasses.replace(CFG, rope_theta=500000.0, rms_eps=1e-5)
     save_hf_checkpoint(cfg, init_weights(cfg), tmp_path)
     loaded_cfg, weights = load_hf_checkpoint(tmp_path)
-    assert loaded_cfg == ModelConfig(**{**_fields(cfg), "seed": 0})  # the seed is not part of a checkpoint
+    assert loaded_cfg == dataclasses.replace(cfg, seed=0)  # the seed is not part of a checkpoint
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     ours = Engine(cfg).generate([prompt], max_tokens=3)[0]
     theirs = Engine(loaded_cfg, weights=weights).generate([prompt], max_tokens=3)[0]

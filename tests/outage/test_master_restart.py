@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from layerkv.config import LayerKVConfig
 from layerkv.engine import Engine, EngineConfig, ModelConfig
 from layerkv.engine.pooled import pooled_engine
 from layerkv.store.checked import CheckedStore
 from layerkv.store.faults import IS_EXIST, FaultyStore
 from layerkv.store.mooncake_master import start_master
+from tests.e2e.harness import assert_identical, serve
 from tests.mooncake_master import connect_store, require_mooncake
 
 MODEL = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=128)
@@ -24,17 +23,11 @@ PROMPTS = [PREFIX + [1, 2, 3], PREFIX + [4, 5, 6, 7]]
 
 
 def _serve(engine: Engine, prompts: list[list[int]]):  # type: ignore[no-untyped-def]
+    """Serve `prompts` one at a time, then shut the engine down."""
     try:
-        return [engine.generate([p], 3)[0] for p in prompts]
+        return serve(engine, prompts, 3)
     finally:
         engine.shutdown()
-
-
-def _same(got, want) -> bool:  # type: ignore[no-untyped-def]
-    return all(
-        a.token_ids == b.token_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-        for a, b in zip(got, want)
-    )
 
 
 def test_engine_serves_through_a_master_outage_and_uses_the_pool_after_restart() -> None:
@@ -51,7 +44,7 @@ def test_engine_serves_through_a_master_outage_and_uses_the_pool_after_restart()
 
     try:
         local = Engine(MODEL, ENGINE)  # same schedule as an engine that gets no pool hits
-        cold = [local.generate([p], 3)[0] for p in PROMPTS]
+        cold = serve(local, PROMPTS, 3)
         _serve(pooled_engine(MODEL, ENGINE, config, store_factory=store_factory), PROMPTS[:1])  # fill the pool
         warm = _serve(pooled_engine(MODEL, ENGINE, config, store_factory=store_factory), PROMPTS[1:])
         assert warm[0].num_external_tokens == 24
@@ -60,7 +53,7 @@ def test_engine_serves_through_a_master_outage_and_uses_the_pool_after_restart()
         faulty.clear_calls()
         down = _serve(pooled_engine(MODEL, ENGINE, config, store_factory=store_factory), PROMPTS)
         assert [o.num_external_tokens for o in down] == [0, 0]
-        assert _same(down, cold)  # served by recomputing, outputs exact
+        assert_identical(down, cold)  # served by recomputing, outputs exact
         # the scheduler's store asked the dead master once, then answered misses itself
         # (an outage was seen: the epoch moved; is_down() itself ends after the retry interval)
         assert stores[-2].outage_epoch > 0
@@ -75,7 +68,7 @@ def test_engine_serves_through_a_master_outage_and_uses_the_pool_after_restart()
         _serve(pooled_engine(MODEL, ENGINE, config, store_factory=store_factory), PROMPTS[:1])
         again = _serve(pooled_engine(MODEL, ENGINE, config, store_factory=store_factory), PROMPTS[1:])
         assert again[0].num_external_tokens == 24  # the pool is used again (objects were refilled)
-        assert _same(again, warm)
+        assert_identical(again, warm)
     finally:
         client.close()
         master.stop()

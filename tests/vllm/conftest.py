@@ -1,9 +1,11 @@
-"""Fixtures for the vLLM facade tests (see vllm_harness.py): `pool` is PoolNodes (pool_rig.py)
-on the embedded store and on the real Mooncake master (a module may define its own `pool`)."""
+"""Fixtures for the vLLM facade tests (see vllm_harness.py, worker_rig.py and recording_doubles.py):
+`pool` is PoolNodes (pool_rig.py) on the embedded store and on the real Mooncake master (a module
+may define its own `pool`)."""
 
 import pytest
 
-from tests.vllm.vllm_harness import clean_agent, doubles  # noqa: F401  (fixtures)
+from tests.vllm.recording_doubles import doubles  # noqa: F401  (a fixture)
+from tests.vllm.worker_rig import clean_agent  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(params=["embedded", "mooncake"])

@@ -15,8 +15,10 @@ import sys
 def main(config_path: str, tenant: str, seed: int, num_tokens: int) -> None:
     import vllm
 
-    from tests.vllm.pool_rig import Node, StandInModel, prompt
-    from tests.vllm.vllm_harness import make_engine, make_worker
+    from tests.tokens import prompt
+    from tests.vllm.pool_rig import Node, StandInModel
+    from tests.vllm.vllm_harness import make_engine
+    from tests.vllm.worker_rig import make_worker
 
     extra = {"tenant": tenant, "backend": "mooncake", "mooncake_config_path": config_path}
     engine = make_engine(extra=extra)

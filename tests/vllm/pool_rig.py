@@ -17,23 +17,11 @@ from typing import Any
 
 import torch
 
-from tests.vllm.vllm_harness import (
-    BLOCK_SIZE,
-    LAYERS,
-    Engine,
-    WorkerRig,
-    make_engine,
-    make_request,
-    make_worker,
-    runner_output,
-)
+from tests.vllm.vllm_harness import BLOCK_SIZE, LAYERS, Engine, make_engine, make_request, runner_output
+from tests.vllm.worker_rig import WorkerRig, make_worker
 
 SAMPLED_TOKEN = 7  # what runner_output samples for every request
 _tenants = itertools.count()
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 41 + k) % 500 + 3 for k in range(num_tokens)]
 
 
 def kv_rows(layer_idx: int, positions: torch.Tensor, tokens: torch.Tensor, heads: int, width: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ require_vllm()
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
-from tests.vllm.pool_rig import assert_blocks, produce, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import assert_blocks, produce  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 needs_034 = pytest.mark.skipif(

@@ -13,7 +13,8 @@ require_vllm()
 
 from layerkv.objects.keys import block_keys  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
-from tests.vllm.pool_rig import PoolNodes, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import PoolNodes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

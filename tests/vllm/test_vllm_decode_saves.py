@@ -10,7 +10,8 @@ from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 
 require_vllm()
 
-from tests.vllm.pool_rig import SAMPLED_TOKEN, assert_blocks, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import SAMPLED_TOKEN, assert_blocks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

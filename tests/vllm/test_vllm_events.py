@@ -12,7 +12,7 @@ from tests.vllm.vllm_harness import BLOCK_SIZE, require_vllm
 require_vllm()
 
 from layerkv.store.base import Code  # noqa: E402
-from tests.vllm.pool_rig import prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

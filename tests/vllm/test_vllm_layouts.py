@@ -22,7 +22,8 @@ from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
 from layerkv.integrations.vllm_setup import USABLE_LAYOUTS  # noqa: E402
 from layerkv.objects.layout import CacheLayout  # noqa: E402
 from tests.layouts import layers_adjacent  # noqa: E402
-from tests.vllm.pool_rig import PoolNodes, assert_blocks, expected_block, produce, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import PoolNodes, assert_blocks, expected_block, produce  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

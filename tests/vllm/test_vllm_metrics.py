@@ -17,7 +17,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from layerkv.connector.stats import Samples  # noqa: E402
 from layerkv.integrations.vllm import CounterDeltas, LayerKVConnector  # noqa: E402
-from tests.vllm.pool_rig import produce, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import produce  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -9,22 +9,16 @@ import time
 
 import pytest
 
-from tests.vllm.vllm_harness import (
-    LAYERS,
-    layerkv_child,
-    make_engine,
-    make_request,
-    make_worker,
-    require_vllm,
-    runner_output,
-)
+from tests.vllm.vllm_harness import LAYERS, layerkv_child, make_engine, make_request, require_vllm, runner_output
 
 require_vllm()
 
 import torch  # noqa: E402
 
 from layerkv.integrations import vllm_plugin  # noqa: E402
-from tests.vllm.pool_rig import Node, StandInModel, expected_block, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import Node, StandInModel, expected_block  # noqa: E402
+from tests.vllm.worker_rig import make_worker  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 _tenants = itertools.count()

@@ -17,7 +17,8 @@ import torch  # noqa: E402
 
 from layerkv.integrations.vllm import LayerKVConnector, LayerKVStats  # noqa: E402
 from layerkv.store.base import Code  # noqa: E402
-from tests.vllm.pool_rig import assert_blocks, expected_block, produce, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import assert_blocks, expected_block, produce  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.vllm_harness import clean_agent, require_vllm  # noqa: F401  (clean_agent: a fixture)
+from tests.vllm.vllm_harness import require_vllm
+from tests.vllm.worker_rig import clean_agent  # noqa: F401  (a fixture)
 
 require_vllm()
 
-from tests.vllm.pool_rig import assert_blocks, prompt  # noqa: E402
+from tests.tokens import prompt  # noqa: E402
+from tests.vllm.pool_rig import assert_blocks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from tests.tokens import prompt
 from tests.vllm.vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
 
 require_vllm()
@@ -15,10 +16,6 @@ from layerkv.integrations.vllm import LayerKVConnector, LayerKVMetadata  # noqa:
 from layerkv.messages import KVRole  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 37 + k) % 500 + 3 for k in range(num_tokens)]
 
 
 def block_ids_in_vllm(engine, req_id):

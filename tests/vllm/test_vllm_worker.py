@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, make_worker, require_vllm, runner_output
+from tests.tokens import prompt
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, require_vllm, runner_output
+from tests.vllm.worker_rig import make_worker
 
 require_vllm()
 
@@ -15,10 +17,6 @@ from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 LAYER_HOOKS = [c for name in LAYERS for c in (("wait_for_layer_load", name), ("save_kv_layer", name))]
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    return [(seed * 53 + k) % 500 + 3 for k in range(num_tokens)]
 
 
 def test_register_kv_caches_passes_vllm_tensors_and_num_blocks(doubles, clean_agent):
