@@ -123,7 +123,7 @@ def test_quantization_changes_the_namespace():
     both roles put in the namespace."""
     from vllm.config import ModelConfig
 
-    from layerkv.integrations.vllm.setup import model_fingerprint_of, model_settings_of
+    from layerkv.integrations.vllm.model_identity import model_fingerprint_of, model_settings_of
     from tests.vllm.vllm_harness import TINY_LLAMA, make_vllm_config
 
     plain, fp8 = make_vllm_config(), make_vllm_config()

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionS
 
 from layerkv.errors import ConfigError, UnsupportedSetupError  # noqa: E402
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
-from layerkv.integrations.vllm.setup import model_settings_of  # noqa: E402
+from layerkv.integrations.vllm.model_identity import model_settings_of  # noqa: E402
 from layerkv.messages import Deployment, KVRole  # noqa: E402
 
 pytestmark = pytest.mark.vllm
