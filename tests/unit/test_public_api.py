@@ -38,6 +38,7 @@ def test_the_vllm_module_path_names_the_connector_and_imports_no_vllm() -> None:
 
     code = (
         "import sys, layerkv.integrations.vllm as p, layerkv.integrations.vllm.plugin; "
+        "import layerkv.integrations.vllm_plugin; "  # the old entry point (vllm_plugin.py)
         "print(sorted(p.__all__), sorted(m for m in ('vllm', 'torch', 'layerkv.integrations.vllm.connector') "
         "if m in sys.modules), hasattr(p, 'OPEN_STORE'))"
     )
