@@ -110,7 +110,7 @@ class SchedulerStep:
     `requests`: every scheduled request, or (when `scheduled_req_ids` is given) only those that
     can concern the connector: every request new or resumed in this step and every one that
     completes a block in it. A decode step that completes no block then carries none, and costs
-    the connector nothing per running request (integrations/vllm_steps.py; an engine asked for
+    the connector nothing per running request (integrations/vllm/steps.py; an engine asked for
     every request, SchedulerConnector.needs_every_request, passes all of them)."""
 
     requests: tuple[ScheduledRequest, ...]

@@ -64,6 +64,11 @@ FORBIDDEN = {
     "layerkv.connector.scheduler": ["layerkv.connector.worker", "layerkv.connector.worker_jobs"],
     "layerkv.engine": ["layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos"],
     "layerkv.integrations": ["layerkv.bench", "layerkv.commands", "layerkv.demos"],
+    # vLLM's general plugin, loaded in every vLLM process before any connector: no layerkv module
+    # (the connector loads lazily; the package __init__ imports it only for type checking)
+    "layerkv.integrations.vllm.plugin": ["layerkv."],
+    # the prefill / decode proxy runs beside the engines, without vLLM
+    "layerkv.integrations.pd_proxy": ["layerkv.integrations.vllm"],
 }
 
 

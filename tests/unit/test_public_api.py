@@ -24,3 +24,22 @@ def test_import_needs_neither_torch_nor_vllm_nor_mooncake() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+VLLM_PUBLIC = ["LayerKVConnector", "LayerKVMetadata", "LayerKVStats"]
+
+
+def test_the_vllm_module_path_names_the_connector_and_imports_no_vllm() -> None:
+    """What users write: `kv_connector_module_path: layerkv.integrations.vllm` and `kv_connector:
+    LayerKVConnector` (vLLM imports the path, then getattr). Importing the package, or its plugin
+    (which vLLM loads in every process), loads no vllm; the connector's names load on access."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, layerkv.integrations.vllm as p, layerkv.integrations.vllm.plugin; "
+        "print(sorted(p.__all__), sorted(m for m in ('vllm', 'torch', 'layerkv.integrations.vllm.connector') "
+        "if m in sys.modules), hasattr(p, 'OPEN_STORE'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == f"{sorted(VLLM_PUBLIC)} [] False"

@@ -1,5 +1,5 @@
 """connector/stats.Samples, the per-step observations behind vLLM's histograms
-(integrations/vllm_metrics.py): drained by take, bounded when nobody takes them."""
+(integrations/vllm/metrics.py): drained by take, bounded when nobody takes them."""
 
 from __future__ import annotations
 

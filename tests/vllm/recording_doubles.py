@@ -129,12 +129,12 @@ class Doubles:
 @pytest.fixture
 def doubles(monkeypatch):
     """Make the facade build recording doubles instead of layerkv.connector's classes."""
-    import layerkv.integrations.vllm as facade
+    import layerkv.integrations.vllm.sides as sides
 
     monkeypatch.setattr(Doubles, "schedulers", [])
     monkeypatch.setattr(Doubles, "workers", [])
     monkeypatch.setattr(RecordingScheduler, "pool_hashes", set())
     monkeypatch.setattr(RecordingScheduler, "ask_again", set())
-    monkeypatch.setattr(facade, "SCHEDULER_SIDE", RecordingScheduler)
-    monkeypatch.setattr(facade, "WORKER_SIDE", RecordingWorker)
+    monkeypatch.setattr(sides, "SCHEDULER_SIDE", RecordingScheduler)
+    monkeypatch.setattr(sides, "WORKER_SIDE", RecordingWorker)
     return Doubles

@@ -34,7 +34,7 @@ def _exists(node, hashes) -> list[int]:
 def _faulty_stores(monkeypatch) -> list:
     """Every store the vLLM facade opens from now on, wrapped in a FaultyStore (in opening order:
     the scheduler's, then the worker's)."""
-    import layerkv.integrations.vllm as facade
+    import layerkv.integrations.vllm.sides as sides
     from layerkv.store.checked import CheckedStore
     from layerkv.store.factory import open_store
     from layerkv.store.faults import FaultyStore
@@ -45,7 +45,7 @@ def _faulty_stores(monkeypatch) -> list:
         faulty.append(FaultyStore(open_store(config)))
         return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
 
-    monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
+    monkeypatch.setattr(sides, "OPEN_STORE", open_faulty_store)
     return faulty
 
 
@@ -124,7 +124,7 @@ def test_quantization_changes_the_namespace():
     both roles put in the namespace."""
     from vllm.config import ModelConfig
 
-    from layerkv.integrations.vllm_setup import model_fingerprint_of, model_settings_of
+    from layerkv.integrations.vllm.model_identity import model_fingerprint_of, model_settings_of
     from tests.vllm.vllm_harness import TINY_LLAMA, make_vllm_config
 
     plain, fp8 = make_vllm_config(), make_vllm_config()

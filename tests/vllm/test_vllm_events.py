@@ -71,7 +71,7 @@ def test_committed_blocks_are_announced_with_their_tokens(pool):
 def test_a_block_whose_load_failed_is_announced_removed(pool, monkeypatch):
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    import layerkv.integrations.vllm as facade
+    import layerkv.integrations.vllm.sides as sides
     from layerkv.store.checked import CheckedStore
     from layerkv.store.factory import open_store
     from layerkv.store.faults import GET_RANGES, FaultyStore
@@ -87,7 +87,7 @@ def test_a_block_whose_load_failed_is_announced_removed(pool, monkeypatch):
         faulty.append(FaultyStore(open_store(config)))
         return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
 
-    monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
+    monkeypatch.setattr(sides, "OPEN_STORE", open_faulty_store)
     consumer, events = _node(pool, extra={"transfer_plan": "layers"})
     _, worker_faults = faulty  # built in this order: scheduler, worker
     request = consumer.add("c", tokens)

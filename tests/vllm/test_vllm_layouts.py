@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from layerkv.errors import LayoutError, UnsupportedSetupError  # noqa: E402
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
-from layerkv.integrations.vllm_setup import USABLE_LAYOUTS  # noqa: E402
+from layerkv.integrations.vllm.setup import USABLE_LAYOUTS  # noqa: E402
 from layerkv.objects.layout import CacheLayout  # noqa: E402
 from tests.layouts import layers_adjacent  # noqa: E402
 from tests.tokens import prompt  # noqa: E402

@@ -16,7 +16,8 @@ require_vllm()
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 
 from layerkv.connector.stats import Samples  # noqa: E402
-from layerkv.integrations.vllm import CounterDeltas, LayerKVConnector  # noqa: E402
+from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
+from layerkv.integrations.vllm.metrics import CounterDeltas  # noqa: E402
 from tests.tokens import prompt  # noqa: E402
 from tests.vllm.pool_rig import produce  # noqa: E402
 
@@ -221,7 +222,7 @@ def test_steps_that_change_nothing_but_the_step_count_report_nothing_until_somet
     """vLLM asks for stats every step: a decode step that moved nothing gives it no payload; the
     held step count goes out with the next change, or after MAX_HELD_STEPS such steps."""
     from layerkv.connector.stats import WorkerStats
-    from layerkv.integrations.vllm_metrics import MAX_HELD_STEPS
+    from layerkv.integrations.vllm.metrics import MAX_HELD_STEPS
 
     stats, deltas = WorkerStats(), CounterDeltas()
     assert deltas.take(stats) == {}

@@ -15,7 +15,7 @@ require_vllm()
 
 import torch  # noqa: E402
 
-from layerkv.integrations import vllm_plugin  # noqa: E402
+import layerkv.integrations.vllm.plugin as vllm_plugin  # noqa: E402
 from tests.tokens import prompt  # noqa: E402
 from tests.vllm.pool_rig import Node, StandInModel, expected_block  # noqa: E402
 from tests.vllm.worker_rig import make_worker  # noqa: E402
@@ -229,10 +229,10 @@ def test_two_layerkv_children_on_one_pool_promise_once(clean_agent):
 
 
 def test_a_decode_server_reads_the_promise_meant_for_its_pool():
-    """What a decode server's connector reads (integrations/vllm_pools.py): its pool's key, else
+    """What a decode server's connector reads (integrations/vllm/pools.py): its pool's key, else
     the plain key a client may send, else the only pool's key (a prefill server that names the
     same master by another address)."""
-    from layerkv.integrations.vllm_pools import promise_read
+    from layerkv.integrations.vllm.pools import promise_read
 
     mine, other, third = promise_keys_of("a", "b", "c")
     assert promise_read({mine: 32, other: 48}, mine) == 32

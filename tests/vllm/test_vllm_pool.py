@@ -171,7 +171,7 @@ def test_request_aborted_mid_step_leaves_no_sessions(pool):
 
 
 def test_load_failure_is_recomputed_by_vllm_from_first_invalid_block(pool, monkeypatch):
-    import layerkv.integrations.vllm as facade
+    import layerkv.integrations.vllm.sides as sides
     from layerkv.store.checked import CheckedStore
     from layerkv.store.factory import open_store
     from layerkv.store.faults import GET_RANGES, FaultyStore
@@ -185,7 +185,7 @@ def test_load_failure_is_recomputed_by_vllm_from_first_invalid_block(pool, monke
         faulty.append(FaultyStore(open_store(config)))
         return CheckedStore(faulty[-1], max_batch_keys=config.max_transfer_blocks)
 
-    monkeypatch.setattr(facade, "OPEN_STORE", open_faulty_store)
+    monkeypatch.setattr(sides, "OPEN_STORE", open_faulty_store)
     consumer = pool.node(extra={"transfer_plan": "layers"})  # the fault is on layer 1's read
     _, worker_faults = faulty  # built in this order: scheduler, worker
     request = consumer.add("c", tokens)

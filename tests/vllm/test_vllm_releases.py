@@ -30,16 +30,17 @@ PREVIOUS = ROOT / ".vllm-0.33"  # make test installs vLLM 0.33.0 here (Makefile 
 
 
 def other_release_path() -> str:
-    """The PYTHONPATH under which a child process imports the other release."""
+    """The PYTHONPATH under which a child process imports the other release, and this checkout's
+    layerkv (src/ first: an editable install may point at another checkout)."""
     this = importlib.metadata.version("vllm")
     if this.startswith("0.34."):
         if not (PREVIOUS / "vllm").is_dir():
             if os.environ.get("CI"):
                 raise RuntimeError(f"{PREVIOUS} is missing: `make test` installs vLLM 0.33.0 there")
             pytest.skip(f"no vLLM 0.33.0 in {PREVIOUS} (make test installs it)")
-        return f"{PREVIOUS}{os.pathsep}{ROOT}"
+        return os.pathsep.join((str(PREVIOUS), str(ROOT / "src"), str(ROOT)))
     if this.startswith("0.33."):  # this run put 0.33.0 first on PYTHONPATH: site-packages hold 0.34.0
-        return str(ROOT)
+        return os.pathsep.join((str(ROOT / "src"), str(ROOT)))
     pytest.skip(f"vLLM {this}: the release pair is 0.33 / 0.34")
 
 

@@ -188,7 +188,7 @@ def test_a_lookup_that_asks_again_leaves_the_request_waiting_and_schedules_the_o
 @pytest.mark.parametrize("sent", ["own pool", "plain", "one other pool", "two other pools"])
 def test_the_core_reads_the_promise_meant_for_its_pool(doubles, sent):
     """The facade hands the neutral core the promise (layerkv_prefix_tokens) that the client's
-    kv_transfer_params name for this connector's pool (integrations/vllm_pools.py)."""
+    kv_transfer_params name for this connector's pool (integrations/vllm/pools.py)."""
     from layerkv.config import LayerKVConfig
     from layerkv.connector.prefill_wait import pool_promise_key
     from layerkv.store.factory import pool_identity

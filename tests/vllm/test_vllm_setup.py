@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionS
 
 from layerkv.errors import ConfigError, UnsupportedSetupError  # noqa: E402
 from layerkv.integrations.vllm import LayerKVConnector  # noqa: E402
-from layerkv.integrations.vllm_setup import model_settings_of  # noqa: E402
+from layerkv.integrations.vllm.model_identity import model_settings_of  # noqa: E402
 from layerkv.messages import Deployment, KVRole  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -107,7 +107,7 @@ def test_full_cudagraphs_is_retired_with_a_startup_message(doubles, kv_role, cap
 def test_the_steps_vllm_may_replay_whole_are_read_from_its_cudagraph_mode(mode, eager, expected):
     from vllm.config import CUDAGraphMode
 
-    from layerkv.integrations.vllm_setup import replayed_steps
+    from layerkv.integrations.vllm.setup import replayed_steps
 
     vllm_config = make_vllm_config()
     vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
@@ -256,7 +256,7 @@ def test_embedded_backend_across_processes_is_refused_with_the_fix(doubles):
 )
 def test_embedded_pool_only_where_scheduler_and_worker_share_a_process(executor, world_size, shared):
     from layerkv.config import LayerKVConfig
-    from layerkv.integrations.vllm_setup import check_pool_shared
+    from layerkv.integrations.vllm.setup import check_pool_shared
 
     vllm_config = make_vllm_config()
     object.__setattr__(vllm_config.parallel_config, "distributed_executor_backend", executor)
@@ -275,7 +275,7 @@ def test_a_shared_pool_refuses_xxhash_block_hashes_unless_acknowledged(algo):
     start-up (crafted prompts could collide with another user's prefix), naming the fix."""
     from layerkv.config import LayerKVConfig
     from layerkv.errors import ConfigError
-    from layerkv.integrations.vllm_setup import check_pool_shared
+    from layerkv.integrations.vllm.setup import check_pool_shared
 
     vllm_config = make_vllm_config()
     check_pool_shared(LayerKVConfig(backend="mooncake"), vllm_config)  # sha256, vLLM's default
@@ -293,7 +293,7 @@ def test_a_shared_pool_refuses_xxhash_block_hashes_unless_acknowledged(algo):
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.1.dev4+g1a2b3c", "0.34.0", "0.34.1"])
 def test_supported_vllm_versions_pass(version):
-    from layerkv.integrations.vllm_version import check_vllm_version
+    from layerkv.integrations.vllm.version import check_vllm_version
 
     check_vllm_version(version)
 
@@ -301,7 +301,7 @@ def test_supported_vllm_versions_pass(version):
 @pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "0.35.0rc1", "1.0.0", "dev", ""])
 def test_other_vllm_versions_are_refused_naming_the_supported_ones(version):
     from layerkv.errors import EngineVersionError
-    from layerkv.integrations.vllm_version import check_vllm_version
+    from layerkv.integrations.vllm.version import check_vllm_version
 
     with pytest.raises(
         EngineVersionError,
@@ -318,7 +318,7 @@ def test_importing_the_facade_under_an_unsupported_vllm_fails_at_import(monkeypa
 
     import vllm
 
-    import layerkv.integrations.vllm_version as vllm_version
+    import layerkv.integrations.vllm.version as vllm_version
     from layerkv.errors import EngineVersionError
 
     assert vllm.__version__.startswith(("0.32.", "0.33.", "0.34."))

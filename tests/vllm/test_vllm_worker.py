@@ -110,7 +110,7 @@ def test_stats_aggregate_across_ranks_and_reach_prometheus():
 
 def test_counter_deltas_turn_cumulative_core_stats_into_per_step_counters():
     from layerkv.connector.stats import WorkerStats
-    from layerkv.integrations.vllm import CounterDeltas
+    from layerkv.integrations.vllm.metrics import CounterDeltas
 
     deltas, stats = CounterDeltas("scheduler_"), WorkerStats(load_blocks=2, loaded_bytes=100)
     assert deltas.take(stats) == {"scheduler_load_blocks": 2, "scheduler_loaded_bytes": 100}

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import layerkv.integrations.vllm as facade
+import layerkv.integrations.vllm.sides as sides
 from layerkv.integrations.vllm import LayerKVConnector
 from layerkv.store.checked import CheckedStore
 from layerkv.store.factory import open_store
@@ -37,7 +37,7 @@ def _open_faulty_store(config: Any) -> CheckedStore:
     )
 
 
-facade.OPEN_STORE = _open_faulty_store  # this process's connectors (vLLM imports us in each)
+sides.OPEN_STORE = _open_faulty_store  # this process's connectors (vLLM imports us in each)
 
 
 class FaultyLayerKVConnector(LayerKVConnector):

@@ -2,7 +2,7 @@
 a block is stored once its step's verdict commits its objects (never when planned: a revoked
 save was never readable), removed when a load of it failed (the pool lost it, or it failed its
 checks), and all are cleared at a cache reset (a new epoch: nothing before is served). Scheduler
-side, the scheduler thread only; engine-neutral (integrations/vllm_events.py makes vLLM's)."""
+side, the scheduler thread only; engine-neutral (integrations/vllm/events.py makes vLLM's)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ lookup reads (COMPLETE objects, verified per layer).
 In vLLM each connector names its promise under its own pool's key, `pool_promise_key`
 (PREFIX_TOKENS@<digest of the pool>): vLLM's MultiConnector refuses a key two of its connectors
 return, and a decode server on one of several pools must find the promise meant for it
-(integrations/vllm_pools.py maps the keys to PREFIX_TOKENS, which this module reads).
+(integrations/vllm/pools.py maps the keys to PREFIX_TOKENS, which this module reads).
 
 Polls of one request are at most one per POLL_S (a waiting request costs the engine's loop no
 store round trip in between). Scheduler thread only.

@@ -107,7 +107,7 @@ class WorkerStats:
 
 _worker_values = operator.attrgetter(*(f.name for f in dataclasses.fields(WorkerStats)))
 
-# Per-step observations (Samples names): histograms in vLLM's Prometheus (integrations/vllm_metrics.py).
+# Per-step observations (Samples names): histograms in vLLM's Prometheus (integrations/vllm/metrics.py).
 LOAD_WAIT_S = "load_wait_s"  # worker, per step with a load: compute thread time waiting for layers
 LOAD_TRANSFER_S = "load_transfer_s"  # worker, per load job that read every layer: its start to its last layer read
 SAVE_TRANSFER_S = "save_transfer_s"  # worker, per save job that wrote: time inside the store's write calls

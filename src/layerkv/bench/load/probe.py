@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", re.M)
-# layerkv's gauges (integrations/vllm_metrics.py): all 0 when nothing is in flight
+# layerkv's gauges (integrations/vllm/metrics.py): all 0 when nothing is in flight
 LAYERKV_GAUGES = ("vllm:layerkv_pending_puts", "vllm:layerkv_staging_bytes_in_use", "vllm:layerkv_running_jobs")
 VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 # the master's counters behind the put balance: (single-key name, batch name)

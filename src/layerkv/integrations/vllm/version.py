@@ -1,5 +1,5 @@
-"""Which vLLM versions the facade supports, checked when any `integrations/vllm*.py` module is
-imported (each imports this one before anything else from vllm). No state, no threads.
+"""Which vLLM versions the facade supports, checked when any `integrations/vllm/` module that uses
+vllm is imported (each imports this one before any other layerkv module that uses vllm). No state, no threads.
 
 The facade uses vLLM's v1 connector API, the physical KV cache layouts of
 `vllm/v1/kv_cache_layout.py` and the v1 Scheduler's stats path. Tested: vLLM 0.34.0 and 0.33.0

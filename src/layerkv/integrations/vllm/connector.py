@@ -1,8 +1,9 @@
-"""vLLM v1 facade: `LayerKVConnector(KVConnectorBase_V1)`. Only `integrations/vllm*.py` import
-vllm: setup checks in vllm_setup.py, step translation in vllm_steps.py, counters in
-vllm_metrics.py. Translates vLLM's types into `layerkv.messages` and delegates every hook to the
-engine-neutral scheduler or worker connector (`layerkv.connector`). The scheduler role runs on vLLM's engine
-core thread; the worker role on each worker's model-runner thread (one instance per rank).
+"""vLLM v1 facade: `LayerKVConnector(KVConnectorBase_V1)`. Only `integrations/vllm/` imports
+vllm: setup checks in setup.py, step translation in steps.py, counters in metrics.py; the store
+and the neutral sides it builds come from sides.py. Translates vLLM's types into
+`layerkv.messages` and delegates every hook to the engine-neutral scheduler or worker connector
+(`layerkv.connector`). The scheduler role runs on vLLM's engine core thread; the worker role on
+each worker's model-runner thread (one instance per rank).
 
 Load with: --kv-transfer-config '{"kv_connector": "LayerKVConnector",
   "kv_connector_module_path": "layerkv.integrations.vllm", "kv_role": "kv_both",
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,17 +28,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+import layerkv.integrations.vllm.sides as sides
+import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.config import LayerKVConfig
-from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.connector.hybrid import GroupedPlan, GroupedScheduler, GroupedWorker
 from layerkv.connector.prefill_wait import pool_promise_key
 from layerkv.errors import ConfigError
-from layerkv.integrations.vllm_events import VllmPoolEvents
-from layerkv.integrations.vllm_metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of, hit_source
-from layerkv.integrations.vllm_plugin import register as _register_connector_name
-from layerkv.integrations.vllm_pools import promise_named
-from layerkv.integrations.vllm_setup import (
+from layerkv.integrations.vllm.events import VllmPoolEvents
+from layerkv.integrations.vllm.metrics import CounterDeltas, LayerKVPromMetrics, LayerKVStats, counters_of, hit_source
+from layerkv.integrations.vllm.plugin import register as _register_connector_name
+from layerkv.integrations.vllm.pools import promise_named
+from layerkv.integrations.vllm.setup import (
     check_cudagraphs,
     check_pool_shared,
     check_supported,
@@ -47,14 +48,14 @@ from layerkv.integrations.vllm_setup import (
     replayed_steps,
     required_kv_cache_layout,
 )
-from layerkv.integrations.vllm_steps import (
+from layerkv.integrations.vllm.steps import (
     LayerKVMetadata,
     LayerKVWorkerMeta,
     StepTranslator,
     request_view,
     skips_external_kv,
 )
-from layerkv.messages import Deployment, RequestView, WorkerReport
+from layerkv.messages import RequestView, WorkerReport
 from layerkv.store.factory import pool_identity
 
 __all__ = [
@@ -86,33 +87,6 @@ if TYPE_CHECKING:
     from layerkv.store.checked import CheckedStore
 
 
-def open_connector_store(config: LayerKVConfig) -> CheckedStore:
-    """The store client one connector instance uses (and closes on `shutdown`): a CheckedStore
-    over `config.backend`. The embedded backend is process-wide, so a scheduler and a worker in
-    one process see the same objects; Mooncake opens one client per connector."""
-    from layerkv.store.factory import open_checked_store
-
-    return open_checked_store(config)
-
-
-def _default_scheduler_side(config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> SchedulerHooks:
-    from layerkv.connector import SchedulerConnector
-
-    return SchedulerConnector(config, deployment, store)
-
-
-def _default_worker_side(config: LayerKVConfig, deployment: Deployment, store: CheckedStore) -> WorkerHooks:
-    from layerkv.connector.shards import worker_connector
-
-    return worker_connector(config, deployment, store)
-
-
-# How the facade opens its store and builds the engine-neutral sides. Tests wrap OPEN_STORE to
-# inject faults (CheckedStore(FaultyStore(...))) and replace the sides with recording doubles.
-OPEN_STORE: Callable[[LayerKVConfig], CheckedStore] = open_connector_store
-SCHEDULER_SIDE: Callable[[LayerKVConfig, Deployment, CheckedStore], SchedulerHooks] = _default_scheduler_side
-WORKER_SIDE: Callable[[LayerKVConfig, Deployment, CheckedStore], WorkerHooks] = _default_worker_side
-
 # vLLM's MultiConnector finds its children's stats classes by name; the entry point plugin
 # registers the name in every vLLM process, this covers an install without entry points.
 _register_connector_name()
@@ -133,7 +107,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         check_pool_shared(config, vllm_config)
         self.deployment = deployment_from(vllm_config, kv_cache_config, role)
         check_cudagraphs(config, self.deployment.role)
-        self._promise_key = pool_promise_key(pool_identity(config))  # one key per pool (integrations/vllm_pools.py)
+        self._promise_key = pool_promise_key(pool_identity(config))  # one key per pool (integrations/vllm/pools.py)
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         # a running request concerns the connector only in a step where it completes a block
@@ -146,16 +120,16 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._moves = False  # worker: this step's plan loads or saves (else the per-layer hooks return at once)
         self._deltas = CounterDeltas("scheduler_" if role is KVConnectorRole.SCHEDULER else "")
         events_on = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-        # what the pool holds, for KV-aware routers (integrations/vllm_events.py), when vLLM publishes events
+        # what the pool holds, for KV-aware routers (integrations/vllm/events.py), when vLLM publishes events
         self._events = (
             VllmPoolEvents(self.deployment.block_size) if events_on and role is KVConnectorRole.SCHEDULER else None
         )
-        self._store: CheckedStore | None = OPEN_STORE(config)
+        self._store: CheckedStore | None = sides.OPEN_STORE(config)
         try:
             if role is KVConnectorRole.SCHEDULER:
                 # vLLM's null block (id 0) stands for a sliding-window block outside the window
                 self._scheduler = GroupedScheduler(
-                    [SCHEDULER_SIDE(config, d, self._store) for d in deployments],
+                    [sides.SCHEDULER_SIDE(config, d, self._store) for d in deployments],
                     skip_block_ids=frozenset({0}) if any(d.window_blocks for d in deployments) else frozenset(),
                     windows=[d.window_blocks for d in deployments],
                     load_async=load_async,
@@ -163,7 +137,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             else:
                 self._worker = GroupedWorker(
-                    [WORKER_SIDE(config, d, self._store) for d in deployments],
+                    [sides.WORKER_SIDE(config, d, self._store) for d in deployments],
                     [g.layer_names for g in kv_cache_config.kv_cache_groups],
                     load_async=load_async,
                 )
@@ -362,7 +336,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counter changes, per-step samples and (while non-zero or changed) gauges since the
         previous call (vLLM calls this once per step on each worker and on the scheduler;
-        integrations/vllm_metrics.py); None when there is nothing."""
+        integrations/vllm/metrics.py); None when there is nothing."""
         side = self._worker if self._worker is not None else self._scheduler
         data: dict[str, Any] = dict(
             self._deltas.take(side.stats() if side is not None else None)
@@ -372,7 +346,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """vLLM's `prompt_tokens_cached_by_source`: every pool token from the backend's tier
-        (vllm_metrics.hit_source: embedded HOST, mooncake P2P); {} for none. Scheduler thread."""
+        (metrics.hit_source: embedded HOST, mooncake P2P); {} for none. Scheduler thread."""
         return {self._pool_hit_source: num_external_tokens} if num_external_tokens > 0 else {}
 
     @functools.cached_property

@@ -16,7 +16,7 @@ from vllm.distributed.kv_events import MEDIUM_STORAGE, AllBlocksCleared, BlockRe
 from vllm.v1.core.kv_cache_utils import BlockHash as VllmBlockHash
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.connector.events import PoolEvent, PoolEventKind
 from layerkv.messages import BlockHash, ReqId
 

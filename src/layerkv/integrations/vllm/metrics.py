@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.config import LayerKVConfig
 from layerkv.connector import stats as core_stats
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.connector.prefill_wait import PREFIX_TOKENS
-from layerkv.integrations.vllm_pools import promise_read
+from layerkv.integrations.vllm.pools import promise_read
 from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep
 
 if TYPE_CHECKING:
@@ -24,10 +24,10 @@ def request_view(request: Request, promise_key: str | None = None) -> RequestVie
     """`request.block_hashes` already chain the cache salt, LoRA id and multimodal hashes;
     `kv_transfer_params` is what the client sent (a prefill server's promise, from a proxy); with
     `promise_key` (this connector's pool's key) the promise meant for this pool is what the
-    neutral side reads under PREFIX_TOKENS (integrations/vllm_pools.py)."""
+    neutral side reads under PREFIX_TOKENS (integrations/vllm/pools.py)."""
     params = getattr(request, "kv_transfer_params", None)
     if promise_key is not None and isinstance(params, Mapping):
-        promise = promise_read(params, promise_key)  # integrations/vllm_pools.py
+        promise = promise_read(params, promise_key)  # integrations/vllm/pools.py
         if promise is not None:
             params = {**params, PREFIX_TOKENS: promise}
     return RequestView(

@@ -1,7 +1,8 @@
 """vLLM setup checks and the neutral `Deployment` of a vLLM instance: which vLLM configurations
 layerkv supports (versions, KV cache layouts, where the pool lives), and the per-layer cache
-signature both vLLM roles compute alike. Called once per connector instance at construction
-(scheduler role on the engine core, worker role on each worker); no state.
+signature both vLLM roles compute alike (the model's identity in it: model_identity.py). Called
+once per connector instance at construction (scheduler role on the engine core, worker role on
+each worker); no state.
 """
 
 from __future__ import annotations
@@ -10,17 +11,16 @@ import dataclasses
 import hashlib
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-import layerkv.integrations.vllm_version  # noqa: F401  (refuses an unsupported vLLM first)
+import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.errors import ConfigError, UnsupportedSetupError
+from layerkv.integrations.vllm.model_identity import model_fingerprint_of, model_settings_of
 from layerkv.messages import Deployment, KVRole
-from layerkv.objects.fingerprint import checkpoint_fingerprint, settings_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,6 +40,17 @@ _SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """Raise `UnsupportedSetupError` naming every setup the neutral connector cannot express."""
+    problems = _kv_cache_problems(vllm_config, kv_cache_config) + _execution_problems(vllm_config)
+    layout_problem = _layout_problem(vllm_config, kv_cache_config)
+    if layout_problem:
+        problems.append(layout_problem)
+    if problems:
+        raise UnsupportedSetupError("layerkv cannot run this vLLM setup: " + "; ".join(problems))
+
+
+def _kv_cache_problems(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[str]:
+    """What in the KV cache groups layerkv cannot name or move: no group, hybrid groups it cannot
+    key alike, layer specs it does not support, blocks hashed at another size."""
     problems: list[str] = []
     groups = kv_cache_config.kv_cache_groups
     if not groups:
@@ -76,6 +87,21 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
                 f"per-layer KV specs differ within one group ({len({_spec_text(s, 1) for s in specs})} shapes): "
                 "vLLM's scheduler sees only one of them, so layerkv cannot name the objects"
             )
+    if groups:
+        block_size = groups[0].kv_cache_spec.block_size
+        hash_block_size = kv_cache_config.hash_block_size
+        if hash_block_size not in (None, block_size):
+            problems.append(
+                f"hash_block_size={hash_block_size} differs from the KV block size {block_size}; "
+                "layerkv keys one object per KV block"
+            )
+    return problems
+
+
+def _execution_problems(vllm_config: VllmConfig) -> list[str]:
+    """How vLLM would run the model that layerkv's per-layer hooks cannot follow: context
+    parallelism, micro-batching, an encoder-decoder model."""
+    problems: list[str] = []
     parallel = vllm_config.parallel_config
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
         size = getattr(parallel, name, 1)
@@ -89,19 +115,7 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         )
     if vllm_config.model_config.is_encoder_decoder:
         problems.append("encoder-decoder models (cross-attention KV is not prefix-addressed)")
-    if groups:
-        block_size = groups[0].kv_cache_spec.block_size
-        hash_block_size = kv_cache_config.hash_block_size
-        if hash_block_size not in (None, block_size):
-            problems.append(
-                f"hash_block_size={hash_block_size} differs from the KV block size {block_size}; "
-                "layerkv keys one object per KV block"
-            )
-    layout_problem = _layout_problem(vllm_config, kv_cache_config)
-    if layout_problem:
-        problems.append(layout_problem)
-    if problems:
-        raise UnsupportedSetupError("layerkv cannot run this vLLM setup: " + "; ".join(problems))
+    return problems
 
 
 # --------------------------------------------------------------------------- KV cache layouts
@@ -287,58 +301,6 @@ def _parallel_ranks(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int
             f"pipeline_parallel_size={parallel.pipeline_parallel_size}): its rank is unknown"
         )
     return 0, 0
-
-
-# hf_config keys that name the checkpoint, not its KV values
-_UNRELATED_HF_KEYS = frozenset(
-    {"_name_or_path", "_commit_hash", "transformers_version", "_attn_implementation_autoset"}
-)
-
-
-def model_fingerprint_of(vllm_config: VllmConfig) -> str:
-    """The weights' identity: the pinned revision, else the HF snapshot's commit, else a
-    fingerprint of the local checkpoint files; '' when none can be found (logged: a user
-    should then pin `model_fingerprint`)."""
-    model = vllm_config.model_config
-    if model.revision:
-        return f"revision={model.revision}"
-    path = Path(str(model.model))
-    if not path.exists():
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = Path(snapshot_download(str(model.model), local_files_only=True))
-            return f"snapshot={path.name}"  # the snapshot directory is named by its commit
-        except Exception:  # noqa: BLE001 - no local snapshot: nothing to fingerprint
-            log.warning(
-                "layerkv: no revision and no local checkpoint for %s: objects are keyed by the model id "
-                "only; set model_fingerprint in kv_connector_extra_config to pin the weights",
-                model.model,
-            )
-            return ""
-    fingerprint = checkpoint_fingerprint(path)
-    return f"files={fingerprint}" if fingerprint else ""
-
-
-def model_settings_of(vllm_config: VllmConfig) -> str:
-    """Digest of what changes KV bytes besides the weights: the model config after
-    hf_overrides (rope, layer count, quantization config, ...), the quantization method, the
-    KV cache dtype and scale calculation, and speculative (draft / MTP) layers."""
-    model = vllm_config.model_config
-    hf = {k: v for k, v in model.hf_config.to_dict().items() if k not in _UNRELATED_HF_KEYS}
-    spec = vllm_config.speculative_config
-    return settings_digest(
-        {
-            "hf_config": hf,
-            "dtype": str(model.dtype),
-            "quantization": model.quantization,
-            "cache_dtype": vllm_config.cache_config.cache_dtype,
-            "calculate_kv_scales": getattr(vllm_config.cache_config, "calculate_kv_scales", None),
-            "speculative": None
-            if spec is None
-            else {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens},
-        }
-    )
 
 
 def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole) -> Deployment:
