@@ -71,21 +71,29 @@ def audited_steps(path: Path) -> list[dict[str, Any]]:
     return steps
 
 
-def main() -> int:
+ENV_DEFAULTS = (
+    ("VLLM_CPU_KVCACHE_SPACE", "1"),
+    ("MC_TCP_BIND_ADDRESS", "127.0.0.1"),
+    ("VLLM_HOST_IP", "127.0.0.1"),
+    ("VLLM_NO_USAGE_STATS", "1"),
+    ("HF_HUB_OFFLINE", "1"),
+    ("VLLM_CPU_OMP_THREADS_BIND", "0,1"),
+)
+Row = tuple[str, list[float], float | None, list[dict[str, Any]], collections.Counter[str]]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--suffix-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--plans", nargs="+", default=["auto", "groups4", "layers", "whole"], choices=sorted(PLANS))
-    args = parser.parse_args()
-    for name, value in (
-        ("VLLM_CPU_KVCACHE_SPACE", "1"),
-        ("MC_TCP_BIND_ADDRESS", "127.0.0.1"),
-        ("VLLM_HOST_IP", "127.0.0.1"),
-        ("VLLM_NO_USAGE_STATS", "1"),
-        ("HF_HUB_OFFLINE", "1"),
-        ("VLLM_CPU_OMP_THREADS_BIND", "0,1"),
-    ):
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    for name, value in ENV_DEFAULTS:
         os.environ.setdefault(name, value)
 
     from layerkv.store.local_master import LocalMaster
@@ -106,27 +114,41 @@ def main() -> int:
                 ttft_ms(producer, prefix)
             producer.llm_engine.engine_core.shutdown()
             for name in args.plans:
-                audit = Path(tmp) / f"audit-{name}.jsonl"
-                consumer = engine(
-                    model, "kv_consumer", max_len, {"range_debug": True, "range_debug_path": str(audit), **PLANS[name]}
-                )
-                ttft_ms(consumer, tokens(7, 256))
-                ttft_ms(consumer, prefixes[n] + tokens(4999, args.suffix_tokens))  # untimed first load of this size
-                times = []
-                for r in range(n):
-                    ms, cached = ttft_ms(consumer, prefixes[r] + tokens(5000 + r, args.suffix_tokens))
-                    assert cached == args.prefix_tokens, f"{name}: expected a full hit, got {cached} tokens"
-                    times.append(ms)
-                consumer.llm_engine.engine_core.shutdown()
-                steps = audited_steps(audit)
-                timed = steps[-n:]
-                plans = collections.Counter(s["plan"] + (" (explored)" if s["explored"] else "") for s in timed)
-                rows.append((name, times, steps[0]["read_ms"] if len(steps) > n else None, timed, plans))
+                rows.append(time_plan(model, name, max_len, prefixes, args, Path(tmp) / f"audit-{name}.jsonl"))
         finally:
             master.stop()
+    print_table(args, rows)
+    return 0
+
+
+def time_plan(
+    model: Path, name: str, max_len: int, prefixes: list[list[int]], args: argparse.Namespace, audit: Path
+) -> Row:
+    """A fresh consumer with plan `name` serves prefixes[:-1] + a new suffix each, after an unrelated
+    prompt and an untimed load of prefixes[-1]: (name, TTFTs ms, untimed first load reads ms, the
+    timed steps, the plans they chose)."""
+    n = len(prefixes) - 1
+    consumer = engine(
+        model, "kv_consumer", max_len, {"range_debug": True, "range_debug_path": str(audit), **PLANS[name]}
+    )
+    ttft_ms(consumer, tokens(7, 256))
+    ttft_ms(consumer, prefixes[n] + tokens(4999, args.suffix_tokens))  # untimed first load of this size
+    times = []
+    for r in range(n):
+        ms, cached = ttft_ms(consumer, prefixes[r] + tokens(5000 + r, args.suffix_tokens))
+        assert cached == args.prefix_tokens, f"{name}: expected a full hit, got {cached} tokens"
+        times.append(ms)
+    consumer.llm_engine.engine_core.shutdown()
+    steps = audited_steps(audit)
+    timed = steps[-n:]
+    plans = collections.Counter(s["plan"] + (" (explored)" if s["explored"] else "") for s in timed)
+    return (name, times, steps[0]["read_ms"] if len(steps) > n else None, timed, plans)
+
+
+def print_table(args: argparse.Namespace, rows: list[Row]) -> None:
     print(
         f"random-weight Llama 8 x 1024, bf16; {args.prefix_tokens:,} prefix tokens from the pool + "
-        f"{args.suffix_tokens} new; {n} requests per plan after one untimed load"
+        f"{args.suffix_tokens} new; {args.requests} requests per plan after one untimed load"
     )
     print(
         "| plan | TTFT median (min-max) ms | reads median ms | untimed first load reads ms | plans of the timed steps |"
@@ -139,7 +161,6 @@ def main() -> int:
             f"| {name} | {statistics.median(times):,.0f} ({min(times):,.0f}-{max(times):,.0f}) | {reads:,.0f} | "
             f"{first_text} | " + ", ".join(f"{p} x{c}" for p, c in plans.most_common()) + " |"
         )
-    return 0
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes from here

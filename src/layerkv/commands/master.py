@@ -100,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"layerkv master: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = _stop_on_signals()
     master: MasterProcess | None = None
     holder = None
     try:
@@ -123,45 +121,61 @@ def run(args: argparse.Namespace) -> int:
             global_segment_size=client_segment_bytes, local_buffer_size=DEFAULT_LOCAL_BUFFER_BYTES
         )
         if args.info_out is not None:  # before the config line: whoever reads that line may read this
-            args.info_out.write_text(
-                json.dumps(
-                    {
-                        "master": master.address,
-                        "metadata_url": master.metadata_url,
-                        "metrics_url": master.metrics_url,
-                        "pid": master.pid,
-                    }
-                )
-                + "\n"
-            )
+            _write_info(master, args.info_out)
         _announce(master, client_config, segment_bytes, args.config_out)
-        while not stop.wait(timeout=WATCH_INTERVAL_S):
-            if not master.running():
-                print(
-                    f"layerkv master: {master.describe_exit()} after start; clients of {master.address} "
-                    f"have no pool now.\nlog {master.log_path} (last lines):\n{master.log_tail()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
-        print("layerkv master: stopping", file=sys.stderr, flush=True)
-        return 0
+        return _watch(master, stop)
     except PortInUseError as exc:
         print(f"layerkv master: {exc}\n{_port_fix(exc.port, args)}", file=sys.stderr)
         return 1
     except (StoreError, ConfigError) as exc:
-        died = (
-            f"\n{master.describe_exit()}; log {master.log_path}:\n{master.log_tail()}"
-            if master is not None and not master.running()
-            else ""
-        )
-        print(f"layerkv master: {exc}{died}", file=sys.stderr)
+        print(f"layerkv master: {exc}{_death_note(master)}", file=sys.stderr)
         return 1
     finally:
         if holder is not None:
             holder.close()
         if master is not None:
             master.stop()
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGINT and SIGTERM set (main thread: the handlers are process-wide)."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
+def _watch(master: MasterProcess, stop: threading.Event) -> int:
+    """Until `stop` is set (exit 0), checking that mooncake_master lives; its death: exit 1 and the log tail."""
+    while not stop.wait(timeout=WATCH_INTERVAL_S):
+        if not master.running():
+            print(
+                f"layerkv master: {master.describe_exit()} after start; clients of {master.address} "
+                f"have no pool now.\nlog {master.log_path} (last lines):\n{master.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    print("layerkv master: stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def _death_note(master: MasterProcess | None) -> str:
+    """How mooncake_master ended and its log tail, if it did ("" while it runs or never started)."""
+    if master is None or master.running():
+        return ""
+    return f"\n{master.describe_exit()}; log {master.log_path}:\n{master.log_tail()}"
+
+
+def _write_info(master: MasterProcess, path: Path) -> None:
+    """The deployment's addresses (--info-out), one JSON line."""
+    info = {
+        "master": master.address,
+        "metadata_url": master.metadata_url,
+        "metrics_url": master.metrics_url,
+        "pid": master.pid,
+    }
+    path.write_text(json.dumps(info) + "\n")
 
 
 def _tenant_quotas(specs: list[str], parse_size: Any) -> dict[str, int] | None:

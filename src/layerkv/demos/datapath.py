@@ -82,21 +82,46 @@ def run_datapath_demo(
     for arrays in (src, dst):
         for a in arrays.values():
             store.register_buffer(a.ctypes.data, a.nbytes)
-    staging = np.zeros((num_blocks, src_layout.header_nbytes), dtype=np.uint8)  # [blocks, header]
-    nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * num_blocks), dtype=np.uint8).reshape(num_blocks, -1)
-    contexts = [context(k, n.tobytes()) for k, n in zip(keys, nonces)]
-    views = CacheViews(src_layout, src)
-    blocks = np.arange(num_blocks)
-    tags = np.stack([views.tags(li, blocks, contexts, header.sealer) for li in range(num_layers)], axis=1)
-    header.encode_into(staging, np.arange(num_blocks), hashes, keys, nonces, tags)
+    staging = _sealed_headers(header, src_layout, src, hashes, keys)
     read_headers = np.zeros_like(staging)
     for h in (staging, read_headers):
         store.register_buffer(h.ctypes.data, h.nbytes)
-    ids = np.arange(num_blocks)
-    _check(store.batch_put_session_start(keys, [src_layout.object_nbytes] * num_blocks), 0, "put session start")
+    put_ms = _save_layers(store, src_layout, keys, staging)
+    timings = _load_layers(store, dst_layout, keys, read_headers, put_ms)
+    for row, block_hash in enumerate(hashes):
+        header.verify(read_headers[row], block_hash, keys[row])
+    identical = all(np.array_equal(src[name], dst[name]) for name in src)
+    store.batch_remove(keys)
+    for arrays in (src, dst):
+        for a in arrays.values():
+            store.unregister_buffer(a.ctypes.data)
+    for h in (staging, read_headers):
+        store.unregister_buffer(h.ctypes.data)
+    return DatapathReport(num_blocks, num_layers, src_layout.object_nbytes, tuple(timings), identical)
+
+
+def _sealed_headers(
+    header: Header, layout: CacheLayout, caches: dict[str, np.ndarray], hashes: list[bytes], keys: list[str]
+) -> np.ndarray:
+    """The objects' headers, [blocks, header] bytes: fresh nonces and each layer's tag of each block."""
+    num_blocks = len(keys)
+    staging = np.zeros((num_blocks, layout.header_nbytes), dtype=np.uint8)  # [blocks, header]
+    nonces = np.frombuffer(secrets.token_bytes(NONCE_NBYTES * num_blocks), dtype=np.uint8).reshape(num_blocks, -1)
+    contexts = [context(k, n.tobytes()) for k, n in zip(keys, nonces)]
+    views = CacheViews(layout, caches)
+    blocks = np.arange(num_blocks)
+    tags = np.stack([views.tags(li, blocks, contexts, header.sealer) for li in range(layout.num_layers)], axis=1)
+    header.encode_into(staging, np.arange(num_blocks), hashes, keys, nonces, tags)
+    return staging
+
+
+def _save_layers(store: KVStore, layout: CacheLayout, keys: list[str], headers: np.ndarray) -> list[float]:
+    """One put session writing every object layer by layer; each layer's put time (ms)."""
+    ids = np.arange(len(keys))
+    _check(store.batch_put_session_start(keys, [layout.object_nbytes] * len(keys)), 0, "put session start")
     put_ms = []
-    for layer in range(num_layers):
-        ranges = _layer_ranges(src_layout, layer, ids, staging)
+    for layer in range(layout.num_layers):
+        ranges = _layer_ranges(layout, layer, ids, headers)
         start = time.perf_counter()
         _check(
             store.batch_put_from_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets),
@@ -105,10 +130,19 @@ def run_datapath_demo(
         )
         put_ms.append((time.perf_counter() - start) * 1e3)
     _check(store.batch_put_session_end(keys), 0, "put session end")
+    return put_ms
+
+
+def _load_layers(
+    store: KVStore, layout: CacheLayout, keys: list[str], headers: np.ndarray, put_ms: list[float]
+) -> list[LayerTiming]:
+    """One get session reading every object layer by layer into `layout`'s caches and `headers`; the
+    timing row of each layer (its put time from `put_ms`)."""
+    ids = np.arange(len(keys))
     _check(store.batch_get_session_start(keys), 0, "get session start")
     timings = []
-    for layer in range(num_layers):
-        ranges = _layer_ranges(dst_layout, layer, ids, read_headers)
+    for layer in range(layout.num_layers):
+        ranges = _layer_ranges(layout, layer, ids, headers)
         start = time.perf_counter()
         _check(
             store.batch_get_into_multi_buffer_ranges(keys, ranges.ptrs, ranges.sizes, ranges.offsets),
@@ -126,16 +160,7 @@ def run_datapath_demo(
             )
         )
     store.batch_get_session_end(keys)
-    for row, block_hash in enumerate(hashes):
-        header.verify(read_headers[row], block_hash, keys[row])
-    identical = all(np.array_equal(src[name], dst[name]) for name in src)
-    store.batch_remove(keys)
-    for arrays in (src, dst):
-        for a in arrays.values():
-            store.unregister_buffer(a.ctypes.data)
-    for h in (staging, read_headers):
-        store.unregister_buffer(h.ctypes.data)
-    return DatapathReport(num_blocks, num_layers, src_layout.object_nbytes, tuple(timings), identical)
+    return timings
 
 
 def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray) -> RangeLists:

@@ -111,7 +111,7 @@ def run_demo(
     consumer_stores: list[CheckedStore] = []
     consumer = pooled_engine(model, engine_config, config, store_factory=_collecting(make_store, consumer_stores))
     pooled = _load_from_pool(consumer, consumer_prompts, consumer_stores, bar, max_tokens)
-    checksum_failures = sum(w.stats().checksum_failures for w in consumer.runner.worker_hooks)  # type: ignore[attr-defined]
+    checksum_failures = _checksum_failures(consumer)
     consumer.shutdown()
     for store in producer_stores + consumer_stores:
         store.close()
@@ -122,7 +122,13 @@ def run_demo(
     bar.close()
 
     identical, mismatch = _compare([p.output for p in pooled], oracle)
-    rows = tuple(
+    rows = _rows(pooled, cold, oracle)
+    return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch, checksum_failures)
+
+
+def _rows(pooled: list[_PooledOutput], cold: list[RequestOutput], oracle: list[RequestOutput]) -> tuple[DemoRow, ...]:
+    """One table row per consumer request: what the pool loaded and its TTFT beside recompute's and local's."""
+    return tuple(
         DemoRow(
             p.output.req_id,
             len(p.output.prompt_token_ids),
@@ -137,7 +143,6 @@ def run_demo(
         )
         for p, c, local_out in zip(pooled, cold, oracle)
     )
-    return DemoResult(config.backend, tp_size, rows, saved_bytes, identical, mismatch, checksum_failures)
 
 
 def _serve(engine: Engine, prompts: list[list[int]], stage: str, bar: tqdm, max_tokens: int) -> list[RequestOutput]:
@@ -227,6 +232,11 @@ def _load_wait_s(engine: Engine) -> float:
     """Seconds the engine's compute thread has waited for layers in transit, over its ranks (one
     thread runs every rank here, so the ranks' waits add up)."""
     return sum(w.stats().load_wait_s for w in engine.runner.worker_hooks)  # type: ignore[attr-defined]
+
+
+def _checksum_failures(engine: Engine) -> int:
+    """Layers whose bytes failed verification in the engine's loads, over its ranks (recomputed)."""
+    return sum(w.stats().checksum_failures for w in engine.runner.worker_hooks)  # type: ignore[attr-defined]
 
 
 def _compare(pooled: list[RequestOutput], oracle: list[RequestOutput]) -> tuple[bool, str]:
