@@ -8,9 +8,10 @@ header carried, and copied to the key's other blocks (fan-out) from a verified b
     receive:  read layer l (ranges -> cache blocks) ── tags in the cache ── fan-out copies
 
 Called by `LoadJob` on the receive thread only. Failures are rows failed through the job's
-`fail` (a short read, a tag mismatch), never exceptions; a read still inside the store after
-the job gave up may still write its blocks (docs/data-safety.md), so device caches and
-encrypted objects, which cannot be verified in the cache, never take this path (LayoutError).
+`fail` (a short read, a tag mismatch), never exceptions. Device caches and encrypted objects
+cannot be verified in the cache and never take this path (LayoutError). Unlike staging, a read
+still inside the store after the job gave up may write blocks the engine has reused
+(docs/data-safety.md).
 """
 
 from __future__ import annotations
