@@ -15,7 +15,7 @@ from layerkv.messages import KVRole
 from layerkv.objects.header import Header
 from layerkv.store.faults import GET_RANGES, GET_START
 from layerkv.transfer.costs import Costs
-from layerkv.transfer.views import layer_groups
+from layerkv.transfer.groups import layer_groups
 from tests.connector.rig import BLOCK_SIZE, Req, Rig, assert_get_sessions_well_formed, fill_value
 from tests.tokens import block_tokens
 
@@ -319,7 +319,8 @@ def test_save_tags_cover_the_computed_bytes_not_what_a_peer_writes_into_staging(
     import functools
 
     import layerkv.connector.worker
-    from layerkv.transfer.views import CacheViews, StagedLayers
+    from layerkv.transfer.staged import StagedLayers
+    from layerkv.transfer.views import CacheViews
 
     monkeypatch.setattr(layerkv.connector.worker, "CacheViews", functools.partial(CacheViews, on_host=on_host))
     real = StagedLayers.gather_sealed

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from layerkv.store.mooncake import MooncakeStore, load_mooncake_config
+from layerkv.store.mooncake import MooncakeStore
+from layerkv.store.mooncake_config import load_mooncake_config
 
 
 def object_bytes(seed: int, nbytes: int) -> np.ndarray:

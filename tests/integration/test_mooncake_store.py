@@ -228,7 +228,7 @@ def test_from_config_file_and_master_override(mooncake_master: Any, tmp_path: An
 
 
 def test_config_parsing() -> None:
-    from layerkv.store.mooncake import parse_size, setup_args
+    from layerkv.store.mooncake_config import parse_size, setup_args
 
     assert parse_size("512MB", "k") == 512 << 20
     assert parse_size("1GB", "k") == 1 << 30
@@ -256,7 +256,7 @@ def test_config_parsing() -> None:
 
 
 def test_loopback_bind_address_set_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    from layerkv.store.mooncake import bind_loopback_if_local
+    from layerkv.store.mooncake_config import bind_loopback_if_local
 
     monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
     bind_loopback_if_local("10.0.0.5")

@@ -145,7 +145,7 @@ def test_bytes_a_peer_writes_into_save_staging_are_never_served(
     bytes compute wrote (never staging's), so a consumer either loads exactly those (the
     attacker's bytes were overwritten by ours) or refuses the blocks and recomputes them; its
     output equals local compute either way."""
-    from layerkv.transfer.views import StagedLayers
+    from layerkv.transfer.staged import StagedLayers
 
     oracle = make_oracle(engine_config=ENGINE)
     producer = oracle.pooled()

@@ -86,7 +86,7 @@ def _run_checks(path: str) -> Any:
         yield result
         return
     yield _report(CheckResult("connect", True, f"master {store.master_address} in {time.monotonic() - began:.2f} s"))
-    yield _report(check_master(store.master_address, _metadata_url(mooncake, path)))
+    yield _report(check_master(store.master_address, _metadata_url(path)))
     probe = Probe(store)
     try:
         for check in (probe.put_session, probe.get_session, probe.codes, probe.throughput):
@@ -144,8 +144,10 @@ def _holders(port: int) -> str:
     return ", ".join(sorted({listener.holder() for listener in found}))
 
 
-def _metadata_url(mooncake: Any, path: str) -> str | None:
-    value = mooncake.load_mooncake_config(path).get("metadata_server")
+def _metadata_url(path: str) -> str | None:
+    from layerkv.store.mooncake_config import load_mooncake_config
+
+    value = load_mooncake_config(path).get("metadata_server")
     return str(value) if value else None
 
 

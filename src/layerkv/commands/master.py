@@ -90,7 +90,8 @@ def host_address(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)  # before mooncake is imported
     from layerkv.store import native_log
-    from layerkv.store.mooncake import MooncakeStore, parse_size  # imports mooncake lazily
+    from layerkv.store.mooncake import MooncakeStore  # imports mooncake lazily
+    from layerkv.store.mooncake_config import parse_size
 
     try:
         native_log.configure(args.mooncake_log)

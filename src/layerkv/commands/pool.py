@@ -359,7 +359,7 @@ def _metrics_url(args: argparse.Namespace) -> str:
 
 
 def _mooncake_config(path: str | None) -> dict[str, Any]:
-    from layerkv.store.mooncake import load_mooncake_config
+    from layerkv.store.mooncake_config import load_mooncake_config
 
     path = path or os.environ.get("MOONCAKE_CONFIG_PATH")
     if not path:

@@ -52,7 +52,8 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", args.host)  # before mooncake is imported
     from layerkv.store import native_log
-    from layerkv.store.mooncake import MooncakeStore, load_mooncake_config, parse_size
+    from layerkv.store.mooncake import MooncakeStore
+    from layerkv.store.mooncake_config import load_mooncake_config, parse_size
     from layerkv.store.mooncake_master import tcp_reachable
 
     try:

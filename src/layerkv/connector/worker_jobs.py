@@ -25,10 +25,10 @@ from layerkv.store.checked import CheckedStore
 from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.calls import Lanes
 from layerkv.transfer.commit import CommitJob, Commits
+from layerkv.transfer.groups import layer_groups
 from layerkv.transfer.load import LoadJob, LoadKey
 from layerkv.transfer.planner import Planner, StepShape, StepTimes, choose_lanes
 from layerkv.transfer.save import SaveJob, SaveKey
-from layerkv.transfer.views import layer_groups
 
 log = logging.getLogger(__name__)
 

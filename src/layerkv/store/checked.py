@@ -126,16 +126,7 @@ class CheckedStore:
         """Call `call` chunk by chunk with keys and each per-key argument sliced alike. A batch
         whose per-key arguments do not match its keys is answered INVALID_PARAMS per key (as
         Mooncake and both bare stores answer it), nothing sent: always one int per key."""
-        short = next((len(arg) for arg in per_key if len(arg) != len(keys)), None)
-        if short is not None:
-            log.error(
-                "layerkv: %s: %d keys but an argument has %d entries: answered %d per key, nothing sent",
-                call,
-                len(keys),
-                short,
-                int(Code.INVALID_PARAMS),
-            )
-            self._count(call, len(keys), 0, len(keys))
+        if not self._matches(call, keys, per_key):
             return [int(Code.INVALID_PARAMS)] * len(keys)
         method = getattr(self.backend, call)
         kwargs = {"layer_idx": layer_idx} if self._pass_layer_idx and layer_idx is not None else {}
@@ -147,37 +138,52 @@ class CheckedStore:
                 self._count(call, len(chunk), 0, len(chunk))
                 results.extend([_NOT_SENT] * len(chunk))
                 continue
-            try:
-                answered, raw = self._call(call, method, (chunk, *(arg[part] for arg in per_key), *extra), kwargs)
-            except Exception as exc:  # the one place backend exceptions become codes
-                log.error(
-                    "layerkv: %s on %s raised for %d keys (first %r): %r",
-                    call,
-                    self.name,
-                    len(chunk),
-                    chunk[0],
-                    exc,
-                    exc_info=exc,
-                )
-                got = [_RPC_FAIL] * len(chunk)
-            else:
-                got = validate_results(raw, len(chunk), call) if answered else [_RPC_TIMEOUT] * len(chunk)
-                if call in _OUTAGE_CHECKED:  # the store said it is unreachable (not a raise): outage
-                    self._note_health(call, got)
+            got = self._chunk(call, method, (chunk, *(arg[part] for arg in per_key), *extra), kwargs)
             nbytes = moved(got, part) if moved is not None else 0
             self._count(call, len(chunk), nbytes, sum(1 for r in got if r < 0))
             if self.audit is not None and audit_as is not None:
-                self.audit.record(
-                    call,
-                    audit_as,
-                    chunk,
-                    got,
-                    layer_idx=layer_idx,
-                    nbytes=nbytes,
-                    offsets=offsets[part] if offsets is not None else None,
-                )
+                part_offsets = offsets[part] if offsets is not None else None
+                self.audit.record(call, audit_as, chunk, got, layer_idx=layer_idx, nbytes=nbytes, offsets=part_offsets)
             results.extend(got)
         return results
+
+    def _matches(self, call: str, keys: Sequence[ObjectKey], per_key: Sequence[Sequence[Any]]) -> bool:
+        """Every per-key argument has one entry per key; else the call is logged and counted as
+        failed for every key (the caller answers INVALID_PARAMS)."""
+        short = next((len(arg) for arg in per_key if len(arg) != len(keys)), None)
+        if short is None:
+            return True
+        log.error(
+            "layerkv: %s: %d keys but an argument has %d entries: answered %d per key, nothing sent",
+            call,
+            len(keys),
+            short,
+            int(Code.INVALID_PARAMS),
+        )
+        self._count(call, len(keys), 0, len(keys))
+        return False
+
+    def _chunk(self, call: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+        """One chunk's call (`args[0]`: its keys): one int per key, validated; a raise is
+        RPC_FAIL and a call past its bound RPC_TIMEOUT for every key. Notes outages."""
+        chunk = args[0]
+        try:
+            answered, raw = self._call(call, method, args, kwargs)
+        except Exception as exc:  # the one place backend exceptions become codes
+            log.error(
+                "layerkv: %s on %s raised for %d keys (first %r): %r",
+                call,
+                self.name,
+                len(chunk),
+                chunk[0],
+                exc,
+                exc_info=exc,
+            )
+            return [_RPC_FAIL] * len(chunk)
+        got = validate_results(raw, len(chunk), call) if answered else [_RPC_TIMEOUT] * len(chunk)
+        if call in _OUTAGE_CHECKED:  # the store said it is unreachable (not a raise): outage
+            self._note_health(call, got)
+        return got
 
     def _call(
         self, call: str, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

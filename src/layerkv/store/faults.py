@@ -1,7 +1,8 @@
 """FaultyStore: a wrapper around any store that injects failures from rules added at runtime
-(fail keys, malformed answers, exceptions, latency, lease expiry) and logs every call it sees.
-For tests, chaos runs and demos; any side, any thread: rules and the log are guarded by one
-lock, the inner store is called outside it. Sits under CheckedStore, which passes `layer_idx`.
+(fail keys, malformed answers, exceptions, latency, lease expiry; the rules themselves:
+store/fault_rules.py) and logs every call it sees. For tests, chaos runs and demos; any side,
+any thread: rules and the log are guarded by one lock, the inner store is called outside it.
+Sits under CheckedStore, which passes `layer_idx`.
 
     f = FaultyStore(backend); f.fail(GET_RANGES, key, layer_idx=2, times=1)
     store = CheckedStore(f, max_batch_keys=64)     # the worker's view
@@ -9,55 +10,20 @@ lock, the inner store is called outside it. Sits under CheckedStore, which passe
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from layerkv.store.base import STORE_CALLS, Code, KVStore, ObjectKey, Placement
+from layerkv.store.fault_rules import Fault, FaultKind, FaultRules, KeyMatch, injected_codes, merged_answer
 
 ALL_METHODS = tuple(STORE_CALLS)  # every batch call of the protocol
 (IS_EXIST, PUT_START, PUT_RANGES, PUT_END, PUT_REVOKE, GET_START, GET_RANGES, GET_END, PUT_FROM, GET_INTO, REMOVE) = (
     ALL_METHODS
 )
-_rule_ids = itertools.count(1)
-KeyMatch = ObjectKey | Collection[ObjectKey] | Callable[[ObjectKey], bool] | None
-
-
-class FaultKind(Enum):
-    FAIL = "fail"  # matching keys get `code`; the other keys go to the inner store
-    EXPIRE = "expire"  # get ranges: matching keys get -707 and lose their session (as Mooncake)
-    MALFORMED = "malformed"  # the whole call answers `result` (wrong count, bool, None, ...)
-    RAISE = "raise"  # the whole call raises `exc`
-    DELAY = "delay"  # the call waits `delay_s` (or until rule `after` fired; cut short by `release()`)
-    THEN = "then"  # `action(keys, per_key)` runs after the inner call returned, before the caller sees it
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Fault:
-    """One rule. It matches a call of one of `methods` (at `layer_idx`, if set) that has at
-    least one key accepted by `keys` (None: any call). `times=None` keeps it forever; an int
-    counts the calls it fires on. `forward`: MALFORMED / RAISE after the inner call ran.
-    `add` returns a copy whose `name` is unique (the call log names the rules that fired)."""
-
-    kind: FaultKind
-    methods: frozenset[str]
-    keys: Callable[[ObjectKey], bool] | None = None
-    layer_idx: int | None = None
-    code: int = int(Code.TRANSFER_FAIL)
-    result: object = None
-    exc: BaseException | None = None
-    delay_s: float = 0.0
-    forward: bool = False
-    times: int | None = None
-    name: str = ""
-    after: Fault | None = None  # DELAY: wait until this rule fired (delay_s bounds the wait)
-    entered: threading.Event = field(default_factory=threading.Event)  # set when a call it fires on enters
-    action: Callable[[list[ObjectKey], tuple[Sequence[Any], ...]], None] | None = None  # THEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,24 +52,16 @@ class FaultyStore:
         self.name = f"faulty({inner.name})"
         self._inner_layer = getattr(inner, "accepts_layer_idx", False) is True
         self._lock = threading.Lock()
-        self._rules: dict[Fault, int | None] = {}  # guarded by _lock: rule -> calls left
+        self._rules = FaultRules()  # guarded by _lock
         self._calls: list[CallRecord] = []  # guarded by _lock
         self._seq = itertools.count()  # next() is atomic under the GIL; used under _lock anyway
         self._released = threading.Event()
 
     # ---- rules -------------------------------------------------------------------------------
     def add(self, rule: Fault) -> Fault:
-        unknown = sorted(rule.methods - set(ALL_METHODS))
-        if unknown or not rule.methods:
-            raise ValueError(f"fault rule methods {sorted(rule.methods)}: unknown {unknown}; known: {ALL_METHODS}")
-        if rule.times is not None and rule.times < 1:
-            raise ValueError(f"fault rule times={rule.times} must be >= 1 or None (persistent)")
-        rule = dataclasses.replace(
-            rule, name=f"{rule.name or rule.kind.value}#{next(_rule_ids)}", entered=threading.Event()
-        )
+        """Arm `rule` (FaultRules.add: a uniquely named copy, returned)."""
         with self._lock:
-            self._rules[rule] = rule.times
-        return rule
+            return self._rules.add(rule)
 
     def fail(
         self,
@@ -115,25 +73,15 @@ class FaultyStore:
         times: int | None = None,
     ) -> Fault:
         """Matching keys of matching calls answer `code`; the inner store never sees them."""
-        return self.add(
-            Fault(
-                FaultKind.FAIL,
-                _methods(methods),
-                _match(keys),
-                layer_idx,
-                code=int(code),
-                times=times,
-                name=f"fail {_label(methods)}",
-            )
-        )
+        return self.add(Fault.of(FaultKind.FAIL, methods, keys, layer_idx, code=int(code), times=times))
 
     def expire_lease(self, keys: KeyMatch = None, *, layer_idx: int | None = None, times: int | None = None) -> Fault:
         """Range reads of matching keys answer -707 and their get session is dropped."""
         return self.add(
-            Fault(
+            Fault.of(
                 FaultKind.EXPIRE,
-                frozenset({GET_RANGES}),
-                _match(keys),
+                GET_RANGES,
+                keys,
                 layer_idx,
                 code=int(Code.LEASE_EXPIRED),
                 times=times,
@@ -153,16 +101,7 @@ class FaultyStore:
     ) -> Fault:
         """Matching calls answer `result` instead of one int per key."""
         return self.add(
-            Fault(
-                FaultKind.MALFORMED,
-                _methods(methods),
-                _match(keys),
-                layer_idx,
-                result=result,
-                forward=forward,
-                times=times,
-                name=f"malformed {_label(methods)}",
-            )
+            Fault.of(FaultKind.MALFORMED, methods, keys, layer_idx, result=result, forward=forward, times=times)
         )
 
     def raise_in(
@@ -176,18 +115,7 @@ class FaultyStore:
         times: int | None = None,
     ) -> Fault:
         """Matching calls raise `exc` (default: RuntimeError naming the call)."""
-        return self.add(
-            Fault(
-                FaultKind.RAISE,
-                _methods(methods),
-                _match(keys),
-                layer_idx,
-                exc=exc,
-                forward=forward,
-                times=times,
-                name=f"raise {_label(methods)}",
-            )
-        )
+        return self.add(Fault.of(FaultKind.RAISE, methods, keys, layer_idx, exc=exc, forward=forward, times=times))
 
     def delay(
         self,
@@ -202,18 +130,7 @@ class FaultyStore:
         """Matching calls wait `delay_s` before running (`release()` ends every wait at once);
         with `after`, they wait only until a call that rule fires on has entered (an order
         between threads that no machine load can swap), `delay_s` bounding the wait."""
-        return self.add(
-            Fault(
-                FaultKind.DELAY,
-                _methods(methods),
-                _match(keys),
-                layer_idx,
-                delay_s=delay_s,
-                times=times,
-                after=after,
-                name=f"delay {_label(methods)}",
-            )
-        )
+        return self.add(Fault.of(FaultKind.DELAY, methods, keys, layer_idx, delay_s=delay_s, times=times, after=after))
 
     def then(
         self,
@@ -226,21 +143,11 @@ class FaultyStore:
     ) -> Fault:
         """After a matching call returned from the inner store and before its caller sees the
         answer, run `action(keys, per_key args)` (what another process does at that moment)."""
-        return self.add(
-            Fault(
-                FaultKind.THEN,
-                _methods(methods),
-                _match(keys),
-                layer_idx,
-                times=times,
-                action=action,
-                name=f"then {_label(methods)}",
-            )
-        )
+        return self.add(Fault.of(FaultKind.THEN, methods, keys, layer_idx, times=times, action=action))
 
     def remove(self, rule: Fault) -> None:
         with self._lock:
-            self._rules.pop(rule, None)
+            self._rules.remove(rule)
 
     def clear_rules(self) -> None:
         with self._lock:
@@ -349,7 +256,7 @@ class FaultyStore:
         keys = list(keys)
         with self._lock:
             enter_seq = next(self._seq)
-            rules = self._take(method, keys, layer_idx)
+            rules = self._rules.take(method, keys, layer_idx)
         fired = tuple(rule.name for rule in rules)
         sizes = [int(n) for row in per_key[1] for n in row] if method in (PUT_RANGES, GET_RANGES) else []
         result: object = None
@@ -373,23 +280,6 @@ class FaultyStore:
                     )
                 )
 
-    def _take(self, method: str, keys: list[ObjectKey], layer_idx: int | None) -> list[Fault]:
-        """Rules that fire on this call (under _lock); counts down one-shot rules."""
-        fired = []
-        for rule, left in list(self._rules.items()):
-            if method not in rule.methods or (rule.layer_idx is not None and rule.layer_idx != layer_idx):
-                continue
-            if rule.keys is not None and not any(rule.keys(k) for k in keys):
-                continue
-            fired.append(rule)
-            rule.entered.set()
-            if left is not None:
-                if left <= 1:
-                    del self._rules[rule]
-                else:
-                    self._rules[rule] = left - 1
-        return fired
-
     def _apply(
         self,
         rules: list[Fault],
@@ -406,13 +296,8 @@ class FaultyStore:
                 self._released.wait(rule.delay_s)
         whole = next((r for r in rules if r.kind in (FaultKind.MALFORMED, FaultKind.RAISE)), None)
         if whole is not None and not whole.forward:
-            return _whole_call_fault(whole, method, keys)
-        codes: dict[int, int] = {}  # key position -> injected code
-        for rule in rules:
-            if rule.kind in (FaultKind.FAIL, FaultKind.EXPIRE):
-                for i, key in enumerate(keys):
-                    if rule.keys is None or rule.keys(key):
-                        codes.setdefault(i, rule.code)
+            return whole.whole_call_answer(method, keys)
+        codes = injected_codes(rules, keys)  # key position -> injected code
         expired = [keys[i] for i, code in codes.items() if code == int(Code.LEASE_EXPIRED) and method == GET_RANGES]
         if expired:
             self.inner.batch_get_session_end(expired)  # Mooncake drops the session on -707
@@ -422,19 +307,10 @@ class FaultyStore:
             if rule.kind is FaultKind.THEN and rule.action is not None:
                 rule.action(keys, per_key)
         if whole is not None:
-            return _whole_call_fault(whole, method, keys)
+            return whole.whole_call_answer(method, keys)
         if method == GET_END:
             return inner_result if inner_result is not None else (next(iter(codes.values()), 0) if codes else 0)
-        if not codes:
-            return inner_result
-        if not isinstance(inner_result, (list, tuple)) and passed:
-            return inner_result  # the inner store's own malformed answer, passed on untouched
-        merged: list[object] = [0] * len(keys)
-        for i, code in codes.items():
-            merged[i] = code
-        for i, value in zip(passed, inner_result or ()):  # type: ignore[call-overload]
-            merged[i] = value
-        return merged
+        return merged_answer(codes, passed, inner_result, len(keys))
 
     def _forward(
         self,
@@ -459,31 +335,3 @@ def _first_set(event: threading.Event, released: threading.Event, timeout_s: flo
         if left <= 0:
             return
         event.wait(min(left, 0.01))
-
-
-def _whole_call_fault(rule: Fault, method: str, keys: list[ObjectKey]) -> object:
-    if rule.kind is FaultKind.RAISE:
-        raise (
-            rule.exc
-            if rule.exc is not None
-            else RuntimeError(f"injected fault: {method} raised for {len(keys)} keys (first {keys[:1]})")
-        )
-    return rule.result
-
-
-def _methods(methods: str | Sequence[str]) -> frozenset[str]:
-    return frozenset((methods,) if isinstance(methods, str) else methods)
-
-
-def _label(methods: str | Sequence[str]) -> str:
-    return methods if isinstance(methods, str) else "+".join(methods)
-
-
-def _match(keys: KeyMatch) -> Callable[[ObjectKey], bool] | None:
-    """None (every key), one key, a collection of keys, or a predicate -> a predicate."""
-    if keys is None or callable(keys):
-        return keys  # type: ignore[return-value]
-    if isinstance(keys, str):
-        return keys.__eq__  # type: ignore[return-value]
-    wanted = frozenset(keys)
-    return wanted.__contains__

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from layerkv.objects.layout import CacheLayout
+from layerkv.transfer.staged import StagedLayers
 from layerkv.transfer.staging import StagingAreas
-from layerkv.transfer.views import CacheViews, StagedLayers
+from layerkv.transfer.views import CacheViews
 
 
 @dataclass(frozen=True, slots=True)

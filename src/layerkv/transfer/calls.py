@@ -32,8 +32,8 @@ from layerkv.objects.ranges import RangeLists, join_ranges
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
 from layerkv.threads import NamedThreads
+from layerkv.transfer.groups import LayerGroup
 from layerkv.transfer.planner import Measured
-from layerkv.transfer.views import LayerGroup
 
 
 class KeyRows:

@@ -4,14 +4,15 @@ of the layer the compute thread works on, verifies the header with layer 0 and e
 checksum before the compute thread may use it, fans a shared key out to every local block that
 wants it, renews the sessions when the step outlives `renew_after_s`, and ends them after its
 last read returned. Objects whose bytes fail their checksum (or whose header is wrong) are
-removed from the pool. With `staged` (GROUPS / WHOLE plans: the default, and the only plans
-unless the KV cache itself is registered) it reads groups of layers (or whole objects) as one range
-per key into its staging rows and copies them into the cache, verified where no peer can change
-them any more (in the cache for host caches, in a private copy for device caches; views.py). More keys than staging
-rows stream through the rows a wave at a time, and their get
-sessions are opened for one wave and ended behind it (a sliding session window): the sessions and
-staging a step holds are bounded whatever the prompt length. A job that gave up touches nothing
-any more: no copy into the cache, no verification, no removal of objects.
+removed from the pool. LAYERS plans (only with the KV cache itself registered) read each layer
+straight into the cache blocks (transfer/direct.py). GROUPS / WHOLE plans (the default) read
+groups of layers (or whole objects) as one range per key into the job's staging rows and copy
+them into the cache, verified where no peer can change them any more (in the cache for host
+caches, in a private copy for device caches; transfer/staged.py). More keys than staging rows
+stream through the rows a wave at a time, and their get sessions are opened for one wave and
+ended behind it (a sliding session window): the sessions and staging a step holds are bounded
+whatever the prompt length. A job that gave up touches nothing any more: no copy into the
+cache, no verification, no removal of objects.
 
     compute:  start ── wait(0) ─ attn 0 ─ wait(1) ─ attn 1 ─ wait(2) ─ attn 2 ...
     receive:  start sessions ─ read 0 ─ read 1 ─ read 2 ── read 3 ────── read 4 ... end sessions
@@ -43,10 +44,11 @@ from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.calls import JobReads, KeyRows, Lanes
 from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.device import Marker
+from layerkv.transfer.direct import DirectLayers
+from layerkv.transfer.groups import LayerGroup, groups_of
 from layerkv.transfer.planner import GROUPS, LAYERS, WHOLE, LoadPlan, Measured
 from layerkv.transfer.sessions import GetSessions
 from layerkv.transfer.thread import JobState
-from layerkv.transfer.views import LayerGroup, groups_of
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +111,6 @@ class LoadJob(JobState):
         self._prefetch = prefetch_layers
         self._renew_after_s = renew_after_s
         self._staged = caches.staged if plan.mode != LAYERS else None  # GROUPS / WHOLE plans
-        if plan.mode == LAYERS and (not views.on_host or headers[0].sealer.encrypts):
-            raise LayoutError(
-                "per-layer reads straight into a device cache (or of encrypted objects) cannot be "
-                "verified there; they go through staging"
-            )
         if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
             raise LayoutError(f"{slots.size} staging rows for a {plan.mode} load of {len(keys)} keys")
         self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, slots if plan.mode == LAYERS else None)
@@ -129,17 +126,16 @@ class LoadJob(JobState):
         self.layers_done = 0  # guarded by cond
         self.compute_layer = 0  # guarded by cond: the layer the compute thread waits for
         self.outcome = LoadOutcome()  # receive thread; read after finished
-        self._sessions = GetSessions(store, [k.key for k in keys])  # receive thread
-        self._reads = JobReads(
-            store, [k.key for k in keys], lanes, plan.lanes, self.outcome, self._fail
-        )  # receive thread
+        object_keys = [k.key for k in keys]
+        self._sessions = GetSessions(store, object_keys)  # receive thread
+        self._reads = JobReads(store, object_keys, lanes, plan.lanes, self.outcome, self._fail)  # receive thread
         self._checks = ObjectChecks(
-            headers,
-            [k.key for k in keys],
-            [k.block_hash for k in keys],
-            layout.num_layers,
-            [k.generation for k in keys],
+            headers, object_keys, [k.block_hash for k in keys], layout.num_layers, [k.generation for k in keys]
         )  # receive thread
+        self._direct: DirectLayers | None = None  # receive thread: LAYERS plans read straight into the cache
+        if plan.mode == LAYERS:
+            fan_out = (self._extra_rows, self._extra_blocks)
+            self._direct = DirectLayers(self._rows, views, self._reads, self._checks, fan_out, self._fail)
 
     # -- compute thread -------------------------------------------------------------------
     def wait_layer(self, layer_idx: int, timeout_s: float) -> bool:
@@ -289,24 +285,18 @@ class LoadJob(JobState):
             return not self.cancelled
 
     def _read_layer(self, layer_idx: int) -> None:
-        """One layer straight into the cache blocks (register_kv_cache only; the header into its
-        staging row with layer 0), the keys split over the plan's lanes."""
+        """One layer straight into the cache blocks (transfer/direct.py), then verified there."""
         active = self._active()
         if active.size == 0:
             return
-
-        def ranges(rows: np.ndarray) -> RangeLists:
-            return self._rows.header_and_layer(0, rows) if layer_idx == 0 else self._rows.layer(layer_idx, rows)
-
-        good = self._reads.ranges(active, ranges, layer_idx, f"layer {layer_idx}")
+        assert self._direct is not None
+        good = self._direct.read(layer_idx, active)
         with self._cache_writes:  # the blocks are ours only until a give-up
             if self.cancelled:
                 return
             if layer_idx == 0:
                 good = good[self._verify_headers(good, self._slots[good])]
-            good = good[self._verify_blocks(layer_idx, good)]
-            fan = np.isin(self._extra_rows, good)
-            self._views.copy_blocks(layer_idx, self._rows.block_ids[self._extra_rows[fan]], self._extra_blocks[fan])
+            self._direct.publish(layer_idx, good)
 
     def _read_staged(self, group: LayerGroup, windowed: bool = False) -> None:
         """`group`'s span of every active key (a whole object with WHOLE plans) through this
@@ -393,18 +383,6 @@ class LoadJob(JobState):
         ok, failures = self._checks.headers(rows, self._staging[slots, : self._layout.header_nbytes])
         for row, reason in failures:
             self._fail(np.array([row]), reason)
-        return ok
-
-    def _verify_blocks(self, layer_idx: int, rows: np.ndarray) -> np.ndarray:
-        """Mask of `rows` whose freshly read layer (in the cache) matches the header's tag."""
-        if rows.size == 0:
-            return np.ones(0, dtype=bool)
-        tags = self._views.tags(
-            layer_idx, self._rows.block_ids[rows], self._checks.contexts(rows), self._checks.sealer(rows)
-        )
-        ok = self._checks.layers(layer_idx, rows, tags.reshape(rows.size, 1, -1))
-        if not ok.all():
-            self._fail(rows[~ok], "layer tag mismatch")
         return ok
 
     def _fail(self, rows: np.ndarray, reason: str) -> None:

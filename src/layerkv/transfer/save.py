@@ -44,8 +44,8 @@ from layerkv.store.checked import CheckedStore
 from layerkv.transfer.caches import LentRows, RegisteredCaches
 from layerkv.transfer.calls import KeyRows, Lanes, split_rows
 from layerkv.transfer.commit import Commits, PendingPut
+from layerkv.transfer.groups import LayerGroup
 from layerkv.transfer.thread import JobState
-from layerkv.transfer.views import LayerGroup
 
 log = logging.getLogger(__name__)
 
