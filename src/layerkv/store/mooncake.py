@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from layerkv.errors import ConfigError, StoreError, StoreVersionError
 from layerkv.store import native_log
-from layerkv.store.base import SESSION_METHODS, ObjectKey, Placement, code_name
+from layerkv.store.base import SESSION_METHODS, HitSource, ObjectKey, Placement, PoolScope, code_name
 from layerkv.store.mooncake_master import MIN_SEGMENT_BYTES, tcp_reachable
 from layerkv.store.wheels import DISTRIBUTIONS, clash, install_hint, installed
 
@@ -208,6 +208,9 @@ class MooncakeStore:
     """KVStore over a set-up Mooncake client. Build with `from_config` / `from_mooncake_config`."""
 
     name = "mooncake"
+    pool_scope = PoolScope.SHARED
+    hit_source = HitSource.P2P  # memory other processes or hosts lend (vLLM's MooncakeConnector says P2P too)
+    pool_address = staticmethod(master_address_of)  # the master's host:port, as configured
 
     def __init__(
         self,
