@@ -4,6 +4,8 @@
 the test's rigs / engines, a `tag` that makes the test's namespace unique on a shared master, and
 the probes leak checks use. It is embedded unless parametrised: `@BOTH_BACKENDS` on a test, or a
 `pytest_generate_tests` that parametrises `backend` for a whole directory (tests/connector).
+`BACKENDS` is every built-in backend of the store registry: a new one fails here until it has
+a rig in `_RIGS`.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import pytest
 
 from layerkv.store.base import KVStore, ObjectKey
 from layerkv.store.embedded import EmbeddedStore
+from layerkv.store.registry import BUILTIN_BACKENDS
 from tests.store_probes import processing_keys
 
-BACKENDS = ["embedded", "mooncake"]
+BACKENDS = list(BUILTIN_BACKENDS)
 BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 _tags = itertools.count()
 
@@ -129,16 +132,19 @@ def mooncake_rank_clients(mooncake_master: Any, mooncake_store: Any) -> Iterator
             store.close()
 
 
+# registry name -> the test's raw store clients on that backend
+_RIGS: dict[str, Callable[[pytest.FixtureRequest], Backend]] = {
+    "embedded": lambda request: EmbeddedBackend(),
+    "mooncake": lambda request: MooncakeBackend(request.getfixturevalue("mooncake_rank_clients")),
+}
+
+
 @pytest.fixture
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     name = getattr(request, "param", "embedded")
-    made: Backend
-    if name == "embedded":
-        made = EmbeddedBackend()
-    elif name == "mooncake":
-        made = MooncakeBackend(request.getfixturevalue("mooncake_rank_clients"))
-    else:
-        raise AssertionError(f"no test backend {name!r}; known: {BACKENDS}")
+    if name not in _RIGS:
+        raise AssertionError(f"no test rig for backend {name!r}: add one to tests/backends.py _RIGS")
+    made = _RIGS[name](request)
     try:
         yield made
     finally:

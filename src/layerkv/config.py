@@ -13,14 +13,13 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
 from layerkv.errors import ConfigError
+from layerkv.store.registry import backend_rule, is_backend
 
 MiB = 1 << 20
 GiB = 1 << 30
-Backend = Literal["embedded", "mooncake"]
-_BACKENDS = ("embedded", "mooncake")
 
 
 class PlanMode(StrEnum):
@@ -43,7 +42,9 @@ def _rule(rule: str, check: Any, fix: str = "") -> dict[str, Any]:
 class LayerKVConfig:
     """Build with `LayerKVConfig.from_dict(extra_config)`; the defaults work for one process."""
 
-    backend: Backend = field(default="embedded", metadata=_rule("one of embedded, mooncake", lambda v: v in _BACKENDS))
+    # The store: a built-in backend's name (store/registry.py), or an out-of-tree backend's
+    # "package.module:Class" (a store/base.py StoreBackend; imported when a store is opened).
+    backend: str = field(default="embedded", metadata=_rule(backend_rule(), is_backend))
     # Mooncake client config file (JSON: local_hostname, metadata_server, master_server_address,
     # protocol, device_name, global_segment_size, local_buffer_size). Default: $MOONCAKE_CONFIG_PATH.
     mooncake_config_path: str | None = field(default=None, metadata=_rule("a path or null", lambda v: True))

@@ -13,7 +13,8 @@ from layerkv.errors import StoreError
 from layerkv.store.arena import ALIGN_BYTES, Arena, copy_ranges
 from layerkv.store.base import Code, KVStore
 from layerkv.store.embedded import EmbeddedStore
-from layerkv.store.factory import close_shared_stores, open_store
+from layerkv.store.factory import open_store
+from layerkv.store.process_stores import close_shared_stores
 
 MiB = 1 << 20
 

@@ -168,7 +168,7 @@ class PoolNodes:
         return node
 
     def shutdown(self) -> None:
-        from layerkv.store.factory import close_shared_stores
+        from layerkv.store.process_stores import close_shared_stores
 
         # in parallel: closing a Mooncake client takes 1-2 s, and every node has two
         with ThreadPoolExecutor(max_workers=max(1, len(self.nodes))) as pool:

@@ -110,7 +110,7 @@ def test_layerkv_under_multiconnector_loads_and_its_stats_reach_the_front_end(cl
         for node in (producer, consumer):
             if node is not None:
                 node.shutdown()
-        from layerkv.store.factory import close_shared_stores
+        from layerkv.store.process_stores import close_shared_stores
 
         close_shared_stores()
 
@@ -148,7 +148,7 @@ def test_two_layerkv_pools_under_multiconnector_promise_each_pool_its_prefix(cle
     children's kv_transfer_params and refuses a key two return: each promise goes under its
     pool's key. A decode engine on one of the pools reads its own promise (it waits for the
     prefix to be committed, then loads it); one on a pool the prefill did not write reads none."""
-    from layerkv.store.factory import close_shared_stores
+    from layerkv.store.process_stores import close_shared_stores
 
     tokens = prompt(31, 56)  # 3 full blocks + 8 tokens
     first, second, third = (f"multi-{next(_tenants)}" for _ in range(3))

@@ -269,6 +269,34 @@ def test_embedded_pool_only_where_scheduler_and_worker_share_a_process(executor,
             check_pool_shared(LayerKVConfig(backend="embedded"), vllm_config)
 
 
+def test_an_out_of_tree_backend_is_placed_and_metered_by_its_class_properties():
+    """What the vLLM integration reads of a backend is its class (store/base.py StoreBackend):
+    an in-process out-of-tree backend is refused where the workers run in other processes, one
+    that declares a shared pool is not (its block hashes are checked instead), and its hits are
+    metered under its own `hit_source`."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from layerkv.config import LayerKVConfig
+    from layerkv.integrations.vllm.metrics import hit_source
+    from layerkv.integrations.vllm.setup import check_pool_shared
+
+    in_process, shared = "tests.out_of_tree_store:WrappedStore", "tests.out_of_tree_store:SharedWrappedStore"
+    vllm_config = make_vllm_config()
+    object.__setattr__(vllm_config.parallel_config, "distributed_executor_backend", "mp")
+    with pytest.raises(UnsupportedSetupError, match=re.escape(f"layerkv backend={in_process!r} keeps the pool inside")):
+        check_pool_shared(LayerKVConfig(backend=in_process), vllm_config)
+    check_pool_shared(LayerKVConfig(backend=shared), vllm_config)
+    object.__setattr__(vllm_config.cache_config, "prefix_caching_hash_algo", "xxhash")
+    with pytest.raises(ConfigError, match=re.escape(f"with a shared pool (backend={shared!r})")):
+        check_pool_shared(LayerKVConfig(backend=shared), vllm_config)
+    assert [hit_source(b) for b in ("embedded", "mooncake", in_process, shared)] == [
+        CacheHitSource.HOST,
+        CacheHitSource.P2P,
+        CacheHitSource.HOST,
+        CacheHitSource.DISK,
+    ]
+
+
 @pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
 def test_a_shared_pool_refuses_xxhash_block_hashes_unless_acknowledged(algo):
     """vLLM's real config with a non-cryptographic prefix hash: a shared pool refuses it at

@@ -1,4 +1,6 @@
-"""The batch session protocol every store backend implements, and its result validation.
+"""The batch session protocol every store backend implements (`KVStore`), what a backend class
+declares besides (`StoreBackend`: how it opens, where its pool lives, where a hit comes from; the
+classes store/registry.py resolves by name), and result validation.
 
 Names and per-key result codes are Mooncake Store's (>= 0.3.13). Pure definitions: any thread
 may call these helpers; backends document their own thread-safety (all shipped ones are safe).
@@ -9,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from enum import IntEnum, StrEnum
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -169,6 +171,49 @@ class KVStore(Protocol):
     def batch_remove(self, keys: Sequence[ObjectKey]) -> list[int]: ...
 
     def close(self) -> None: ...
+
+
+class PoolScope(StrEnum):
+    """Which processes one pool of a backend reaches (a `StoreBackend` class property)."""
+
+    PROCESS = "process"  # this process only: an engine's scheduler and its workers must share the process
+    SHARED = "shared"  # other processes and hosts: engines and their workers anywhere share it
+
+
+class HitSource(StrEnum):
+    """Where a pool hit's KV is read from (a `StoreBackend` class property); the values are vLLM's
+    `CacheHitSource` (metrics: `prompt_tokens_cached_by_source`)."""
+
+    HOST = "host"  # host memory of this process
+    P2P = "p2p"  # memory other processes or hosts lend, read over the network
+    DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"  # none of these, or not known
+
+
+class StoreBackend(KVStore, Protocol):
+    """A store backend class, as `backend` names it (store/registry.py): the `KVStore` methods,
+    and on the class itself:
+
+    * `pool_scope`: `PoolScope.PROCESS` when its objects live in the opening process (the vLLM
+      integration then refuses executors that put workers in other processes);
+    * `hit_source`: where a hit is read from (`HitSource`, vLLM's metrics);
+    * `from_config(config)`: a new client of the pool a `LayerKVConfig` names, closed by its
+      caller. A PROCESS backend hands every client opened in one process with equal settings
+      the same objects (the scheduler side and the worker sides each open their own);
+    * `pool_address(config)`: where that pool is (e.g. its server's host:port), part of the
+      pool's identity (integrations/vllm/pools.py); no secret.
+
+    The config is read by name: the store does not import it (config.py reads the registry).
+    """
+
+    pool_scope: ClassVar[PoolScope]
+    hit_source: ClassVar[HitSource]
+
+    @classmethod
+    def from_config(cls, config: Any) -> KVStore: ...
+
+    @staticmethod
+    def pool_address(config: Any) -> str: ...
 
 
 # The one method table: every batch call of the protocol, in declaration order.

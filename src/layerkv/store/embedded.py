@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 from layerkv.errors import ConfigError, StoreError
 from layerkv.store.arena import HostRegions, check_ranges, copy_ranges, is_index
-from layerkv.store.base import Code, ObjectKey, Placement
+from layerkv.store.base import Code, HitSource, ObjectKey, Placement, PoolScope
 from layerkv.store.object_table import ClientId, ObjectState, ObjectTable, StoredObject
+from layerkv.store.process_stores import shared_root
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
@@ -47,6 +48,9 @@ class EmbeddedStore:
     Calls on a closed handle raise `StoreError`.
     """
 
+    pool_scope = PoolScope.PROCESS  # the objects live in this process
+    hit_source = HitSource.HOST
+
     def __init__(
         self,
         capacity_bytes: int = 1 * GiB,
@@ -69,12 +73,17 @@ class EmbeddedStore:
 
     @classmethod
     def from_config(cls, config: LayerKVConfig) -> EmbeddedStore:
-        return cls(
-            config.embedded_capacity_bytes,
-            config.embedded_lease_ttl_s,
-            config.embedded_put_timeout_s,
-            strict_buffers=True,
-        )
+        """A new handle (strict_buffers) on this process's store for the config's capacity, lease
+        and put timeout (store/process_stores.py): the scheduler side and every worker side of
+        one process see the same objects. Close it when done; the objects live until
+        `close_shared_stores`."""
+        settings = (config.embedded_capacity_bytes, config.embedded_lease_ttl_s, config.embedded_put_timeout_s)
+        root = shared_root(("embedded", *settings), lambda: cls(*settings, strict_buffers=True))
+        return root.client()
+
+    @staticmethod
+    def pool_address(config: LayerKVConfig) -> str:
+        return "this-process"
 
     def client(self) -> EmbeddedStore:
         """Another handle on the same objects with its own put and get sessions (like a second

@@ -1,63 +1,38 @@
-"""Opens the store a config names. Any side, any thread: the embedded backend is shared per
-process (one store per capacity/lease/timeout), so the scheduler side and every worker side of
-one process see the same objects; each `open_store` call gets its own client handle.
+"""Opens the store a config names: `config.backend`'s class (store/registry.py: a built-in name or
+an out-of-tree "module:Class") makes each client. Any side, any thread; each `open_store` call
+gets its own client handle, closed by its caller. An in-process backend (the embedded store)
+shares one store per process and settings (store/process_stores.py), so the scheduler side and
+every worker side of one process see the same objects. A backend that does not resolve raises
+ConfigError naming `backend`.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
-from layerkv.store.embedded import EmbeddedStore
+from layerkv.store.registry import backend_class
 
 if TYPE_CHECKING:
     from layerkv.config import LayerKVConfig
     from layerkv.store.base import KVStore
     from layerkv.store.checked import CheckedStore
 
-_SharedKey = tuple[int, float, float]
-_lock = threading.Lock()
-_shared: dict[_SharedKey, EmbeddedStore] = {}  # guarded by _lock; the root handle of each store
-
 
 def open_store(config: LayerKVConfig) -> KVStore:
-    """A new client of the store `config.backend` names. Embedded: a handle on the process-wide
-    store for these settings (close it when done; the objects live until
-    `close_shared_stores`). Mooncake: a new `MooncakeStore` (imported lazily)."""
-    if config.backend == "mooncake":
-        from layerkv.store.mooncake import MooncakeStore
-
-        return MooncakeStore.from_config(config)
-    key = (config.embedded_capacity_bytes, config.embedded_lease_ttl_s, config.embedded_put_timeout_s)
-    with _lock:
-        root = _shared.get(key)
-        if root is None:
-            root = _shared[key] = EmbeddedStore.from_config(config)
-        return root.client()
+    """A new client of the store `config.backend` names (its class's `from_config`). Embedded:
+    a handle on the process-wide store for these settings (the objects live until
+    `process_stores.close_shared_stores`). Mooncake: a new `MooncakeStore` client."""
+    return backend_class(config.backend).from_config(config)
 
 
 def pool_identity(config: LayerKVConfig) -> str:
-    """Which pool `config` writes to and reads from: the backend, where it is (the Mooncake master
-    address as configured; the embedded store is this process's), and the tenant its objects
-    are kept under. Holds no secret; may name an address (digest it before showing it to
-    clients). Reads the Mooncake JSON config when the master is not given otherwise."""
-    if config.backend == "mooncake":
-        from layerkv.store.mooncake import master_address_of
-
-        where = master_address_of(config)
-    else:
-        where = "this-process"
+    """Which pool `config` writes to and reads from: the backend, where it is (its class's
+    `pool_address`: the Mooncake master address as configured; the embedded store is this
+    process's), and the tenant its objects are kept under. Holds no secret; may name an address
+    (digest it before showing it to clients). Mooncake reads its JSON config when the master is
+    not given otherwise."""
+    where = backend_class(config.backend).pool_address(config)
     return f"{config.backend}|{where}|{config.tenant}|{config.mooncake_tenant_id or config.tenant}"
-
-
-def close_shared_stores() -> None:
-    """Close every shared embedded store's root handle (tests). Stores whose client handles are
-    all closed free their memory now; the next `open_store` starts an empty store."""
-    with _lock:
-        roots = list(_shared.values())
-        _shared.clear()
-    for root in roots:
-        root.close()
 
 
 def open_checked_store(config: LayerKVConfig) -> CheckedStore:

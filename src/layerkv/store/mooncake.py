@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from layerkv.errors import ConfigError, StoreError, StoreVersionError
 from layerkv.store import native_log
-from layerkv.store.base import SESSION_METHODS, ObjectKey, Placement, code_name
+from layerkv.store.base import SESSION_METHODS, HitSource, ObjectKey, Placement, PoolScope, code_name
 from layerkv.store.mooncake_config import bind_loopback_if_local, load_mooncake_config, preflight, setup_args
 from layerkv.store.mooncake_master import MIN_SEGMENT_BYTES
 from layerkv.store.wheels import DISTRIBUTIONS, clash, install_hint, installed
@@ -104,6 +104,9 @@ class MooncakeStore:
     """KVStore over a set-up Mooncake client. Build with `from_config` / `from_mooncake_config`."""
 
     name = "mooncake"
+    pool_scope = PoolScope.SHARED
+    hit_source = HitSource.P2P  # memory other processes or hosts lend (vLLM's MooncakeConnector says P2P too)
+    pool_address = staticmethod(master_address_of)  # the master's host:port, as configured
 
     def __init__(
         self,

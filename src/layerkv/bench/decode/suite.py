@@ -133,7 +133,7 @@ def measure(contender: Contender, shape: EngineShape, num_requests: int, sizes_:
                 meters.remove()
             engine.shutdown()
             if contender.name == LAYERKV_EMBEDDED:
-                from layerkv.store.factory import close_shared_stores
+                from layerkv.store.process_stores import close_shared_stores
 
                 close_shared_stores()  # frees the run's objects (the next run has its own tenant anyway)
 

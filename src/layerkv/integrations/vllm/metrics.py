@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.config import LayerKVConfig
 from layerkv.connector import stats as core_stats
+from layerkv.store.registry import backend_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,9 +48,10 @@ def counters_of(stats: Any) -> dict[str, int | float]:
 
 def hit_source(backend: str) -> CacheHitSource:
     """Where a pool hit's KV comes from, as vLLM's `prompt_tokens_cached_by_source` names it: the
-    embedded store is host memory in this process; Mooncake's is memory other processes or
-    hosts lend, read over its transfer engine (vLLM's own MooncakeConnector says P2P too)."""
-    return CacheHitSource.HOST if backend == "embedded" else CacheHitSource.P2P
+    backend class's `hit_source` (store/base.py). The embedded store is host memory in this
+    process; Mooncake's is memory other processes or hosts lend, read over its transfer engine
+    (vLLM's own MooncakeConnector says P2P too)."""
+    return CacheHitSource(backend_class(backend).hit_source.value)
 
 
 # A step that changed nothing but the `steps` counter reports nothing; the count goes out with the

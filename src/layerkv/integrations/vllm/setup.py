@@ -21,6 +21,8 @@ import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported 
 from layerkv.errors import ConfigError, UnsupportedSetupError
 from layerkv.integrations.vllm.model_identity import model_fingerprint_of, model_settings_of
 from layerkv.messages import Deployment, KVRole
+from layerkv.store.base import PoolScope
+from layerkv.store.registry import backend_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,13 +181,13 @@ def _layout_problem(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 
 
 def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
-    """Raise `UnsupportedSetupError` when `backend="embedded"` cannot be one pool: the embedded
-    store lives in one process, so vLLM's scheduler (engine core) must run its only worker in
-    that process ("uni" executor, or "external_launcher" with one rank). With the multiprocess
-    or Ray executor the scheduler would never see what the workers saved: no hit, ever.
-    A shared pool (Mooncake) with vLLM's non-cryptographic block hashes is refused unless
-    acknowledged (`check_block_hashes`)."""
-    if config.backend != "embedded":
+    """Raise `UnsupportedSetupError` when an in-process backend (`pool_scope` PROCESS: the
+    embedded store) cannot be one pool: its store lives in one process, so vLLM's scheduler
+    (engine core) must run its only worker in that process ("uni" executor, or
+    "external_launcher" with one rank). With the multiprocess or Ray executor the scheduler
+    would never see what the workers saved: no hit, ever. A shared pool (Mooncake) with vLLM's
+    non-cryptographic block hashes is refused unless acknowledged (`check_block_hashes`)."""
+    if backend_class(config.backend).pool_scope is not PoolScope.PROCESS:
         check_block_hashes(config, getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
         return
     parallel = vllm_config.parallel_config
@@ -195,7 +197,7 @@ def check_pool_shared(config: LayerKVConfig, vllm_config: VllmConfig) -> None:
     if name == "uni" or (name == "external_launcher" and world_size == 1):
         return
     raise UnsupportedSetupError(
-        f"layerkv backend='embedded' keeps the pool inside one process, but this vLLM runs its scheduler and "
+        f"layerkv backend={config.backend!r} keeps the pool inside one process, but this vLLM runs its scheduler and "
         f"its workers in different processes (distributed_executor_backend={name!r}, "
         f"tensor_parallel_size={parallel.tensor_parallel_size}, "
         f"pipeline_parallel_size={parallel.pipeline_parallel_size}): "
