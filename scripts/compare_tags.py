@@ -44,7 +44,7 @@ def tags_alone() -> None:
     for sealer in (Sealer(None), Sealer(bytes(range(32)))):
         ways = {
             "list of views": lambda: sealer.layer_tags(contexts, 5, [[s[r] for s in segments] for r in rows]),
-            "rows_tags": lambda: sealer.rows_tags(contexts, 5, segments, rows),
+            "rows_tags": lambda: sealer.indexed_tags(contexts, 5, segments, rows),
         }
         for name, fn in ways.items():
             best = min(_timed(fn) for _ in range(5))

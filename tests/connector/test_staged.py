@@ -301,10 +301,10 @@ class _RacingPeer:
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._sealer, name)
 
-    def rows_tags(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def indexed_tags(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._staging[self._slots, self._cols] ^= 0x5A
         self.writes += 1
-        return self._sealer.rows_tags(*args, **kwargs)
+        return self._sealer.indexed_tags(*args, **kwargs)
 
 
 @pytest.mark.parametrize("on_host", [True, False], ids=["host-caches", "device-path"])

@@ -126,9 +126,9 @@ class _TagHook:
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._sealer, name)
 
-    def rows_tags(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def indexed_tags(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self._hook()
-        return self._sealer.rows_tags(*args, **kwargs)
+        return self._sealer.indexed_tags(*args, **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["mooncake"], indirect=True)

@@ -84,8 +84,8 @@ def test_row_sealers_do_each_row_with_its_own_key(encrypt: bool) -> None:
 
 
 @pytest.mark.parametrize("mac_key", [None, bytes(range(32))], ids=["unkeyed", "keyed"])
-def test_rows_tags_are_the_layer_tags_of_those_rows(mac_key: bytes | None) -> None:
-    """rows_tags (rows of 2-D segments, as a cache's blocks or staging rows) gives exactly the
+def test_indexed_tags_are_the_layer_tags_of_those_entries(mac_key: bytes | None) -> None:
+    """indexed_tags (entries of 2-D segments: a cache's blocks or staging slots) gives exactly the
     tags layer_tags gives for the same bytes, row by row; with row sealers each row its own key."""
     rng = np.random.default_rng(5)
     segments = [rng.integers(0, 256, (9, 300), dtype=np.uint8), rng.integers(0, 256, (9, 500), dtype=np.uint8)]
@@ -93,12 +93,12 @@ def test_rows_tags_are_the_layer_tags_of_those_rows(mac_key: bytes | None) -> No
     contexts = [context(f"ns@{i:02x}@0", bytes([i]) * 16) for i in range(4)]
     sealer = Sealer(mac_key)
     want = sealer.layer_tags(contexts, 5, [[seg[r] for seg in segments] for r in rows])
-    assert np.array_equal(sealer.rows_tags(contexts, 5, segments, rows), want)
-    assert not np.array_equal(sealer.rows_tags(contexts, 6, segments, rows), want)
-    assert sealer.rows_tags([], 5, segments, []).shape == (0, 16)
+    assert np.array_equal(sealer.indexed_tags(contexts, 5, segments, rows), want)
+    assert not np.array_equal(sealer.indexed_tags(contexts, 6, segments, rows), want)
+    assert sealer.indexed_tags([], 5, segments, []).shape == (0, 16)
     if mac_key is not None:
         sealers, picks = [Sealer(bytes(32)), sealer], np.array([1, 0, 0, 1])
-        mixed = RowSealers(sealers, picks).rows_tags(contexts, 5, segments, rows)
+        mixed = RowSealers(sealers, picks).indexed_tags(contexts, 5, segments, rows)
         for i, g in enumerate(picks.tolist()):
             assert mixed[i].tobytes() == sealers[g].layer_tag(contexts[i], 5, [seg[rows[i]] for seg in segments])
 

@@ -110,28 +110,30 @@ class Sealer:
             nbytes += memoryview(chunk).nbytes
         return self._finish_tag(h, ctx, _SUFFIX.pack(layer_idx, nbytes))
 
-    def layer_tags(self, contexts: Sequence[bytes], layer_idx: int, rows: Sequence[Sequence[Any]]) -> np.ndarray:
-        """Tags of many objects' layer `layer_idx`: uint8 [len(rows), 16]."""
+    def layer_tags(self, contexts: Sequence[bytes], layer_idx: int, chunks: Sequence[Sequence[Any]]) -> np.ndarray:
+        """Tags of many objects' layer `layer_idx` (`chunks[i]`: object i's layer bytes, in order): uint8
+        [len(chunks), 16]."""
         out = bytearray()
-        for ctx, chunks in zip(contexts, rows, strict=True):
-            out += self.layer_tag(ctx, layer_idx, chunks)
-        return np.frombuffer(out, dtype=np.uint8).reshape(len(rows), TAG_NBYTES)
+        for ctx, object_chunks in zip(contexts, chunks, strict=True):
+            out += self.layer_tag(ctx, layer_idx, object_chunks)
+        return np.frombuffer(out, dtype=np.uint8).reshape(len(chunks), TAG_NBYTES)
 
-    def rows_tags(
-        self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray], rows: Sequence[int]
+    def indexed_tags(
+        self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray], indices: Sequence[int]
     ) -> np.ndarray:
-        """`layer_tags` where object i's layer is row `rows[i]` of each of `segments` (2-D uint8
-        arrays, in object order): the same tags, without a Python list of views per object
-        (a 32-layer load computes thousands of small tags per request)."""
+        """`layer_tags` where object i's layer is entry `indices[i]` (a block id of a cache, or a
+        staging slot) of each of `segments` (2-D uint8 arrays, in object order): the same tags,
+        without a Python list of views per object (a 32-layer load computes thousands of small tags
+        per request)."""
         tail = _SUFFIX.pack(layer_idx, sum(int(seg.shape[1]) for seg in segments))
         new, key, keyed = self._hasher_type(), self._key, self._key is not None
         out = bytearray()
-        for ctx, r in zip(contexts, rows, strict=True):
+        for ctx, index in zip(contexts, indices, strict=True):
             h = new(key=key) if keyed else new()
             for seg in segments:
-                h.update(seg[r])
+                h.update(seg[index])
             out += self._finish_tag(h, ctx, tail)
-        return np.frombuffer(out, dtype=np.uint8).reshape(len(rows), TAG_NBYTES)
+        return np.frombuffer(out, dtype=np.uint8).reshape(len(indices), TAG_NBYTES)
 
     def _finish_tag(self, h: Any, ctx: bytes, tail: bytes) -> bytes:
         """The one tag formula, after a layer's bytes: "L", the write's context, (layer, nbytes)."""
@@ -181,12 +183,12 @@ class RowSealers:
             out[idx] = sealer.layer_tags([contexts[i] for i in idx], layer_idx, [rows[i] for i in idx])
         return out
 
-    def rows_tags(
-        self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray], rows: Sequence[int]
+    def indexed_tags(
+        self, contexts: Sequence[bytes], layer_idx: int, segments: Sequence[np.ndarray], indices: Sequence[int]
     ) -> np.ndarray:
-        out = np.empty((len(rows), TAG_NBYTES), dtype=np.uint8)
-        for sealer, idx in self._split(len(rows)):
-            out[idx] = sealer.rows_tags([contexts[i] for i in idx], layer_idx, segments, [rows[i] for i in idx])
+        out = np.empty((len(indices), TAG_NBYTES), dtype=np.uint8)
+        for sealer, idx in self._split(len(indices)):
+            out[idx] = sealer.indexed_tags([contexts[i] for i in idx], layer_idx, segments, [indices[i] for i in idx])
         return out
 
     def open_layers(

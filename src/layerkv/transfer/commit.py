@@ -143,7 +143,7 @@ class CommitJob(JobState):
             self._store.batch_put_session_revoke(bad)
 
 
-def revoke_all(store: CheckedStore, puts: list[PendingPut], why: str) -> int:
+def revoke_puts(store: CheckedStore, puts: list[PendingPut], why: str) -> int:
     """Revoke `puts` (shutdown, or a verdict that never came); returns how many."""
     if puts:
         log.warning("layerkv: revoking %d pending put sessions: %s", len(puts), why)
@@ -217,7 +217,7 @@ class Commits:
         """Write thread, when idle: revoke puts whose verdict never came."""
         puts = self.pending.pop_older_than(self._timeout_s)
         if puts:
-            n = revoke_all(self.store, puts, f"no commit verdict within {self._timeout_s:.0f} s")
+            n = revoke_puts(self.store, puts, f"no commit verdict within {self._timeout_s:.0f} s")
             with self._lock:
                 self._expired += n
 
@@ -227,7 +227,7 @@ class Commits:
 
     def drain(self, why: str) -> int:
         """Revoke every pending put (shutdown); returns how many."""
-        return revoke_all(self.store, self.pending.pop_all(), why)
+        return revoke_puts(self.store, self.pending.pop_all(), why)
 
 
 # -- scheduler side -------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class Costs:
     whole_call_s: float = 150e-6  # fixed cost of one whole-object read call (includes the master lookup)
     whole_key_s: float = 20e-6  # per object of a whole-object read
     whole_bytes_per_s: float = 2.0e9
-    copy_bytes_per_s: float = 5.0e9  # staging scatter + checksum (host memory)
+    copy_bytes_per_s: float = 5.0e9  # staging scatter + tags (host memory)
     compute_per_layer_token_s: float = 2e-6  # compute of one layer for one token
     compute_per_layer_s: float = 50e-6  # compute of one layer whatever the tokens (a decode step's floor)
     weight: float = 0.2  # weight of each new sample (the fits forget old samples at 1 - weight)
@@ -118,7 +118,7 @@ class Costs:
             self._sample("whole", (1, keys_per_call, nbytes), seconds)
 
     def observe_copy(self, seconds: float, nbytes: int) -> None:
-        """A staging scatter (and its checksums) of `nbytes`."""
+        """A staging scatter (and its tags) of `nbytes`."""
         if seconds <= 0 or nbytes <= 0:
             return
         with self._lock:

@@ -1,9 +1,9 @@
 """One step's layerwise load. The job owns its get sessions from start to end: on the receive
 thread it starts them, reads layer l's ranges for every key at most `prefetch_layers` layers ahead
 of the layer the compute thread works on, verifies the header with layer 0 and every layer's
-checksum before the compute thread may use it, fans a shared key out to every local block that
+tag before the compute thread may use it, fans a shared key out to every local block that
 wants it, renews the sessions when the step outlives `renew_after_s`, and ends them after its
-last read returned. Objects whose bytes fail their checksum (or whose header is wrong) are
+last read returned. Objects whose bytes fail their tag (or whose header is wrong) are
 removed from the pool. LAYERS plans (only with the KV cache itself registered) read each layer
 straight into the cache blocks (transfer/direct.py). GROUPS / WHOLE plans (the default) read
 groups of layers (or whole objects) as one range per key into the job's staging rows and copy
@@ -262,7 +262,7 @@ class LoadJob(JobState):
 
     def _maybe_renew(self) -> None:
         """A step that outlives `renew_after_s` restarts its sessions (end + start) so the
-        lease cannot expire mid-step; checksums re-verify every later layer against the header
+        lease cannot expire mid-step; tags re-verify every later layer against the header
         read with layer 0, so a replaced object is caught."""
         if not self._sessions.older_than(self._renew_after_s):
             return
@@ -340,7 +340,7 @@ class LoadJob(JobState):
             if self.cancelled:  # the read returned after a give-up: its bytes stay in staging
                 return
             good_slots = np.array([slot_of[int(r)] for r in good.tolist()], dtype=np.int64)
-            copy_start = time.perf_counter()  # header / checksum checks and the copies
+            copy_start = time.perf_counter()  # header / tag checks and the copies
             if group.first_layer == 0:
                 checked = self._verify_headers(good, good_slots)  # parsed now: later writes to staging change nothing
                 good, good_slots = good[checked], good_slots[checked]

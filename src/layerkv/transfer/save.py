@@ -111,7 +111,7 @@ class SaveJob(JobState):
         self._num_lanes = num_lanes
         self._writer = commits.writer
         self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, self._slots)
-        self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, device event or None)
+        self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, its compute marker or None)
         self._finalized = False  # guarded by cond
         self.released = False  # guarded by cond: the job no longer reads the KV cache memory
         self._open = np.zeros(len(keys), dtype=bool)  # write thread: started, not yet handed over / revoked
@@ -126,9 +126,9 @@ class SaveJob(JobState):
         self.outcome = SaveOutcome()
 
     # -- compute thread -------------------------------------------------------------------
-    def hand_layer(self, layer_idx: int, event: Any = None) -> None:
+    def hand_layer(self, layer_idx: int, marker: Any = None) -> None:
         with self.cond:
-            self._handed.append((layer_idx, event))
+            self._handed.append((layer_idx, marker))
             self.cond.notify_all()
 
     @property
@@ -216,9 +216,9 @@ class SaveJob(JobState):
             item = self._next_layer()
             if item is None:
                 break
-            layer_idx, event = item
-            if event is not None:
-                event.synchronize()  # the layer's KV is written on the device before we read it
+            layer_idx, marker = item
+            if marker is not None:
+                marker.synchronize()  # the layer's KV is written on the device before we read it
             self._fence()
             self._write_layer(layer_idx)
         self._hand_over()
@@ -232,7 +232,7 @@ class SaveJob(JobState):
             item = self._next_layer()
             if item is None:
                 break
-            layer_idx, event = item
+            layer_idx, marker = item
             if layer_idx not in self._sent_layers:
                 start = time.perf_counter()
                 self._sent_layers.add(layer_idx)
@@ -244,7 +244,7 @@ class SaveJob(JobState):
                     self._rows.block_ids,
                     self._contexts,
                     self._header.sealer,
-                    after=event,
+                    after=marker,
                 )
                 self.outcome.copy_s += time.perf_counter() - start
         with self.cond:

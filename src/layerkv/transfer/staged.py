@@ -136,7 +136,7 @@ class StagedLayers:
         sealer, contexts, ids = checks.sealer(rows), checks.contexts(rows), block_ids[rows].tolist()
         tags = np.empty((rows.size, len(layers), TAG_NBYTES), dtype=np.uint8)
         for j, li in enumerate(layers):
-            tags[:, j] = sealer.rows_tags(contexts, li, [v.blocks for v in self._views[li]], ids)
+            tags[:, j] = sealer.indexed_tags(contexts, li, [v.blocks for v in self._views[li]], ids)
         return checks.layers(group.first_layer, rows, tags)
 
     def _private_copy(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray) -> tuple[Any, np.ndarray]:
@@ -196,7 +196,7 @@ class StagedLayers:
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         if not sealer.encrypts:
             segments, ids = self._private_layer(layer_idx, block_ids, after)
-            tags = sealer.rows_tags(
+            tags = sealer.indexed_tags(
                 contexts, layer_idx, segments, range(len(block_ids)) if ids is None else ids.tolist()
             )
             self._stage(layer_idx, staging, slots, segments, ids)
@@ -259,7 +259,7 @@ class StagedLayers:
         for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):
             col = self.layout.layer_offset(layer_idx) - group.span_start
             width = self.layout.layer_nbytes(layer_idx)
-            out[:, j] = sealer.rows_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
+            out[:, j] = sealer.indexed_tags(contexts, layer_idx, [staging[:, col : col + width]], slots.tolist())
         return out
 
 

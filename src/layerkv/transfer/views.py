@@ -69,7 +69,7 @@ class CacheViews:
         [len(block_ids), 16]. Host caches only (device caches are not read from the host)."""
         assert self.on_host, "tags of device caches are not computed on the host"
         views = self.layers[layer_idx]
-        return sealer.rows_tags(contexts, layer_idx, [v.blocks for v in views], block_ids.tolist())
+        return sealer.indexed_tags(contexts, layer_idx, [v.blocks for v in views], block_ids.tolist())
 
     def copy_blocks(self, layer_idx: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
         """cache[dst_ids[j]] <- cache[src_ids[j]] for every segment of the layer (host: numpy,
