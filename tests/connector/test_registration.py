@@ -13,7 +13,7 @@ from tests.connector.rig import BLOCK_SIZE, Req
 from tests.tokens import block_tokens
 
 
-def test_a_refused_registration_is_retried_off_the_compute_thread(make_rig, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_registration_is_retried_off_the_compute_thread(make_rig, monkeypatch) -> None:
     threads: list[str] = []
     refuse = threading.Event()
     refuse.set()

@@ -294,7 +294,7 @@ class _RacingPeer:
     anyone who reaches the store's ports can do at any moment): a tag computed over staging
     would then cover the peer's bytes."""
 
-    def __init__(self, sealer, staging: np.ndarray, slots: np.ndarray, col: int, width: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, sealer, staging: np.ndarray, slots: np.ndarray, col: int, width: int) -> None:
         self._sealer, self._staging, self._slots, self._cols = sealer, staging, slots, slice(col, col + width)
         self.writes = 0
 
@@ -327,7 +327,7 @@ def test_save_tags_cover_the_computed_bytes_not_what_a_peer_writes_into_staging(
     peers: list[_RacingPeer] = []
     after_tags = {"on": False}
 
-    def racing(self, layer_idx, staging, slots, block_ids, contexts, sealer, after=None):  # type: ignore[no-untyped-def]
+    def racing(self, layer_idx, staging, slots, block_ids, contexts, sealer, after=None):
         col, width = self.layout.layer_offset(layer_idx), self.layout.layer_nbytes(layer_idx)
         peers.append(_RacingPeer(sealer, staging, slots, col, width))
         tags = real(self, layer_idx, staging, slots, block_ids, contexts, peers[-1], after)

@@ -25,7 +25,7 @@ def max_open_sessions(calls: Sequence[CallRecord]) -> int:
     most = 0
     for call in events:
         if call.method == GET_START:
-            open_keys |= {k for k, code in zip(call.keys, call.result or ()) if code == 0}  # type: ignore[call-overload]
+            open_keys |= {k for k, code in zip(call.keys, call.result or ()) if code == 0}
         elif call.method == GET_END:
             open_keys -= set(call.keys)
         elif call.method == GET_RANGES:
@@ -35,7 +35,7 @@ def max_open_sessions(calls: Sequence[CallRecord]) -> int:
 
 @BOTH_BACKENDS
 @pytest.mark.parametrize("plan", ["layers", "whole"])
-def test_a_few_staging_rows_serve_every_request_correctly(make_oracle, backend, plan: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_few_staging_rows_serve_every_request_correctly(make_oracle, backend, plan: str) -> None:
     producer_prompts, consumer_prompts = two_docs(seed=70)
     probe = Oracle(backend).pooled()  # only for the layout's object size
     row = probe.workers[0].layout.object_nbytes

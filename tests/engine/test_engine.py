@@ -24,7 +24,7 @@ def engine_config(tp_size: int = 1, **kw: int) -> EngineConfig:
 def copy_engine(
     source: Engine, tp_size: int, fail_copy_idx: frozenset[int] = frozenset(), corrupt: str = "", cfg: ModelConfig = CFG
 ) -> Engine:
-    workers = [CopyWorker(source.caches_for_rank(r), fail_copy_idx, corrupt) for r in range(tp_size)]  # type: ignore[arg-type]
+    workers = [CopyWorker(source.caches_for_rank(r), fail_copy_idx, corrupt) for r in range(tp_size)]
     return Engine(cfg, engine_config(tp_size), CopyScheduler(source, BS, max_blocks=3), workers)
 
 
@@ -93,7 +93,7 @@ def test_logits_bit_identical_with_kv_copied_from_another_engine(tp_size: int) -
     assert out_remote.num_local_cached_tokens == 0 and out_remote.num_external_tokens == 12
     assert remote.steps[0].requests[0].num_external_tokens == 12
     assert remote.steps[0].requests[0].num_scheduled_tokens == len(P2) - 12
-    assert all(w.layers_loaded == list(CFG.layer_names) for w in remote.runner.worker_hooks)  # type: ignore[attr-defined]
+    assert all(w.layers_loaded == list(CFG.layer_names) for w in remote.runner.worker_hooks)
     assert out_remote.token_ids == out_local.token_ids
     assert all(torch.equal(a, b) for a, b in zip(out_local.logits, out_remote.logits, strict=True))
     # loaded blocks entered the local prefix cache after the successful load

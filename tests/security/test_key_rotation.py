@@ -88,7 +88,7 @@ def test_objects_of_the_old_key_are_served_after_a_rotation_until_it_is_removed(
     assert_identical(got, serve(oracle.local(), [FIRST], MAX_TOKENS))
 
 
-def test_an_engine_that_never_had_the_old_key_reads_nothing_of_it(make_oracle, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_an_engine_that_never_had_the_old_key_reads_nothing_of_it(make_oracle, tmp_path: Path) -> None:
     """A new key file (no older key in it) is another tenant: the old key's objects miss."""
     key_file = tmp_path / "tenant.key"
     write_key_file(key_file)
@@ -102,7 +102,7 @@ def test_an_engine_that_never_had_the_old_key_reads_nothing_of_it(make_oracle, t
     assert_identical(got, serve(oracle.local(), [SECOND], MAX_TOKENS))
 
 
-def test_engines_that_encrypt_and_engines_that_do_not_share_a_key_and_a_pool(make_oracle, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_engines_that_encrypt_and_engines_that_do_not_share_a_key_and_a_pool(make_oracle, tmp_path: Path) -> None:
     """Same tenant, same key, one pool: an engine with encrypt_objects and one without each find
     and serve their own objects, bit-identical; neither takes the other's for its own (that
     refused each other's headers and removed them: the encrypted kind has names of its own)."""

@@ -159,7 +159,7 @@ def test_bytes_a_peer_writes_into_save_staging_are_never_served(
             addr = staging.ctypes.data + slot * staging.strides[0] + col
             written.append(attacker.ask(op="write", segment=segment, addr=addr, nbytes=width, byte=0x5A)["rc"])
 
-    def racing(self, layer_idx, staging, slots, block_ids, contexts, sealer, after=None):  # type: ignore[no-untyped-def]
+    def racing(self, layer_idx, staging, slots, block_ids, contexts, sealer, after=None):
         if layer_idx != 1:
             return real(self, layer_idx, staging, slots, block_ids, contexts, sealer, after)
         if when == "while-tagging":

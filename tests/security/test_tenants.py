@@ -157,7 +157,7 @@ def test_a_forged_object_is_never_served(
 
 
 @KEYED
-def test_squatting_on_a_s_future_keys(make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str) -> None:  # type: ignore[no-untyped-def]
+def test_squatting_on_a_s_future_keys(make_oracle, tmp_path: Path, pool_attacker: Attacker, keyed: bool | str) -> None:
     """Put sessions opened on the keys A will write make A's saves skip (every later request a
     miss); with a key the attacker cannot name them."""
     oracle = _tenant_a(make_oracle, tmp_path, keyed)

@@ -71,7 +71,7 @@ def _corrupting(root: EmbeddedStore, *, on_layer: int, target_layer: int):  # ty
     class CorruptingStore(FaultyStore):
         last_ptrs: dict[int, int] = {}
 
-        def batch_get_into_multi_buffer_ranges(self, keys, ptrs, sizes, offsets, layer_idx=None):  # type: ignore[no-untyped-def]
+        def batch_get_into_multi_buffer_ranges(self, keys, ptrs, sizes, offsets, layer_idx=None):
             got = super().batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets, layer_idx=layer_idx)
             self.last_ptrs[layer_idx] = ptrs[0][-1]
             if layer_idx == on_layer:

@@ -99,12 +99,9 @@ def test_pool_run_reaches_vllms_prometheus_with_tenant_label_and_hit_source(pool
     assert value[f'vllm:layerkv_step_bytes_sum{{direction="load",{labels}}}'] == payload["loaded_bytes"]
     assert value[f'vllm:layerkv_transfer_seconds_count{{direction="load",{labels}}}'] == 1
     assert f"vllm:layerkv_pending_puts{{{labels}}}" in value  # a consumer: set, 0
-    assert (
-        value[
-            f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="{consumer.engine.vllm_config.model_config.served_model_name}",source="{want_source.value}"}}'
-        ]
-        == 32
-    )
+    model_name = consumer.engine.vllm_config.model_config.served_model_name
+    by_source = f'engine="0",model_name="{model_name}",source="{want_source.value}"'
+    assert value[f"vllm:prompt_tokens_cached_by_source_total{{{by_source}}}"] == 32
     assert (
         value[
             'vllm:layerkv_total{counter="load_blocks",engine="0",model_name="%s"}'

@@ -79,7 +79,7 @@ def bar_plot(
     return _save(plt, fig, ax, path)
 
 
-def _labelled(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str, logy: bool) -> str:  # type: ignore[no-untyped-def]
+def _labelled(plt, fig, ax, path: Path, title: str, xlabel: str, ylabel: str, logy: bool) -> str:
     """Log y axis if asked, title, axis labels, grid; then `_save`."""
     if logy:
         ax.set_yscale("log")

@@ -98,7 +98,8 @@ def store_call(
     """Mark a KVStore protocol method; the tables below are derived from the marks."""
 
     def mark(fn: _F) -> _F:
-        fn.__store_call__ = StoreCall(fn.__name__, session, talks_to_master or needs_master, needs_master, moves_data)  # type: ignore[attr-defined]
+        call = StoreCall(fn.__name__, session, talks_to_master or needs_master, needs_master, moves_data)
+        fn.__store_call__ = call  # type: ignore[attr-defined]
         return fn
 
     return mark
@@ -250,7 +251,8 @@ def validate_results(results: object, num_keys: int, call: str) -> list[int]:
 
 def validate_single(result: object, call: str) -> int:
     """The one-int answer of `batch_get_session_end`; MALFORMED for anything else."""
-    if isinstance(result, bool) or not _is_integer(result) or not _INT64_MIN <= int(result) <= _INT64_MAX:  # type: ignore[call-overload]
+    in_range = _is_integer(result) and not isinstance(result, bool)
+    if not in_range or not _INT64_MIN <= int(result) <= _INT64_MAX:  # type: ignore[call-overload]
         log.error("layerkv: %s returned a malformed result (%r)", call, _short(result))
         return int(Code.MALFORMED)
     return int(result)  # type: ignore[call-overload]
@@ -262,7 +264,8 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 def _is_integer(value: object) -> bool:
     if isinstance(value, int):
         return True
-    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu"  # type: ignore[attr-defined]
+    dtype = getattr(value, "dtype", None)
+    return type(value).__module__ == "numpy" and dtype is not None and dtype.kind in "iu"
 
 
 def _short(value: object) -> str:

@@ -205,7 +205,8 @@ class FaultyStore:
         dst_offsets: Sequence[Sequence[int]],
         layer_idx: int | None = None,
     ) -> list[int]:
-        return self._call(PUT_RANGES, keys, (ptrs, sizes, dst_offsets), layer_idx=layer_idx)  # type: ignore[return-value]
+        answer = self._call(PUT_RANGES, keys, (ptrs, sizes, dst_offsets), layer_idx=layer_idx)
+        return answer  # type: ignore[return-value]
 
     def batch_put_session_end(self, keys: Sequence[ObjectKey], layer_idx: int | None = None) -> list[int]:
         return self._call(PUT_END, keys, layer_idx=layer_idx)  # type: ignore[return-value]
@@ -224,7 +225,8 @@ class FaultyStore:
         src_offsets: Sequence[Sequence[int]],
         layer_idx: int | None = None,
     ) -> list[int]:
-        return self._call(GET_RANGES, keys, (ptrs, sizes, src_offsets), layer_idx=layer_idx)  # type: ignore[return-value]
+        answer = self._call(GET_RANGES, keys, (ptrs, sizes, src_offsets), layer_idx=layer_idx)
+        return answer  # type: ignore[return-value]
 
     def batch_get_session_end(self, keys: Sequence[ObjectKey]) -> int:
         return self._call(GET_END, keys)  # type: ignore[return-value]

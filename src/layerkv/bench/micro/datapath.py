@@ -92,7 +92,7 @@ def _check(results: list[int], expected: int, what: str) -> None:
         raise RuntimeError(f"datapath {what}: expected {expected} for every key, got {bad}")
 
 
-def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray):  # type: ignore[no-untyped-def]
+def _layer_ranges(layout: CacheLayout, layer: int, ids: np.ndarray, headers: np.ndarray):
     """Block i's layer (and for layer 0 header row i first), as layerkv's jobs build them."""
     return KeyRows(ids, layout, headers).step(layer, np.arange(len(ids)))
 

@@ -311,7 +311,8 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     cache_dtype = vllm_config.cache_config.cache_dtype
     # "auto" means the model dtype; an explicit fp8 name says more than torch.uint8 would.
-    kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)  # type: ignore[attr-defined]
+    model_dtype = spec.dtype  # type: ignore[attr-defined]
+    kv_dtype = str(model_dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
     tp_rank, pp_rank = _parallel_ranks(vllm_config, role)
     assert vllm_config.kv_transfer_config is not None  # a connector exists only with a transfer config
     kv_role = vllm_config.kv_transfer_config.kv_role
