@@ -68,7 +68,7 @@ class StepPlan:
     # Loads no attention layer waits for (connector/graphs.py): `loads_first`, a request of this step
     # computes so few tokens over its hit that vLLM may replay the step as one CUDA graph (no per-layer
     # hook runs): start_load_kv returns once every layer landed; `async_req_ids`, requests loaded before
-    # their first step (0 tokens scheduled in this one; connector/hybrid.py).
+    # their first step (0 tokens scheduled in this one; connector/async_loads.py).
     loads_first: bool = False
     async_req_ids: frozenset[ReqId] = field(default_factory=frozenset)
 

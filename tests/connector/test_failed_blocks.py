@@ -26,3 +26,19 @@ def test_the_loads_settledness_at_the_last_report_is_asked_once() -> None:
     failed.load_settled = False  # not settled when the engine last asked for failures
     assert failed.pop_load_settled(lambda: True) is False
     assert failed.pop_load_settled(lambda: True) is True  # forgotten once asked
+
+
+def test_a_step_is_held_back_while_its_load_may_still_fail() -> None:
+    failed = FailedBlocks()
+    failed.new_step(None)  # no plan: nothing for the scheduler to wait for
+    assert failed.take_steps(None) == ()
+    failed.new_step(1)
+    failed.new_step(2)
+    assert failed.take_steps(lambda: False) == (1,)  # 2's load still runs: held back
+    assert failed.take_steps(lambda: True) == (2,)
+    failed.new_step(3)
+    failed.load_settled = False  # the failures were read before the load settled
+    assert failed.take_steps(lambda: True) == ()  # so 3 waits for the next report
+    assert failed.take_steps(lambda: True) == (3,)
+    failed.new_step(4)
+    assert failed.take_steps(None) == (4,)  # no load: reported at once

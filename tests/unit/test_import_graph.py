@@ -9,6 +9,9 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+# the two sides of the connector meet only in the step metadata and the workers' reports
+_WORKER_SIDE = [f"layerkv.connector.{m}" for m in ("worker", "worker_jobs", "worker_step", "worker_threads")]
+_SCHEDULER_SIDE = [f"layerkv.connector.{m}" for m in ("scheduler", "lookup")]
 
 # Who may not import whom: a module under the key may import none of the prefixes listed.
 FORBIDDEN = {
@@ -58,10 +61,8 @@ FORBIDDEN = {
         "layerkv.commands",
         "layerkv.demos",
     ],
-    # the two sides of the connector meet only in the step metadata and the workers' reports
-    "layerkv.connector.worker": ["layerkv.connector.scheduler"],
-    "layerkv.connector.worker_jobs": ["layerkv.connector.scheduler"],
-    "layerkv.connector.scheduler": ["layerkv.connector.worker", "layerkv.connector.worker_jobs"],
+    **{module: _SCHEDULER_SIDE for module in _WORKER_SIDE},
+    **{module: _WORKER_SIDE for module in _SCHEDULER_SIDE},
     "layerkv.engine": ["layerkv.integrations", "layerkv.bench", "layerkv.commands", "layerkv.demos"],
     "layerkv.integrations": ["layerkv.bench", "layerkv.commands", "layerkv.demos"],
     # vLLM's general plugin, loaded in every vLLM process before any connector: no layerkv module

@@ -86,9 +86,9 @@ def test_a_load_no_layer_waited_for_is_recomputed(pool, monkeypatch):
     """A scheduler that planned a load into a replayed step without loading it first (the rules
     of graphs.py switched off): the worker sees no layer wait for it and reports its blocks
     failed; vLLM recomputes them and the KV is still the model's."""
-    import layerkv.connector.hybrid as hybrid
+    import layerkv.connector.async_loads as async_loads
 
-    monkeypatch.setattr(hybrid, "mark", lambda plan, *args: plan)
+    monkeypatch.setattr(async_loads, "mark", lambda plan, *args: plan)
     tokens = prompt(5, 5 * BLOCK_SIZE + 8)
     produce(pool, "p", tokens)
     consumer = pool.node(full_graphs=True, max_num_batched_tokens=4, scheduler_kwargs={"max_num_seqs": 4})

@@ -5,7 +5,7 @@ object per block and group in the pool. Producer (kv_both) and consumer (kv_cons
 faults on demand) are two engines on a real Mooncake master; the oracle is the producer's own
 local prefix cache with the same schedule, bit for bit (as test_engine_pool.py). With several
 groups vLLM recovers a failed load only for a request that waits for it, so the consumer loads
-a hybrid model's prefix before the request's first step (connector/hybrid.py).
+a hybrid model's prefix before the request's first step (connector/async_loads.py).
 """
 
 from __future__ import annotations

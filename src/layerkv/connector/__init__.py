@@ -6,7 +6,8 @@ hooks.py over a `CheckedStore` the caller opens (`store.factory.open_checked_sto
 
 from __future__ import annotations
 
-from layerkv.connector.scheduler import PoolLookup, SchedulerConnector
+from layerkv.connector.lookup import PoolLookup
+from layerkv.connector.scheduler import SchedulerConnector
 from layerkv.connector.shards import ShardedWorker, worker_connector
 from layerkv.connector.stats import SchedulerStats, WorkerStats
 from layerkv.connector.worker import WorkerConnector

@@ -5,7 +5,7 @@ tokens), a prompt's single token over an existing context included. A replay run
 between layers: no per-layer hook (wait_for_layer_load, save_kv_layer) is called. So:
 
 * a pool hit that leaves a request `decode_tokens` tokens or fewer to compute is loaded before
-  the request's first step, asynchronously (`loads_before_scheduling`; connector/hybrid.py runs
+  the request's first step, asynchronously (`loads_before_scheduling`; connector/async_loads.py runs
   it: 0 tokens scheduled in the step that loads it, finished receiving once every layer landed);
 * a step in which a request still computes that few tokens over a load (vLLM's token budget cut
   its chunk to one token) loads before the forward (`StepPlan.loads_first`: start_load_kv

@@ -10,24 +10,11 @@ sliding-window group's objects of the blocks outside its window are asked for to
 (vLLM's null block stands for a sliding-window block outside the window) are neither loaded nor
 saved. A request whose load failed in any group taints its saves in every group: each group's
 step carries the block ids of the request's other groups (`ScheduledRequest.other_block_ids`,
-the engine adapter fills it), every group sees every failed block, and a step is reported to the scheduler only once
-every
-group's worker ran it. With one group the calls are passed through, but for the loads below.
-
-`load_async` (what vLLM needs for a model with several groups): vLLM 0.32 to 0.34 cannot map a
-failed block back to a request when there are several groups (`invalid_block_ids` stops the
-engine core), and recovers a failed load only for a request that waits for its load
-(`failed_recving`: it recomputes the request from token 0). So with `load_async` the prefix is
-loaded before the request's first step, whole: the hit is reported asynchronous, the load runs in
-the next engine step (with the request added to that step's plans, 0 tokens scheduled) and ends
-within it; the worker reports the request finished receiving, and failed if any block of any
-group failed (never as invalid blocks); a request whose load failed is not offered the pool again.
-
-The same mechanism, per request, keeps full CUDA graphs (connector/graphs.py, any number of
-groups): a hit that leaves a decode step's worth to compute loads before the request's first step;
-with one group its failed blocks are reported as usual (vLLM truncates the hit and recomputes from
-there). Plans name these requests (`StepPlan.async_req_ids`) and mark `loads_first`.
-Scheduler hooks on the scheduler thread, worker hooks on the compute thread (as hooks.py).
+the engine adapter fills it), every group sees every failed block, and a step is reported to the
+scheduler only once every group's worker ran it. With one group the calls are passed through, but
+for the loads that run before a request's first step (`load_async`, and hits that keep full CUDA
+graphs): connector/async_loads.py. Scheduler hooks on the scheduler thread, worker hooks on the
+compute thread (as hooks.py).
 """
 
 from __future__ import annotations
@@ -37,11 +24,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from layerkv.connector.graphs import loads_before_scheduling, mark
+from layerkv.connector.async_loads import AsyncLoads, AsyncReceives
 from layerkv.connector.hooks import SchedulerHooks, WorkerHooks
 from layerkv.connector.prefill_wait import PREFIX_TOKENS, promised_tokens
 from layerkv.connector.stats import SchedulerStats, WorkerStats
-from layerkv.messages import ReqId, RequestView, ScheduledRequest, SchedulerStep, WorkerReport
+from layerkv.messages import ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
 
 
@@ -91,12 +78,7 @@ class GroupedScheduler:
             raise ValueError("GroupedScheduler needs at least one group")
         self.subs = tuple(subs)
         self._skip = skip_block_ids
-        self.load_async = load_async
-        # steps the engine may replay as one CUDA graph: (a decode step's tokens per request, any step) (graphs.py)
-        self.decode_tokens, self._replays_any = replayed
-        self._loading: dict[ReqId, tuple[RequestView, tuple[tuple[int, ...], ...], int]] = {}  # async loads to plan
-        self._failed: set[ReqId] = set()  # async loads that failed: recomputed, not offered the pool again
-        self._local: dict[ReqId, int] = {}  # async hits: the engine's own computed tokens before them
+        self._async = AsyncLoads(load_async, replayed)  # hits loaded before their request's first step
         # per group: 0 (every block of a hit) or a sliding window's blocks (SchedulerConnector.match_window)
         self._windows = tuple(windows) if windows is not None else (0,) * len(self.subs)
         self._check(self._windows)
@@ -108,20 +90,17 @@ class GroupedScheduler:
         lowers the hit to its longest complete window at or below it, until none does. A group
         not asked because the hit fell to 0 drops any stale match at allocation (0 external
         tokens)."""
-        if request.req_id in self._failed:
+        if self._async.refused(request.req_id):
             return 0, False
         hit = self._hit(request, num_computed_tokens)
         if hit is None:  # a full group waits for a prefill server's prefix: ask again
             return None, False
-        # a hit that leaves a decode step's worth to compute loads before the request's first step
-        # (connector/graphs.py): that step may run as one CUDA graph, without the per-layer waits
-        load_async = hit > 0 and (
-            self.load_async
-            or loads_before_scheduling(request.num_tokens - num_computed_tokens - hit, self.decode_tokens)
-        )
-        if load_async:
-            self._local[request.req_id] = num_computed_tokens
-        return hit, load_async
+        return hit, self._async.decide(request, num_computed_tokens, hit)
+
+    @property
+    def load_async(self) -> bool:
+        """Every hit loads before its request's first step (connector/async_loads.py)."""
+        return self._async.load_async
 
     def may_load_async(self, request: RequestView) -> bool:
         """Would `get_num_new_matched_tokens` answer an asynchronous load for `request`? Asked as
@@ -131,7 +110,7 @@ class GroupedScheduler:
         group holds the request's first block (one exists query, `may_hit`). It may be wrong
         either way (the engine's own cache may cover that block, the pool may change before
         the lookup): the engine only queues the request differently."""
-        if not self.load_async or request.req_id in self._failed:
+        if not self.load_async or self._async.refused(request.req_id):
             return False
         sub = next((s for s, window in zip(self.subs, self._windows) if not window), self.subs[0])
         return bool(getattr(sub, "may_hit", lambda _request: False)(request))
@@ -173,51 +152,19 @@ class GroupedScheduler:
         self._check(block_ids)
         for sub, ids in zip(self.subs, block_ids):
             sub.update_state_after_alloc(request, tuple(ids), num_external_tokens)
-        local = self._local.pop(request.req_id, None)
-        if local is not None and num_external_tokens > 0:
-            self._loading[request.req_id] = (request, tuple(map(tuple, block_ids)), local + num_external_tokens)
+        self._async.allocated(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, steps: Sequence[SchedulerStep]) -> Any:
         self._check(steps)
-        loading = frozenset(self._loading)
-        if loading:
-            steps = self._with_loading(steps)
+        steps, loading = self._async.with_loading(steps)
         plans = tuple(
-            mark(
-                _without_blocks(sub.build_connector_meta(step), self._skip),
-                step,
-                loading,
-                self.decode_tokens,
-                self._replays_any,
-            )
+            self._async.mark(_without_blocks(sub.build_connector_meta(step), self._skip), step, loading)
             for sub, step in zip(self.subs, steps)
         )
         return plans[0] if len(plans) == 1 else GroupedPlan(plans)
 
-    def _with_loading(self, steps: Sequence[SchedulerStep]) -> list[SchedulerStep]:
-        """Each group's step plus the requests whose asynchronous load this step runs (the engine
-        does not schedule them until they finished receiving): 0 tokens scheduled, all loaded."""
-        loading, self._loading = self._loading, {}
-        out = []
-        for g, step in enumerate(steps):
-            scheduled = {r.req_id for r in step.requests}
-            extra = tuple(
-                ScheduledRequest(
-                    req_id,
-                    ids[g],
-                    computed,
-                    0,
-                    view.block_hashes,
-                    other_block_ids=tuple(b for h, other in enumerate(ids) if h != g for b in other),
-                )
-                for req_id, (view, ids, computed) in loading.items()
-                if req_id not in scheduled
-            )
-            out.append(dataclasses.replace(step, requests=step.requests + extra))
-        return out
-
     def update_connector_output(self, report: WorkerReport) -> None:
-        self._failed |= report.failed_recving
+        self._async.failed(report.failed_recving)
         for sub in self.subs:
             sub.update_connector_output(report)
 
@@ -225,9 +172,7 @@ class GroupedScheduler:
         self, request: RequestView, block_ids: Sequence[tuple[int, ...]]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._check(block_ids)
-        self._loading.pop(request.req_id, None)
-        self._local.pop(request.req_id, None)
-        self._failed.discard(request.req_id)
+        self._async.forget(request.req_id)
         promised: list[int] = []
         for sub, ids in zip(self.subs, block_ids):
             _, params = sub.request_finished(request, tuple(ids))
@@ -267,12 +212,14 @@ class GroupedWorker:
         if not subs or len(subs) != len(layer_names):
             raise ValueError(f"{len(subs)} workers for {len(layer_names)} KV cache groups")
         self.subs = tuple(subs)
-        self.load_async = load_async
         self._group_of = {name: g for g, names in enumerate(layer_names) for name in names}
         self._unreported: list[list[int]] = [[] for _ in subs]  # steps each group ran, not yet reported
-        # load_async: requests whose load ran in a step, per group their block ids, until reported
-        self._receiving: dict[ReqId, list[set[int]]] = {}
-        self._failed: set[ReqId] = set()
+        self._receiving = AsyncReceives(self.subs, load_async)  # loads run before their request's first step
+
+    @property
+    def load_async(self) -> bool:
+        """Every load runs before its request's first step (connector/async_loads.py)."""
+        return self._receiving.load_async
 
     def _sub(self, layer_name: str) -> WorkerHooks:
         if len(self.subs) == 1:
@@ -302,11 +249,7 @@ class GroupedWorker:
                 raise ValueError(f"a plan for {len(plans)} KV cache groups, the worker has {len(self.subs)}")
         for g, (sub, plan) in enumerate(zip(self.subs, plans)):
             sub.bind_connector_metadata(plan)
-            asynchronous: frozenset[ReqId] = getattr(plan, "async_req_ids", frozenset())
-            if asynchronous or self.load_async:  # loaded before the request's first step: reported finished receiving
-                for spec in getattr(plan, "loads", ()):
-                    if self.load_async or spec.req_id in asynchronous:
-                        self._receiving.setdefault(spec.req_id, [set() for _ in self.subs])[g].update(spec.block_ids)
+            self._receiving.bound(g, plan)
 
     def start_load_kv(self) -> None:
         for sub in self.subs:
@@ -333,36 +276,18 @@ class GroupedWorker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.load_async:  # failures go to the requests (transfer_results), never as blocks
-            self._collect_failures()
+            self._receiving.collect_failures()
             return set()
         return set().union(*(sub.get_block_ids_with_load_errors() for sub in self.subs))
 
     def transfer_results(self, finished_req_ids: set[ReqId]) -> tuple[set[ReqId], set[ReqId], set[ReqId]]:
         """(finished sending, finished receiving, failed receiving) for vLLM's
-        get_transfer_results: with load_async, every request whose load this worker ran and whose
-        groups' loads are over finished receiving; those with a failed block in any group failed
-        (a failed request is also finished: vLLM releases it and recomputes it from token 0)."""
+        get_transfer_results: every request whose load ran before its first step finishes
+        receiving once every group's loads are over; with load_async, those with a failed block
+        in any group failed (AsyncReceives.results)."""
         sending, recving = self.get_finished(finished_req_ids)
-        done = set(recving or ())
-        if not self.load_async:  # loaded before their first step (connector/graphs.py); failures are blocks
-            if self._receiving and all(getattr(sub, "loads_settled", lambda: True)() for sub in self.subs):
-                done |= set(self._receiving)
-                self._receiving.clear()
-            return set(sending or ()), done, set()
-        self._collect_failures()
-        if all(getattr(sub, "loads_settled", lambda: True)() for sub in self.subs):
-            done |= set(self._receiving)
-            failed = self._failed & done
-            self._receiving.clear()
-            self._failed -= failed
-            return set(sending or ()), done, failed
-        return set(sending or ()), done, set()
-
-    def _collect_failures(self) -> None:
-        for g, sub in enumerate(self.subs):
-            invalid = sub.get_block_ids_with_load_errors()
-            if invalid:
-                self._failed |= {req for req, blocks in self._receiving.items() if blocks[g] & invalid}
+        done, failed = self._receiving.results(recving)
+        return set(sending or ()), done, failed
 
     def report_steps(self) -> tuple[int, ...]:
         """Steps every group's worker ran (a group still loading holds its step back, and so the

@@ -1,20 +1,22 @@
 """Builds one worker's per-step transfer jobs once its KV caches are registered: the objects a
 step's blocks map to (one per distinct key), the load plan (fixed knobs or the planner's choice),
-staging rows (lent from the fixed staging areas; never allocated here), lanes. Compute thread
-only; the worker submits the jobs to its threads.
+staging rows (lent from the fixed staging areas; never allocated here), lanes; and keeps the
+jobs whose outcomes are not in the worker's counters yet (JobLedger). Compute thread only; the
+worker submits the jobs to its threads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from layerkv.config import LayerKVConfig, PlanMode
 from layerkv.connector.stats import LOAD_BYTES, LOAD_TRANSFER_S, SAVE_BYTES, SAVE_TRANSFER_S, Samples, WorkerStats
 from layerkv.errors import LayoutError
 from layerkv.messages import Deployment
-from layerkv.metadata import BlockSpec, StepPlan
+from layerkv.metadata import BlockSpec
 from layerkv.objects.header import Header
 from layerkv.objects.keys import Namespace, block_keys, tenant_namespaces
 from layerkv.objects.layout import CacheLayout
@@ -27,7 +29,7 @@ from layerkv.transfer.calls import Lanes
 from layerkv.transfer.commit import CommitJob, Commits
 from layerkv.transfer.groups import layer_groups
 from layerkv.transfer.load import LoadJob, LoadKey
-from layerkv.transfer.planner import Planner, StepShape, StepTimes, choose_lanes
+from layerkv.transfer.planner import Planner, StepShape, choose_lanes
 from layerkv.transfer.save import SaveJob, SaveKey
 
 log = logging.getLogger(__name__)
@@ -50,21 +52,40 @@ def headers_for(
     )
 
 
-@dataclass
-class JobFactory:
-    """Everything a step's jobs are built from; `stats` is the worker's (compute thread)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobContext:
+    """What every job a worker builds shares, fixed for the worker's life (built in its
+    constructor, before its KV caches are registered)."""
 
     config: LayerKVConfig
     store: CheckedStore
-    namespaces: tuple[Namespace, ...]  # one per tenant key, the current (which writes) first
-    headers: tuple[Header, ...]  # parallel to namespaces
-    storage_rank: int
+    storage_rank: int  # the shard of each block this worker stores
+    load_lanes: Lanes  # the receive thread's lane pool
+    save_lanes: Lanes  # the send and write threads' lane pool
+    commits: Commits  # where a save job's sessions wait for their step's verdict
+    stats: WorkerStats  # the worker's counters (compute thread)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobFactory:
+    """Everything a step's jobs are built from: the worker's fixed parts, its registered caches
+    and planner (once registered), and the namespaces of the current epoch."""
+
+    context: JobContext
     caches: RegisteredCaches
     planner: Planner
-    load_lanes: Lanes
-    save_lanes: Lanes
-    commits: Commits
-    stats: WorkerStats
+    namespaces: tuple[Namespace, ...]  # one per tenant key, the current (which writes) first
+    headers: tuple[Header, ...]  # parallel to namespaces
+
+    @classmethod
+    def over(
+        cls, context: JobContext, caches: RegisteredCaches, namespaces: tuple[Namespace, ...], keys: TenantKeys | None
+    ) -> JobFactory:
+        """The factory of a worker whose KV caches were just registered as `caches`, with its
+        planner (planner_for) and the header codecs of `namespaces` (headers_for)."""
+        headers = headers_for(namespaces, caches.layout, keys, context.config.encrypt_objects)
+        planner = planner_for(context.config, caches)
+        return cls(context=context, caches=caches, planner=planner, namespaces=namespaces, headers=headers)
 
     @property
     def namespace(self) -> Namespace:
@@ -72,18 +93,19 @@ class JobFactory:
 
     def renamed(self, namespaces: tuple[Namespace, ...], keys: TenantKeys | None) -> JobFactory:
         """This factory with other namespaces (a cache reset's epoch); jobs it started keep theirs."""
-        headers = headers_for(namespaces, self.caches.layout, keys, self.config.encrypt_objects)
+        headers = headers_for(namespaces, self.caches.layout, keys, self.context.config.encrypt_objects)
         return dataclasses.replace(self, namespaces=namespaces, headers=headers)
 
     def start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
         """One LoadKey per distinct object: read into the first local block, copied to the rest.
         None when no staging row is free (every one held by earlier jobs still in the store):
         the worker reports the step's blocks invalid."""
+        ctx = self.context
         load_keys = self._load_keys(specs)
         if load_keys is None:
             return None
-        self.stats.load_keys += len(load_keys)
-        self.stats.load_blocks += sum(len(spec) for spec in specs)
+        ctx.stats.load_keys += len(load_keys)
+        ctx.stats.load_blocks += sum(len(spec) for spec in specs)
         plan, prefetch = self.planner.choose(len(load_keys), num_tokens)
         areas = self.caches.areas
         area = areas.headers if plan.mode == PlanMode.LAYERS else areas.loads
@@ -96,12 +118,12 @@ class JobFactory:
                 area.num_rows,
                 area.name,
             )
-            self.stats.load_skipped_staging += 1
+            ctx.stats.load_skipped_staging += 1
             return None
-        self.stats.count_plan(plan.mode)
-        self.stats.load_plans_explored += plan.explored
-        if self.store.audit is not None:
-            self.store.audit.note(
+        ctx.stats.count_plan(plan.mode)
+        ctx.stats.load_plans_explored += plan.explored
+        if ctx.store.audit is not None:
+            ctx.store.audit.note(
                 "load_plan",
                 plan=plan.label,
                 keys=len(load_keys),
@@ -112,13 +134,13 @@ class JobFactory:
             )
         job = LoadJob(
             load_keys,
-            store=self.store,
+            store=ctx.store,
             caches=self.caches,
             headers=self.headers,
             rows=LentRows(area.array, slots),
             plan=plan,
-            lanes=self.load_lanes,
-            renew_after_s=self.config.lease_renew_after_s,
+            lanes=ctx.load_lanes,
+            renew_after_s=ctx.config.lease_renew_after_s,
             prefetch_layers=prefetch,
             start_marker=self.caches.views.copies.compute_marker(),
         )  # the cache's earlier users first
@@ -127,6 +149,7 @@ class JobFactory:
 
     def _load_keys(self, specs: tuple[BlockSpec, ...]) -> list[LoadKey] | None:
         by_key: dict[ObjectKey, tuple[bytes, int, list[int]]] = {}
+        storage_rank = self.context.storage_rank
         for spec in specs:
             for gen, block_hash, block_id in zip(
                 spec.generations or [0] * len(spec), spec.block_hashes, spec.block_ids
@@ -140,7 +163,7 @@ class JobFactory:
                     )
                     return None
                 namespace = self.namespaces[gen]
-                key = block_keys(namespace, (block_hash,), self.storage_rank)[0]
+                key = block_keys(namespace, (block_hash,), storage_rank)[0]
                 by_key.setdefault(key, (namespace.block_id(block_hash), gen, []))[2].append(block_id)
         return [LoadKey(key, h, ids[0], tuple(ids[1:]), gen) for key, (h, gen, ids) in by_key.items()]
 
@@ -148,19 +171,20 @@ class JobFactory:
         """Staged (object images in staging rows) unless register_kv_cache and the per-layer
         plan ask for direct writes. Keys beyond the free staging rows are not saved this step
         (counted): wait_for_save never waits for the store to free rows."""
+        ctx = self.context
         by_key: dict[ObjectKey, SaveKey] = {}
         for spec in specs:
-            keys = block_keys(self.namespace, spec.block_hashes, self.storage_rank)
+            keys = block_keys(self.namespace, spec.block_hashes, ctx.storage_rank)
             for key, block_hash, block_id in zip(keys, spec.block_hashes, spec.block_ids):
                 by_key.setdefault(key, SaveKey(key, self.namespace.block_id(block_hash), block_id, spec.req_id))
-        direct = self.planner.mode == PlanMode.LAYERS and direct_transfers(self.config, self.caches)
+        direct = self.planner.mode == PlanMode.LAYERS and direct_transfers(ctx.config, self.caches)
         area = self.caches.areas.headers if direct else self.caches.areas.saves
         assert area is not None
         slots = area.take(len(by_key))
         save_keys = list(by_key.values())[: slots.size]  # in block order: the saved part is a prefix
         if len(save_keys) < len(by_key):
             skipped = len(by_key) - len(save_keys)
-            self.stats.save_skipped_staging += skipped
+            ctx.stats.save_skipped_staging += skipped
             log.info(
                 "layerkv: %d of %d keys of this step not saved: %d of %d %s staging rows free",
                 skipped,
@@ -171,17 +195,17 @@ class JobFactory:
             )
         if not save_keys:
             return None
-        lanes = self.config.transfer_lanes or choose_lanes(len(save_keys), 4)
+        lanes = ctx.config.transfer_lanes or choose_lanes(len(save_keys), 4)
         job = SaveJob(
             save_keys,
             step_seq,
-            store=self.store,
+            store=ctx.store,
             caches=self.caches,
             header=self.headers[0],
             rows=LentRows(area.array, slots),
-            placement=Placement.from_config(self.config),
-            commits=self.commits,
-            lanes=self.save_lanes,
+            placement=Placement.from_config(ctx.config),
+            commits=ctx.commits,
+            lanes=ctx.save_lanes,
             num_lanes=lanes,
             staged=not direct,
         )
@@ -299,27 +323,20 @@ class JobLedger:
         """A job of `kind` from an earlier step was given up (timed out) and has not returned."""
         return any(isinstance(j, kind) and j.cancelled and not j.finished for j in self.later)
 
+    def wait_finished(self, current: list[Job], timeout_s: float, *, given_up_loads: bool = False) -> bool:
+        """Wait until `current` and the jobs of ended steps have finished; True if they did within
+        `timeout_s`. A load that gave up is waited for only with `given_up_loads`."""
+        deadline = time.monotonic() + timeout_s
+        jobs = [j for j in (*current, *self.later) if given_up_loads or not (isinstance(j, LoadJob) and j.cancelled)]
+        return all(job.wait_finished(max(0.0, deadline - time.monotonic())) for job in jobs)
+
+    def num_running(self, current: list[Job]) -> int:
+        """Jobs of `current` and of ended steps not finished yet."""
+        return sum(1 for j in (*current, *self.later) if not j.finished)
+
     def saves_in_flight(self) -> int:
         """Save jobs of earlier steps that have not finished (their writes and images)."""
         return sum(1 for j in self.later if isinstance(j, SaveJob) and not j.finished)
-
-
-def step_times(plan: StepPlan, load: LoadJob | None, step_s: float, wait_s: float, compute_alone: bool) -> StepTimes:
-    """What a step measured, for the planner: its load's only once that load finished (its
-    calls; its plan and transfer time when it read every layer, not cancelled)."""
-    if load is None or not load.finished:
-        return StepTimes(plan.num_tokens, step_s, wait_s, compute_alone)
-    read_all = not load.cancelled
-    return StepTimes(
-        plan.num_tokens,
-        step_s,
-        wait_s,
-        compute_alone,
-        load.plan if read_all else None,
-        len(load.keys),
-        load.outcome.transfer_s if read_all else 0.0,
-        load.outcome.measured,
-    )
 
 
 def check_block_size(layout: CacheLayout, block_size: int) -> None:

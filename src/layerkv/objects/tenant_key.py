@@ -8,7 +8,7 @@ only (no group or other permission bits, as ssh requires of private keys). `laye
 writes a new one (`--rotate` puts a new key first and keeps the older ones after it).
 
 The first key names, signs and encrypts what this process writes. Every key in the file reads:
-objects named under an older key are found (keys.tenant_namespaces, scheduler.PoolLookup.locate)
+objects named under an older key are found (keys.tenant_namespaces, connector.lookup.PoolLookup.locate)
 and verified and decrypted with that key (docs/security.md §2, rotation).
 
 Subkeys: BLAKE3's key derivation mode with one context string per purpose, so a subkey of one

@@ -112,7 +112,7 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_blocks = kv_cache_config.num_blocks
         # a running request concerns the connector only in a step where it completes a block
         self._steps = StepTranslator(len(deployments), math.gcd(*(d.block_size for d in deployments)))
-        # several groups: vLLM recovers a failed load only for a request waiting for it (connector/hybrid.py)
+        # several groups: vLLM recovers a failed load only for a request waiting for it (connector/async_loads.py)
         load_async = len(deployments) > 1
         self._scheduler: GroupedScheduler | None = None
         self._worker: GroupedWorker | None = None
@@ -209,14 +209,14 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._steps.track(request)
         if skips_external_kv(request):  # vLLM drops any external hit for it (prompt logprobs, ...): no lookup
             return 0, False
-        # layerwise loads happen inside the forward (synchronous); a hybrid model's before it (connector/hybrid.py).
+        # layerwise loads run inside the forward (synchronous); a hybrid model's before it (connector/async_loads.py).
         # None: a prefill server's prefix is not all in the pool yet; vLLM asks again next step.
         return self.scheduler_side.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
 
     def may_load_async(self, request: Request) -> bool:
         """vLLM 0.34 (--max-num-inflight-kv-loads) asks as a request enters its waiting queues:
         would get_num_new_matched_tokens answer an asynchronous load? Only a model with several
-        KV cache groups loads asynchronously (connector/hybrid.py); there one exists query of
+        KV cache groups loads asynchronously (connector/async_loads.py); there one exists query of
         the request's first block answers (GroupedScheduler.may_load_async). A wrong answer only
         queues the request differently in vLLM."""
         if self._scheduler is None or skips_external_kv(request):
