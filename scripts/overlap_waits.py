@@ -41,7 +41,7 @@ def _record_receive_cpu() -> None:
 def _pooled(rig: Rig, prefetch: int, delay: float, load_all: bool) -> tuple[float, float, float]:
     """(TTFT, compute thread's waits, receive thread CPU seconds) of one fresh consumer engine."""
     _RECV_CPU_S.clear()
-    ttft, _, _, waited = rig.ttft_pooled(prefetch, delay, load_all)
+    ttft, _, _, waited, _, _ = rig.ttft_pooled(prefetch, delay, load_all)
     return ttft, waited, sum(_RECV_CPU_S)
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     rig = Rig(BenchOptions(quick=False, out_dir=Path(mkdtemp())), deep=True)
     try:
         compute = best_of(rig.ttft_compute_alone, args.repeats)
-        _, transfer0, calls, _ = best_of(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
+        _, transfer0, calls, _, _, _ = best_of(lambda: rig.ttft_pooled(rig.model.num_layers, 0.0, True), args.repeats)
         delay = max(0.0, (compute - transfer0) / calls)
         print(
             f"{rig.model.num_layers} layers: compute alone {compute * 1e3:.0f} ms, transfer without delay "

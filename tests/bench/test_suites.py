@@ -115,6 +115,24 @@ def test_objects_counts_match_formula(tmp_path: Path) -> None:
     assert result.summary["L2 B3 R2.objects_ratio"] == L
 
 
+def test_a_failing_overlap_run_gives_the_callers_torch_threads_back(tmp_path: Path, monkeypatch) -> None:
+    """overlap runs torch on 1 thread; a run that fails must still restore the caller's count: the
+    bits of every later forward in the process depend on it (a test computing local compute after
+    a failed run would differ from an engine in another process)."""
+    import torch
+
+    from layerkv.bench.micro import overlap
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a measurement failed")
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(overlap, "_conditions", fail)
+    with pytest.raises(RuntimeError, match="a measurement failed"):
+        _run("overlap", tmp_path)
+    assert torch.get_num_threads() == threads
+
+
 def test_overlap_rows(tmp_path: Path) -> None:
     result = _run("overlap", tmp_path)
     conditions = ("no delay", "transfer ~ compute", "transfer ~ 2x compute")

@@ -73,12 +73,8 @@ def _conditions(
     return recompute
 
 
-def run(options: BenchOptions, progress: Progress) -> SuiteResult:
-    import torch
-
-    result = SuiteResult(NAME)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 CPUs: leave one to layerkv's receive thread (see notes)
+def _measure(options: BenchOptions, progress: Progress, result: SuiteResult) -> tuple[Rig, Rig]:
+    """Every row of the suite (the rigs are closed on return; their shapes remain for the notes)."""
     rig = Rig(options)
     reps = options.reps
     prefetches = (1, 2) if options.tiny else (1, 2, 4)
@@ -94,8 +90,20 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
         _conditions(deep, result, progress, reps, prefetches, CONDITIONS[1:2], tag=f", {deep.model.num_layers} layers")
     finally:
         deep.close()
+    return rig, deep
+
+
+def run(options: BenchOptions, progress: Progress) -> SuiteResult:
+    import torch
+
+    result = SuiteResult(NAME)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 CPUs: leave one to layerkv's receive thread (see notes)
+    try:  # the caller's thread count comes back whatever fails (its compute's bits depend on it)
+        rig, deep = _measure(options, progress, result)
+    finally:
         torch.set_num_threads(threads)
-    result.notes += _notes(rig, deep, reps)
+    result.notes += _notes(rig, deep, options.reps)
     labels = [f"{r['condition']}: {r['variant']}" for r in result.rows]
     result.plots.append(
         bar_plot(

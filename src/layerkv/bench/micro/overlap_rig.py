@@ -34,11 +34,16 @@ class LoadAllFirst:
     def __init__(self, inner: WorkerConnector) -> None:
         self.inner = inner
         self.load_s: list[float] = []
+        self._loads = False  # the bound step plan names loads
+
+    def bind_connector_metadata(self, meta: Any) -> None:
+        self._loads = bool(getattr(meta, "loads", None))
+        self.inner.bind_connector_metadata(meta)
 
     def start_load_kv(self) -> None:
         start = time.perf_counter()
         self.inner.start_load_kv()
-        if self.inner.layout is not None and getattr(self.inner, "_load", None) is not None:
+        if self.inner.layout is not None and self._loads:
             for name in self.inner.layout.layer_names:
                 self.inner.wait_for_layer_load(name)
             self.load_s.append(time.perf_counter() - start)
