@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from tests.vllm.vllm_harness import BLOCK_SIZE, LAYERS, Engine, make_engine, make_request, runner_output
+from layerkv.bench.decode.engine import runner_output
+from tests.vllm.vllm_harness import BLOCK_SIZE, LAYERS, Engine, make_engine, make_request
 from tests.vllm.worker_rig import WorkerRig, make_worker
 
 SAMPLED_TOKEN = 7  # what runner_output samples for every request

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.vllm.vllm_harness import make_request, make_vllm_config, require_vllm, runner_output
+from layerkv.bench.decode.engine import runner_output
+from tests.vllm.vllm_harness import make_request, make_vllm_config, require_vllm
 
 require_vllm()
 

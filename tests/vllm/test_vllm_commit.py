@@ -183,7 +183,7 @@ def test_a_failed_block_left_in_vllms_prefix_cache_is_recomputed_before_anyone_u
 def _step_with_report_held(node, held: list):
     """One engine step whose worker report (the step numbers it ran) is held back, as when a
     worker reports a step late; `held` gets the report, or gives the held one to this step."""
-    from tests.vllm.vllm_harness import runner_output
+    from layerkv.bench.decode.engine import runner_output
 
     out = node.scheduler.schedule()
     node.model.begin_step(out)

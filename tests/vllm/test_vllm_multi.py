@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.vllm.vllm_harness import LAYERS, layerkv_child, make_engine, make_request, require_vllm, runner_output
+from layerkv.bench.decode.engine import runner_output
+from tests.vllm.vllm_harness import LAYERS, layerkv_child, make_engine, make_request, require_vllm
 
 require_vllm()
 

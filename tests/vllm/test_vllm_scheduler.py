@@ -7,8 +7,9 @@ import itertools
 
 import pytest
 
+from layerkv.bench.decode.engine import runner_output
 from tests.tokens import prompt
-from tests.vllm.vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm, runner_output
+from tests.vllm.vllm_harness import BLOCK_SIZE, make_engine, make_request, require_vllm
 
 require_vllm()
 

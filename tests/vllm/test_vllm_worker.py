@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from layerkv.bench.decode.engine import runner_output
 from tests.tokens import prompt
-from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, require_vllm, runner_output
+from tests.vllm.vllm_harness import LAYERS, make_engine, make_request, require_vllm
 from tests.vllm.worker_rig import make_worker
 
 require_vllm()

@@ -7,7 +7,6 @@ imported inside the functions. vLLM is installed by `make test` (requirements/vl
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import os
 from dataclasses import dataclass
@@ -225,28 +224,4 @@ def make_request(
         pooling_params=None,
         mm_features=None,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )
-
-
-def runner_output(scheduler, scheduler_output, kv_connector_output=None, token_id: int = 7):
-    """What a model runner returns: one sampled token per request whose prompt is complete
-    after this step (a partial prefill chunk samples nothing)."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)  # None: aborted while the step ran
-        sampled.append([token_id] if request is not None and request.num_computed_tokens >= request.num_tokens else [])
-    version_fields = {}
-    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # vLLM 0.33; gone in 0.34
-        version_fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=None,
-        kv_connector_output=kv_connector_output or KVConnectorOutput(),
-        **version_fields,
     )

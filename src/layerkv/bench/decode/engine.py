@@ -184,9 +184,10 @@ def make_request(req_id: str, prompt_token_ids: list[int], max_tokens: int) -> A
     )
 
 
-def runner_output(scheduler: Any, scheduler_output: Any, kv_connector_output: Any) -> Any:
-    """What a model runner returns: one sampled token per request whose prompt is complete after
-    this step (a partial prefill chunk samples nothing)."""
+def runner_output(scheduler: Any, scheduler_output: Any, kv_connector_output: Any = None) -> Any:
+    """What a model runner returns: one sampled token (SAMPLED_TOKEN) per request whose prompt is
+    complete after this step (a partial prefill chunk samples nothing); on vLLM 0.33 and 0.34 (the
+    tests/vllm harness drives its engines with this one too)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(scheduler_output.num_scheduled_tokens)
