@@ -76,7 +76,7 @@ class LayerKVConfig:
     )
     # "layers" / "groups" plans: read at most this many layers ahead of compute
     prefetch_layers: int = field(default=2, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64))
-    # "groups" plans: layers per range per key into a host staging row, then scattered (layer 0
+    # "groups" plans: layers per range per key into a host staging slot, then scattered (layer 0
     # alone first).
     read_layers_per_range: int = field(
         default=1, metadata=_rule("1 <= value <= 64", lambda v: 1 <= v <= 64, "default is 1")

@@ -379,7 +379,7 @@ def test_reader_gave_up_and_its_stale_read_lands_later(make_rig) -> None:
     """Like the round above, but the stopped reader's compute thread gives up on the layer when
     it resumes (load_timeout_s passed while it was stopped) and recomputes the request; only
     then does the stuck read return, with the new objects' bytes. It lands in the given-up job's
-    staging rows, which no other job is lent until it returned: the blocks the engine recomputed
+    staging slots, which no other job is lent until it returned: the blocks the engine recomputed
     and keeps in its prefix cache are untouched, the next request that hits them locally equals
     local compute, and the abandoned job verifies and removes nothing. (A strict xfail while
     reads went straight into the cache.)"""

@@ -5,11 +5,13 @@ another host loads them; its outputs equal local compute, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from typing import Any
 
 import pytest
 import torch
 
+from layerkv.bench.cluster.netns import SYN_RETRIES
 from layerkv.engine import Engine
 from tests.cluster.pool import Pool
 from tests.e2e.harness import MODEL, assert_identical, local_oracle, prompts_with_prefix, random_tokens, small_engine
@@ -54,3 +56,13 @@ def test_a_consumer_on_another_host_loads_what_a_producer_saved_into_two_storage
     assert_identical(got, want)
     assert seen["hit_tokens"] == [20, 20]
     assert all(s["load_failed_blocks"] == 0 and s["load_range_calls"] > 0 for s in seen["stats"])
+
+
+def test_every_host_gives_up_a_connection_to_a_cut_host_in_seconds(pool: Pool) -> None:
+    """A Mooncake read to a host that is gone sits in the kernel's SYN retries: the default 6
+    give up after ~127 s, past every wait of the fault tests (one engine aborted at exit with that
+    read in flight). Each host's namespace retries SYN_RETRIES times (~15 s)."""
+    for host in pool.cluster.hosts.values():
+        argv = host.argv(["cat", "/proc/sys/net/ipv4/tcp_syn_retries"])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=True)
+        assert int(done.stdout) == SYN_RETRIES < 6, host.name

@@ -168,7 +168,7 @@ def test_a_load_that_gave_up_lets_no_queued_copy_land_afterwards(make_rig, backe
     tokens = block_tokens(6, BLOCK_SIZE)
     producer.run(Req("p", tokens))
     object_nbytes = producer.workers[0].layout.object_nbytes
-    # 2 staging rows for loads: the 6 keys of layer 0 pass in 3 waves; the last one stalls
+    # 2 staging slots for loads: the 6 keys of layer 0 pass in 3 waves; the last one stalls
     rig, stream = lagging(
         make_rig,
         0.3,

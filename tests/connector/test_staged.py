@@ -1,7 +1,7 @@
 """Staged layer-group reads (read_layers_per_range > 1): the loaded bytes equal the direct
 path's (fan-out included, layer counts not divisible by k), each group is one range per key,
 a failed group read marks exactly its key's blocks and skips the key afterwards, and a header
-that names another block is caught from the staging row."""
+that names another block is caught from the staging slot."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def make_pattern_rig(make_rig, monkeypatch):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(("num_layers", "k", "max_rows"), [(4, 2, 64), (5, 2, 4), (5, 3, 64), (7, 3, 4)])
 def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layers: int, k: int, max_rows: int) -> None:
-    """max_rows=4 (staging_nbytes holds 4 load rows): the 6 keys pass through 4 staging rows
+    """max_rows=4 (staging_nbytes holds 4 load rows): the 6 keys pass through 4 staging slots
     in two waves per group, each wave with its own get sessions."""
     producer = make_pattern_rig(num_layers=num_layers)
     prefix = block_tokens(6, BLOCK_SIZE, extra=0)
@@ -66,7 +66,7 @@ def test_staged_bytes_equal_direct_path(make_pattern_rig, monkeypatch, num_layer
         ]
         assert_get_sessions_well_formed(rig.faults[0])
         if layers_per_range > 1:
-            rows = rig.workers[0]._areas.loads.num_rows
+            rows = rig.workers[0]._areas.loads.num_slots
             assert rows == max_rows if max_rows < 6 else rows >= 6  # the bound forces waves
             starts = [len(c.keys) for c in rig.faults[0].calls(GET_START)]
             groups = len(layer_groups(rig.workers[0].layout, k))
@@ -271,7 +271,7 @@ def test_device_caches_go_through_staging_and_every_layer_is_verified(make_patte
     assert again.wrong_blocks(b, [0, 1, 2, 3, 5]) == []
 
 
-def test_saves_beyond_the_free_staging_rows_are_skipped_not_waited_for(make_rig, backend) -> None:
+def test_saves_beyond_the_free_staging_slots_are_skipped_not_waited_for(make_rig, backend) -> None:
     """A step with more new blocks than save rows saves its first blocks (a prefix of the
     request, one put session per row) and counts the rest; nothing waits for the store to free
     rows, and staging never grows."""
@@ -280,7 +280,7 @@ def test_saves_beyond_the_free_staging_rows_are_skipped_not_waited_for(make_rig,
     row = make_rig(transfer_plan="groups", read_layers_per_range=2).workers[0].layout.object_nbytes
     rig = make_rig(transfer_plan="groups", read_layers_per_range=2, staging_nbytes=4 * row)  # 1 load row, 3 save rows
     worker = rig.workers[0]
-    assert worker._areas is not None and worker._areas.saves.num_rows == 3
+    assert worker._areas is not None and worker._areas.saves.num_slots == 3
     req = Req("a", block_tokens(8, BLOCK_SIZE))
     ext, invalid = rig.run(req)
     assert ext == 0 and invalid == set()

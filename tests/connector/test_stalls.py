@@ -163,7 +163,7 @@ def test_a_stalled_save_shows_its_staging_bytes_in_the_gauges_until_it_ends(make
     rig = make_rig(num_layers=3, transfer_plan="whole")  # saves gather the cache into staging
     worker = rig.workers[0]
     assert worker.gauges()["staging_bytes_in_use"] == 0
-    rig.faults[0].delay((PUT_RANGES, PUT_FROM), 1.0, times=1)  # the save's write holds its staging rows
+    rig.faults[0].delay((PUT_RANGES, PUT_FROM), 1.0, times=1)  # the save's write holds its staging slots
     a = Req("a", block_tokens(2, BLOCK_SIZE))
     _, s = rig.admit(a)
     rig.step([s])  # wait_for_save does not wait for the write

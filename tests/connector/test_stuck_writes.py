@@ -33,7 +33,7 @@ def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
     for i in range(1, 6):  # 25 more steps that each have a block to save
         _serve(rig, Req(f"r{i}", block_tokens(4, BLOCK_SIZE, base=100 * i)))
     assert worker._areas is areas and areas.nbytes() == held  # fixed at start-up: never grows
-    assert areas.saves.rows_in_use() <= MAX_SAVES_IN_FLIGHT  # the saves in flight hold one row each
+    assert areas.saves.slots_in_use() <= MAX_SAVES_IN_FLIGHT  # the saves in flight hold one slot each
     assert worker.stats().save_skipped_steps >= 25 - MAX_SAVES_IN_FLIGHT - 1  # all but those in flight behind the write
     # held behind the write: the saves in flight and their settle jobs, not one job per step
     assert worker.open_sessions()["running_jobs"] <= 2 * MAX_SAVES_IN_FLIGHT, worker.open_sessions()

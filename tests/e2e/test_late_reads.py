@@ -1,6 +1,6 @@
 """A read that returns after its load gave up (a partition longer than load_timeout_s; here a
 fault holds the read call inside the store until the test lets it go, as a cut link would) while
-the engine has reused the given-up request's blocks: the late bytes land in staging rows nobody
+the engine has reused the given-up request's blocks: the late bytes land in staging slots nobody
 else holds, never in the cache, and the abandoned job verifies and removes nothing. Outputs equal
 local compute; the producer's good objects stay in the pool. With register_kv_cache (reads
 straight into the cache) the same partition corrupts the blocks the engine reused: a strict xfail

@@ -76,7 +76,7 @@ class SchedulerConnector:
         self._waits = PrefillWaits(config.prefill_wait_s, self._stats)
         self._events = PoolEvents()  # what the pool holds, for routers (take_events)
         self._known = SavedBlocks()  # this engine's committed saves: planned again only once lost
-        self._commits_unsettled = False  # verdicts went out in a step that computes (the workers do not wait for them)
+        self._verdicts_in_flight = False  # verdicts went out in a step that computes (the workers do not wait for them)
 
     def _name_objects(self) -> None:
         """The namespaces of this epoch and the lookup over them."""
@@ -260,7 +260,7 @@ class SchedulerConnector:
             )
         verdicts = self._verdicts.take()
         num_tokens = step.total_tokens()
-        self._commits_unsettled = (self._commits_unsettled or bool(verdicts)) if num_tokens else False
+        self._verdicts_in_flight = (self._verdicts_in_flight or bool(verdicts)) if num_tokens else False
         if verdicts:
             self._known.add(h for spec in self._events.decided(verdicts) for h in spec.block_hashes)
         self._events.planned(seq, loads, saves)
@@ -328,7 +328,7 @@ class SchedulerConnector:
         last step's objects are never committed. After verdicts went out in steps that compute
         tokens, one step with nothing scheduled: the workers wait for those commits in it (so
         they are in the pool, and in the stats, when the engine goes idle)."""
-        return self._verdicts.pending() or self._commits_unsettled
+        return self._verdicts.pending() or self._verdicts_in_flight
 
     def request_finished(self, request: RequestView, block_ids: tuple[int, ...]) -> tuple[bool, dict | None]:
         """Never holds the blocks (saves copy them out in the step). A role that saves names

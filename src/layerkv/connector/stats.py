@@ -53,7 +53,7 @@ class WorkerStats:
     load_failed_blocks: int = 0  # reported to the engine for recompute
     load_timeouts: int = 0  # waits for a layer that gave up (the blocks were recomputed)
     load_skipped_stuck: int = 0  # steps whose loads were recomputed at once: an earlier load was stuck
-    load_skipped_staging: int = 0  # steps whose loads were recomputed: every staging row held by earlier jobs
+    load_skipped_staging: int = 0  # steps whose loads were recomputed: every staging slot held by earlier jobs
     header_failures: int = 0
     checksum_failures: int = 0
     removed_objects: int = 0  # objects that failed verification, removed from the pool
@@ -73,9 +73,9 @@ class WorkerStats:
     save_skipped_existing: int = 0
     save_failed_keys: int = 0  # put start failed, or revoked by the save job (write failure, incomplete step)
     save_timeouts: int = 0
-    save_copy_s: float = 0.0  # send thread: copying the cache into staging images (and their checksums)
+    save_copy_s: float = 0.0  # send thread: copying the cache into staging images (and their tags)
     save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
-    save_skipped_staging: int = 0  # keys not saved: no free staging row (the staging area is full)
+    save_skipped_staging: int = 0  # keys not saved: no free staging slot (the staging area is full)
     save_incomplete_steps: int = 0  # saving steps handed fewer than all layers: nothing saved
     save_after_forward_steps: int = (
         0  # saving steps whose per-layer hooks never ran (a full CUDA graph): copied after the forward

@@ -44,7 +44,7 @@ from layerkv.transfer.staging import StagingAreas
 from layerkv.transfer.views import CacheViews
 
 log = logging.getLogger(__name__)
-# Save jobs of earlier steps still writing (each holds its staging rows); with this many, a step's
+# Save jobs of earlier steps still writing (each holds its staging slots); with this many, a step's
 # saves are skipped: a write that never returns must not make every later step hold more rows.
 # 4 still dropped 1-3 saves of healthy steps in the engine tier (~20 processes on 2 cores).
 MAX_SAVES_IN_FLIGHT = 8
@@ -56,7 +56,7 @@ class WorkerConnector:
     * Loads: one LoadJob per step; it starts, renews and ends its get sessions on the receive
       thread. wait_for_layer_load returns when the layer is readable or, after `load_timeout_s`,
       with every block of the job reported invalid.
-    * Saves: one SaveJob per step (put start, layer writes, headers with checksums); its sessions
+    * Saves: one SaveJob per step (put start, layer writes, headers with tags); its sessions
       then wait in `commits.pending` for the step's verdict. wait_for_save returns when every
       layer is written or, after `save_timeout_s`, with the job cancelled (it revokes).
     * Verdicts in a plan run first on the write thread (`commits`: transfer/commit.py); a step whose
@@ -284,7 +284,7 @@ class WorkerConnector:
         commits included); True if it did within `timeout_s` (default save_timeout_s). The
         reference engine calls it when `generate` returns, so its saves are readable then. A
         load that gave up (stuck in the store) is waited for only with `given_up_loads`: its
-        blocks were recomputed, and what it still reads lands in its own staging rows (with
+        blocks were recomputed, and what it still reads lands in its own staging slots (with
         register_kv_cache and direct reads: in the cache, docs/data-safety.md §5)."""
         timeout_s = self.config.save_timeout_s if timeout_s is None else timeout_s
         return self._ledger.wait_finished(self._current(), timeout_s, given_up_loads=given_up_loads)
@@ -347,7 +347,7 @@ class WorkerConnector:
     def gauges(self) -> dict[str, int]:
         """open_sessions now, and the staging bytes lent to jobs that have not finished (compute thread)."""
         areas = self._areas.all() if self._areas is not None else ()
-        return {**self.open_sessions(), "staging_bytes_in_use": sum(a.rows_in_use() * a.width for a in areas)}
+        return {**self.open_sessions(), "staging_bytes_in_use": sum(a.slots_in_use() * a.width for a in areas)}
 
     # -- internals ------------------------------------------------------------------------
     def _fail_loads(self) -> None:
@@ -357,7 +357,7 @@ class WorkerConnector:
 
     def _start_loads(self, plan: StepPlan) -> None:
         """This step's load job, on the receive thread; none (the loads recomputed) while an
-        earlier load is still inside the store or no staging row is free."""
+        earlier load is still inside the store or no staging slot is free."""
         if self._ledger.stuck(LoadJob):  # recompute, don't queue behind it
             self._fail_loads()
             self._stats.load_skipped_stuck += 1

@@ -1,6 +1,6 @@
 """Builds one worker's per-step transfer jobs once its KV caches are registered: the objects a
 step's blocks map to (one per distinct key), the load plan (fixed knobs or the planner's choice),
-staging rows (lent from the fixed staging areas; never allocated here), lanes; and keeps the
+staging slots (lent from the fixed staging areas; never allocated here), lanes; and keeps the
 jobs whose outcomes are not in the worker's counters yet (JobLedger). Compute thread only; the
 worker submits the jobs to its threads.
 """
@@ -24,7 +24,7 @@ from layerkv.objects.seal import sealers_for
 from layerkv.objects.tenant_key import TenantKeys
 from layerkv.store.base import ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
-from layerkv.transfer.caches import LentRows, RegisteredCaches
+from layerkv.transfer.caches import LentSlots, RegisteredCaches
 from layerkv.transfer.calls import Lanes
 from layerkv.transfer.commit import CommitJob, Commits
 from layerkv.transfer.groups import layer_groups
@@ -98,7 +98,7 @@ class JobFactory:
 
     def start_loads(self, specs: tuple[BlockSpec, ...], num_tokens: int) -> LoadJob | None:
         """One LoadKey per distinct object: read into the first local block, copied to the rest.
-        None when no staging row is free (every one held by earlier jobs still in the store):
+        None when no staging slot is free (every one held by earlier jobs still in the store):
         the worker reports the step's blocks invalid."""
         ctx = self.context
         load_keys = self._load_keys(specs)
@@ -110,12 +110,12 @@ class JobFactory:
         areas = self.caches.areas
         area = areas.headers if plan.mode == PlanMode.LAYERS else areas.loads
         assert area is not None, "direct per-layer plans only with register_kv_cache"
-        slots = area.take(len(load_keys))  # staged plans stream through fewer rows than keys
+        slots = area.take(len(load_keys))  # staged plans stream through fewer slots than keys
         if slots.size == 0 or (plan.mode == PlanMode.LAYERS and slots.size < len(load_keys)):
             log.warning(
-                "layerkv: loads of this step are recomputed: %d of %d %s staging rows free",
+                "layerkv: loads of this step are recomputed: %d of %d %s staging slots free",
                 slots.size,
-                area.num_rows,
+                area.num_slots,
                 area.name,
             )
             ctx.stats.load_skipped_staging += 1
@@ -137,7 +137,7 @@ class JobFactory:
             store=ctx.store,
             caches=self.caches,
             headers=self.headers,
-            rows=LentRows(area.array, slots),
+            staging=LentSlots(area.array, slots),
             plan=plan,
             lanes=ctx.load_lanes,
             renew_after_s=ctx.config.lease_renew_after_s,
@@ -168,8 +168,8 @@ class JobFactory:
         return [LoadKey(key, h, ids[0], tuple(ids[1:]), gen) for key, (h, gen, ids) in by_key.items()]
 
     def start_saves(self, step_seq: int, specs: tuple[BlockSpec, ...]) -> SaveJob | None:
-        """Staged (object images in staging rows) unless register_kv_cache and the per-layer
-        plan ask for direct writes. Keys beyond the free staging rows are not saved this step
+        """Staged (object images in staging slots) unless register_kv_cache and the per-layer
+        plan ask for direct writes. Keys beyond the free staging slots are not saved this step
         (counted): wait_for_save never waits for the store to free rows."""
         ctx = self.context
         by_key: dict[ObjectKey, SaveKey] = {}
@@ -186,11 +186,11 @@ class JobFactory:
             skipped = len(by_key) - len(save_keys)
             ctx.stats.save_skipped_staging += skipped
             log.info(
-                "layerkv: %d of %d keys of this step not saved: %d of %d %s staging rows free",
+                "layerkv: %d of %d keys of this step not saved: %d of %d %s staging slots free",
                 skipped,
                 len(by_key),
                 slots.size,
-                area.num_rows,
+                area.num_slots,
                 area.name,
             )
         if not save_keys:
@@ -202,7 +202,7 @@ class JobFactory:
             store=ctx.store,
             caches=self.caches,
             header=self.headers[0],
-            rows=LentRows(area.array, slots),
+            staging=LentSlots(area.array, slots),
             placement=Placement.from_config(ctx.config),
             commits=ctx.commits,
             lanes=ctx.save_lanes,

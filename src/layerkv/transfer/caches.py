@@ -1,7 +1,7 @@
 """The engine's KV caches as every transfer job sees them, fixed once at registration: their
 layout (layers, segments, addresses, strides, device), the views over them (per-layer copies
 and tags), the staged layers (group and whole-object images through staging) and the staging
-areas whose rows are lent to jobs. Built on the compute thread; read-only afterwards.
+areas whose slots are lent to jobs. Built on the compute thread; read-only afterwards.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class RegisteredCaches:
 
 
 @dataclass(frozen=True, slots=True)
-class LentRows:
-    """Staging rows lent to one job (StagingArea.take / lend): `slots` of the area's `array`."""
+class LentSlots:
+    """Staging slots lent to one job (StagingArea.take / lend): `slots` of the area's `array`."""
 
-    array: np.ndarray  # the area: uint8 [rows, width], registered with the store
-    slots: np.ndarray  # int64: the rows this job holds
+    array: np.ndarray  # the area: uint8 [slots, width], registered with the store
+    slots: np.ndarray  # int64: the slots this job holds

@@ -1,8 +1,8 @@
 """The store calls of one transfer job, in one place:
 
-* `KeyRows`, the one range builder: for each key of a job its local block and its staging row,
+* `KeyRows`, the one range builder: for each key of a job its local block and its staging slot,
   turned into the range lists a store call moves (a layer's segments in the cache, the header
-  slot, the header slot followed by layer 0, or a layer group's span through staging rows).
+  slot, the header slot followed by layer 0, or a layer group's span through staging slots).
 * `Lanes`: a job splits a read or write over `n` concurrent calls (Mooncake's TCP transport runs
   the ranges of one call one after another, but separate calls may use separate connections).
   The caller's thread runs the first part, the pool's named daemon threads (layerkv/threads.py;
@@ -69,7 +69,7 @@ class KeyRows:
         return self.header_and_layer(0, rows) if layer_idx == 0 else self.layer(layer_idx, rows)
 
     def span(self, group: LayerGroup, slots: np.ndarray) -> RangeLists:
-        """`group`'s span of the object <-> staging row `slots[i]`, one inner list per slot; the
+        """`group`'s span of the object <-> staging slot `slots[i]`, one inner list per slot; the
         span is split into pieces of at most max_transfer_bytes."""
         staging = self._staging
         if (slots.size and int(slots.max()) >= staging.shape[0]) or group.span_nbytes > staging.shape[1]:

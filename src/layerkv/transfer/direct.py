@@ -1,7 +1,7 @@
 """The direct per-layer read path of a load (LAYERS plans: only with `register_kv_cache`, host
 caches and objects that are not encrypted): layer l of every active key is read straight into
-its cache blocks, one range list per key split over the job's lanes, with no staging row but
-the header's (layer 0 brings the header into the key's staging row). Then, under the job's
+its cache blocks, one range list per key split over the job's lanes, with no staging slot but
+the header's (layer 0 brings the header into the key's staging slot). Then, under the job's
 cache-writes lock, each block's layer is tagged in the cache and compared with the tag its
 header carried, and copied to the key's other blocks (fan-out) from a verified block only.
 
@@ -47,7 +47,7 @@ class DirectLayers:
 
     def read(self, layer_idx: int, active: np.ndarray) -> np.ndarray:
         """Read `layer_idx` of the keys `active` into their first blocks (layer 0: the header
-        into its staging row too); the rows read in full (the others failed)."""
+        into its staging slot too); the rows read in full (the others failed)."""
         return self._reads.ranges(
             active, lambda rows: self._rows.step(layer_idx, rows), layer_idx, f"layer {layer_idx}"
         )

@@ -6,13 +6,13 @@ wants it, renews the sessions when the step outlives `renew_after_s`, and ends t
 last read returned. Objects whose bytes fail their tag (or whose header is wrong) are
 removed from the pool. LAYERS plans (only with the KV cache itself registered) read each layer
 straight into the cache blocks (transfer/direct.py). GROUPS / WHOLE plans (the default) read
-groups of layers (or whole objects) as one range per key into the job's staging rows and copy
+groups of layers (or whole objects) as one range per key into the job's staging slots and copy
 them into the cache, verified where no peer can change them any more (in the cache for host
-caches, in a private copy for device caches; transfer/staged.py). More keys than staging rows
-stream through the rows a wave at a time, and their get sessions are opened for one wave and
-ended behind it (a sliding session window): the sessions and staging a step holds are bounded
-whatever the prompt length. A job that gave up touches nothing any more: no copy into the
-cache, no verification, no removal of objects.
+caches, in a private copy for device caches; transfer/staged.py). More keys than staging slots
+stream through the slots a wave at a time, and their get sessions are opened for one wave and
+ended behind it: the sessions and staging a step holds are bounded whatever the prompt length.
+A job that gave up touches nothing any more: no copy into the cache, no verification, no removal
+of objects.
 
     compute:  start ── wait(0) ─ attn 0 ─ wait(1) ─ attn 1 ─ wait(2) ─ attn 2 ...
     receive:  start sessions ─ read 0 ─ read 1 ─ read 2 ── read 3 ────── read 4 ... end sessions
@@ -40,7 +40,7 @@ from layerkv.objects.header import Header
 from layerkv.objects.ranges import RangeLists
 from layerkv.store.base import ObjectKey
 from layerkv.store.checked import CheckedStore
-from layerkv.transfer.caches import LentRows, RegisteredCaches
+from layerkv.transfer.caches import LentSlots, RegisteredCaches
 from layerkv.transfer.calls import JobReads, KeyRows, Lanes
 from layerkv.transfer.checks import ObjectChecks
 from layerkv.transfer.device import Marker
@@ -91,8 +91,8 @@ class LoadJob(JobState):
         store: CheckedStore,
         caches: RegisteredCaches,
         headers: tuple[Header, ...],  # one per key generation (LoadKey.generation), the current first
-        rows: LentRows,  # LAYERS: header rows (width >= header_nbytes, >= len(keys) slots); else
-        # object rows (>= 1 slot; keys stream through the slots a wave at a time)
+        staging: LentSlots,  # LAYERS: header slots (width >= header_nbytes, >= len(keys) slots); else
+        # object slots (>= 1 slot; keys stream through the slots a wave at a time)
         plan: LoadPlan,
         lanes: Lanes,
         renew_after_s: float,
@@ -103,8 +103,8 @@ class LoadJob(JobState):
         self.keys = keys
         self._store = store
         self._layout = layout = caches.layout
-        self._staging = rows.array
-        self._slots = slots = rows.slots
+        self._staging = staging.array
+        self._slots = slots = staging.slots
         self._views = views = caches.views
         self.plan = plan
         self._lanes = lanes
@@ -112,8 +112,8 @@ class LoadJob(JobState):
         self._renew_after_s = renew_after_s
         self._staged = caches.staged if plan.mode != LAYERS else None  # GROUPS / WHOLE plans
         if slots.size < (len(keys) if plan.mode == LAYERS else min(1, len(keys))):
-            raise LayoutError(f"{slots.size} staging rows for a {plan.mode} load of {len(keys)} keys")
-        self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, slots if plan.mode == LAYERS else None)
+            raise LayoutError(f"{slots.size} staging slots for a {plan.mode} load of {len(keys)} keys")
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging.array, slots if plan.mode == LAYERS else None)
         # held while this job copies into the cache; give_up takes it after cancelling
         self._cache_writes = threading.Lock()
         # fan-out targets (row, block) beyond each key's first block
@@ -196,20 +196,20 @@ class LoadJob(JobState):
         start = time.perf_counter()
         try:
             whole = self.plan.mode == WHOLE  # whole-object reads need no session
-            # more keys than staging rows: each wave opens its own sessions and ends them
-            windowed = self.plan.mode == GROUPS and len(self.keys) > self._slots.size
-            if not self.cancelled and (whole or windowed or self._start_sessions(np.arange(len(self.keys)))):
+            # more keys than staging slots: each wave opens its own sessions and ends them
+            in_waves = self.plan.mode == GROUPS and len(self.keys) > self._slots.size
+            if not self.cancelled and (whole or in_waves or self._start_sessions(np.arange(len(self.keys)))):
                 for group in groups_of(self._layout, self.plan.group_ends):
                     if not self._wait_allowed(group.first_layer):  # prefetch counts layers, not groups
                         self._fail(self._active(), "cancelled before all layers were read")
                         break
-                    if not (whole or windowed):
+                    if not (whole or in_waves):
                         self._fence()
                         self._maybe_renew()
                     if self.plan.mode == LAYERS:
                         self._read_layer(group.first_layer)
                     else:
-                        self._read_staged(group, windowed)
+                        self._read_staged(group, in_waves)
                     with self.cond:
                         self.layers_done = group.end_layer
                         self.cond.notify_all()
@@ -254,7 +254,7 @@ class LoadJob(JobState):
     def _fence(self, rows: np.ndarray | None = None) -> None:
         """After a store outage, sessions opened before it may read memory the store has given
         to other objects: stop reading them (their blocks are recomputed). `rows`: only those
-        (a window's, whose sessions are the ones just opened); default every active row."""
+        (a wave's, whose sessions are the ones just opened); default every active row."""
         if self._sessions.fenced():
             rows = self._active() if rows is None else rows[~self._failed_snapshot()[rows]]
             self.outcome.fenced_keys += int(rows.size)
@@ -298,11 +298,11 @@ class LoadJob(JobState):
                 good = good[self._verify_headers(good, self._slots[good])]
             self._direct.publish(layer_idx, good)
 
-    def _read_staged(self, group: LayerGroup, windowed: bool = False) -> None:
+    def _read_staged(self, group: LayerGroup, in_waves: bool = False) -> None:
         """`group`'s span of every active key (a whole object with WHOLE plans) through this
-        job's staging rows, a wave of rows at a time, each wave split over the lanes; then the
-        header check and the copy into the cache (`_publish`). `windowed`: each wave opens its
-        get sessions first and ends them after its read (a sliding session window)."""
+        job's staging slots, a wave of rows at a time, each wave split over the lanes; then the
+        header check and the copy into the cache (`_publish`). `in_waves`: each wave opens its
+        get sessions first and ends them after its read (its sessions open and end wave by wave)."""
         slots = self._slots
         for begin in range(0, len(self.keys), slots.size):
             if self.cancelled:  # given up: no new reads, nothing more into the cache
@@ -311,7 +311,7 @@ class LoadJob(JobState):
             wave = wave[~self._failed_snapshot()[wave]]
             if wave.size == 0:
                 continue
-            if windowed:
+            if in_waves:
                 if not self._start_sessions(wave):
                     continue
                 self._fence(wave)
@@ -335,7 +335,7 @@ class LoadJob(JobState):
                 else:
                     good = self._reads.ranges(wave, ranges, group.first_layer, group.label)
             finally:
-                if windowed:
+                if in_waves:
                     self._sessions.end(wave)  # behind the window's read
             if self.cancelled:  # the read returned after a give-up: its bytes stay in staging
                 return

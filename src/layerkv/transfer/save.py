@@ -3,7 +3,7 @@
 anything else (cancelled, incomplete, an exception) revokes every session it started.
 
 Staged (the default, and the only way unless the KV cache itself is registered): as the compute
-thread hands each layer over, the send thread copies it into the key's staging row (the object's
+thread hands each layer over, the send thread copies it into the key's staging slot (the object's
 image: the store never reads the cache) and tags it (layerkv.objects.seal: with a tenant key a keyed MAC,
 bound to the key and this write's random nonce); once every layer is
 copied the compute thread is released (`released`), and the write thread then starts the put
@@ -41,7 +41,7 @@ from layerkv.objects.header import Header
 from layerkv.objects.seal import NONCE_NBYTES, TAG_NBYTES, context
 from layerkv.store.base import UNCERTAIN_CODES, Code, ObjectKey, Placement
 from layerkv.store.checked import CheckedStore
-from layerkv.transfer.caches import LentRows, RegisteredCaches
+from layerkv.transfer.caches import LentSlots, RegisteredCaches
 from layerkv.transfer.calls import KeyRows, Lanes, split_rows
 from layerkv.transfer.commit import Commits, PendingPut
 from layerkv.transfer.groups import LayerGroup
@@ -86,7 +86,7 @@ class SaveJob(JobState):
         store: CheckedStore,
         caches: RegisteredCaches,
         header: Header,
-        rows: LentRows,  # >= len(keys) slots, key i in slots[i]: object images (staged) or headers
+        staging: LentSlots,  # >= len(keys) slots, key i in slots[i]: object images (staged) or headers
         placement: Placement,
         commits: Commits,  # its sessions wait there for the step's verdict; staged writes run on its thread
         lanes: Lanes,
@@ -99,10 +99,10 @@ class SaveJob(JobState):
         self._store = store
         self._layout = layout = caches.layout
         self._header = header
-        self._staging = rows.array
-        self._slots = rows.slots[: len(keys)]
+        self._staging = staging.array
+        self._slots = staging.slots[: len(keys)]
         if self._slots.size < len(keys):
-            raise ValueError(f"{rows.slots.size} staging rows for {len(keys)} keys")
+            raise ValueError(f"{staging.slots.size} staging slots for {len(keys)} keys")
         self._views = caches.views
         self._placement = placement
         self._pending = commits.pending
@@ -110,7 +110,7 @@ class SaveJob(JobState):
         self._lanes = lanes
         self._num_lanes = num_lanes
         self._writer = commits.writer
-        self._rows = KeyRows([k.block_id for k in keys], layout, rows.array, self._slots)
+        self._rows = KeyRows([k.block_id for k in keys], layout, staging.array, self._slots)
         self._handed: list[tuple[int, Any]] = []  # guarded by cond: (layer, its compute marker or None)
         self._finalized = False  # guarded by cond
         self.released = False  # guarded by cond: the job no longer reads the KV cache memory

@@ -1,6 +1,6 @@
 """`StagedLayers`: transfers of the registered caches through staging. Per key, the contiguous
 object span of layers l..l+k-1 (a `LayerGroup`, transfer/groups.py) is read as ONE range into a
-registered host staging row, then copied into the paged KV cache with one vectorised copy per
+registered host staging slot, then copied into the paged KV cache with one vectorised copy per
 cache segment (fan-out blocks included) and verified where no peer can change the bytes any more
 (`publish`: in the cache for host caches, in a private host copy for device caches); saves
 gather a layer of every key from the cache into its object image the same way, tagged before it
@@ -40,7 +40,7 @@ class StagedLayers:
         self.on_host = views.on_host
         self.layout = layout
         self._cache = views
-        self.row_nbytes = layout.object_nbytes  # staging row width: any group, or the whole object
+        self.row_nbytes = layout.object_nbytes  # staging slot width: any group, or the whole object
         self._views = views.layers  # [layer][segment]
 
     def scatter(self, group: LayerGroup, staging: np.ndarray, slots: np.ndarray, block_ids: np.ndarray) -> None:
@@ -253,7 +253,7 @@ class StagedLayers:
         contexts: Sequence[bytes],
         sealer: Sealer | RowSealers,
     ) -> np.ndarray:
-        """Tags of each layer of `group` in staging rows `slots` (spans of the group): uint8
+        """Tags of each layer of `group` in staging slots `slots` (spans of the group): uint8
         [len(slots), layers in group, 16] (the same values CacheViews.tags gives for a block)."""
         out = np.empty((len(slots), group.end_layer - group.first_layer, TAG_NBYTES), dtype=np.uint8)
         for j, layer_idx in enumerate(range(group.first_layer, group.end_layer)):

@@ -47,7 +47,7 @@ class CacheViews:
         copies: DeviceCopies | None = None,
     ) -> None:
         """`on_host` defaults to the caches' device; False on CPU torch caches exercises the
-        device path (torch views and copies, no host checksums). `copies`: how device copies
+        device path (torch views and copies, no host tags). `copies`: how device copies
         are ordered (default: the caches' device's, transfer/device.py)."""
         self.layout = layout
         self.on_host = layout.device_type == "cpu" if on_host is None else on_host

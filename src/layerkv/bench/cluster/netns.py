@@ -28,6 +28,10 @@ TEST_HOST_ADDR = f"{SUBNET}.254"
 TEST_HOST = "test"  # Cluster.limit / unlimit: the test process's own port
 _PR_SET_PDEATHSIG = 1
 TOOLS = ("ip", "nsenter", "unshare", "tc")
+# A connection to a host that is cut sends SYNs into the void: the kernel's default 6 retries give
+# up after ~127 s, longer than a test waits for a Mooncake client call to a lost host to return.
+# 3 retries give up after ~15 s (the setting an operator would choose for a pool on a LAN too).
+SYN_RETRIES = 3
 
 
 def missing_tools() -> list[str]:
@@ -40,6 +44,16 @@ def _die_with_parent() -> None:
 
 def _ip(*args: str, netns_pid: int | None = None) -> None:
     argv = ["ip", *args] if netns_pid is None else ["nsenter", f"--net=/proc/{netns_pid}/ns/net", "--", "ip", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+def _sysctl(netns_pid: int, key: str, value: int) -> None:
+    """Set `key` in the network namespace of `netns_pid` (net.* keys are per namespace; /proc/sys/net
+    shows the namespace of the process reading it)."""
+    path = "/proc/sys/" + key.replace(".", "/")
+    argv = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", "--", "sh", "-c", f"echo {int(value)} > {path}"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
@@ -132,6 +146,7 @@ class Cluster:
         self.hosts[name] = host  # closed with the others if linking fails
         _wait_own_netns(sleeper.pid)
         _ip("link", "set", "lo", "up", netns_pid=sleeper.pid)
+        _sysctl(sleeper.pid, "net.ipv4.tcp_syn_retries", SYN_RETRIES)
         host.port = self._link(sleeper.pid, addr, f"lkv{index}")
         return host
 

@@ -53,7 +53,7 @@ def cases(options: BenchOptions) -> list[Case]:
 
 class _Buffers:
     """Source / destination paged caches (uint8 [2, blocks, range] per layer: K and V), header
-    staging rows and contiguous object rows for the whole-object path, all registered."""
+    staging slots and contiguous object rows for the whole-object path, all registered."""
 
     def __init__(self, store: CheckedStore, case: Case) -> None:
         rng = np.random.default_rng(case.range_nbytes + case.num_blocks + case.num_layers)

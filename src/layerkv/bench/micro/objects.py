@@ -116,7 +116,7 @@ def layerkv_counts(shape: Shape) -> tuple[Row, Row]:
 class PerLayerObjects:
     """The before-layerwise scheme: key `<ns>@<hash>@layer_<l>@<rank>`, one object per block x
     layer x rank. Save: exists query of every layer's keys, then per layer a gather of the
-    layer's K/V into a staging row and one batch_put_from; load: exists query, then per layer
+    layer's K/V into a staging slot and one batch_put_from; load: exists query, then per layer
     one batch_get_into and a scatter. The cheapest per-layer variant the store offers (one
     data call per layer; Mooncake does put start + end on the master inside batch_put_from)."""
 

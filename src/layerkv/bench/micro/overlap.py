@@ -162,7 +162,7 @@ def _notes(rig: Rig, deep: Rig, reps: int) -> list[str]:
         "range read, sized from the no-delay transfer time and the number of range calls.",
         "every read lands in the worker's staging area (the defaults: the live cache is never registered with the "
         "store); staging_copy_ms / staging_copy_gb_s = the receive thread's time verifying each staged layer's "
-        "checksum and copying it into the cache, and the bytes copied over that time (part of transfer alone).",
+        "tag and copying it into the cache, and the bytes copied over that time (part of transfer alone).",
         "compute_wait_ms (layerwise rows) = the compute thread's time waiting for layers to arrive; what TTFT exceeds "
         "compute alone by beyond it is compute slowed by the transfer's work on the same 2 CPUs, not transfer late.",
         "saves: the whole prompt computed by a producer into an empty pool (every block saved) against the same "

@@ -1,5 +1,5 @@
 """Suite `plans`: layerkv's own worker data path (the WorkerConnector with each load / save plan,
-checksums and commits included) against whole-object reads and writes of the same bytes, side by
+tags and commits included) against whole-object reads and writes of the same bytes, side by
 side per backend and entry size. Loads: every layer waited for with no compute in between (the
 transfer alone); saves: every layer handed over at once, then the commit step, until the objects
 are readable. What a tenant key costs: the default plan's save and load with one (BLAKE3-keyed
@@ -335,7 +335,7 @@ def run(options: BenchOptions, progress: Progress) -> SuiteResult:
     result.notes = [
         "layerkv save / load (auto), tenant key: the same with tenant_key_file (keyed names, keyed MACs per layer "
         "and header) on both sides; encrypted: also encrypt_objects (AES-256-GCM per layer, in private memory)",
-        "whole object: batch_get_into / batch_put_from of contiguous rows, no session, no checksum, no commit protocol",
+        "whole object: batch_get_into / batch_put_from of contiguous objects, no session, no tag, no commit protocol",
         "layerkv load: one step of the WorkerConnector waiting for every layer with no compute (the transfer alone), "
         "bytes compared with the producer's caches afterwards; read_layers_per_range=4 for the groups plan",
         "layerkv save: the save step plus the step carrying its commit verdict, until every object is readable; "
