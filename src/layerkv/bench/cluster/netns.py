@@ -42,21 +42,27 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _ip(*args: str, netns_pid: int | None = None) -> None:
-    argv = ["ip", *args] if netns_pid is None else ["nsenter", f"--net=/proc/{netns_pid}/ns/net", "--", "ip", *args]
+def _in_netns(netns_pid: int, argv: Sequence[str]) -> list[str]:
+    """`argv` run inside the network namespace of `netns_pid`."""
+    return ["nsenter", f"--net=/proc/{netns_pid}/ns/net", "--", *argv]
+
+
+def _checked(argv: Sequence[str]) -> None:
+    """Run `argv`; RuntimeError with its command line and stderr when it fails."""
     done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+def _ip(*args: str, netns_pid: int | None = None) -> None:
+    _checked(["ip", *args] if netns_pid is None else _in_netns(netns_pid, ["ip", *args]))
 
 
 def _sysctl(netns_pid: int, key: str, value: int) -> None:
     """Set `key` in the network namespace of `netns_pid` (net.* keys are per namespace; /proc/sys/net
     shows the namespace of the process reading it)."""
     path = "/proc/sys/" + key.replace(".", "/")
-    argv = ["nsenter", f"--net=/proc/{netns_pid}/ns/net", "--", "sh", "-c", f"echo {int(value)} > {path}"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+    _checked(_in_netns(netns_pid, ["sh", "-c", f"echo {int(value)} > {path}"]))
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
@@ -97,7 +103,7 @@ class Host:
 
     def argv(self, argv: Sequence[str]) -> list[str]:
         """`argv` run inside this host's namespace."""
-        return ["nsenter", f"--net=/proc/{self.pid}/ns/net", "--", *argv]
+        return _in_netns(self.pid, argv)
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `argv` on this host; it is killed at Cluster.close (and with the test process)."""
@@ -188,41 +194,12 @@ class Cluster:
         """Shape what the switch sends to host `name` (its downlink; TEST_HOST: this process's)
         to `rate` (e.g. 1gbit)."""
         port = self._port(name)
-        argv = [
-            "nsenter",
-            f"--net=/proc/{self._switch.pid}/ns/net",
-            "--",
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            port,
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "256kb",
-            "latency",
-            "50ms",
-        ]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+        tbf = ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+        _checked(_in_netns(self._switch.pid, tbf))
 
     def unlimit(self, name: str) -> None:
         """Remove the shaping `limit` put on host `name`'s downlink."""
-        argv = [
-            "nsenter",
-            f"--net=/proc/{self._switch.pid}/ns/net",
-            "--",
-            "tc",
-            "qdisc",
-            "del",
-            "dev",
-            self._port(name),
-            "root",
-        ]
+        argv = _in_netns(self._switch.pid, ["tc", "qdisc", "del", "dev", self._port(name), "root"])
         subprocess.run(argv, capture_output=True, text=True, timeout=10)  # none there: nothing to remove
 
     def close(self) -> None:
