@@ -68,8 +68,30 @@ FORBIDDEN = {
     # vLLM's general plugin, loaded in every vLLM process before any connector: no layerkv module
     # (the connector loads lazily; the package __init__ imports it only for type checking)
     "layerkv.integrations.vllm.plugin": ["layerkv."],
-    # the prefill / decode proxy runs beside the engines, without vLLM
-    "layerkv.integrations.pd_proxy": ["layerkv.integrations.vllm"],
+    # the prefill / decode proxy runs beside the engines, without vLLM, torch or a store: aiohttp,
+    # prometheus_client and layerkv.errors only
+    "layerkv.integrations.pd_proxy": [
+        "layerkv.integrations.vllm",
+        "layerkv.store",
+        "layerkv.objects",
+        "layerkv.transfer",
+        "layerkv.connector",
+        "layerkv.engine",
+        "layerkv.config",
+    ],
+    # inside it, each module below the handler: config <- bodies, metrics <- routing <- app <- server, proxy
+    "layerkv.integrations.pd_proxy.config": ["layerkv.integrations.pd_proxy."],
+    "layerkv.integrations.pd_proxy.metrics": ["layerkv.integrations.pd_proxy."],
+    "layerkv.integrations.pd_proxy.bodies": ["layerkv.integrations.pd_proxy."],
+    "layerkv.integrations.pd_proxy.routing": [
+        "layerkv.integrations.pd_proxy.app",
+        "layerkv.integrations.pd_proxy.server",
+        "layerkv.integrations.pd_proxy.proxy",
+    ],
+    "layerkv.integrations.pd_proxy.app": [
+        "layerkv.integrations.pd_proxy.server",
+        "layerkv.integrations.pd_proxy.proxy",
+    ],
 }
 # Edges the rules above would refuse, each a decision: config validates `backend` against the
 # store registry's names (the registry imports no config: a cycle would fail the test above).

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from layerkv.integrations.pd_proxy import PDProxy
+from layerkv.integrations.pd_proxy import PDProxy, ProxyConfig
 from tests.vllm_engine.engine_proc import ServeProcess
 from tests.vllm_engine.test_serve import layerkv_counters
 from tests.vllm_engine.tier import BLOCK_SIZE, MODEL_NAME, MasterPorts
@@ -50,7 +50,7 @@ def _same_answer(a, b) -> None:  # type: ignore[no-untyped-def]
 def test_a_request_through_the_proxy_is_decoded_from_the_pool(fleet) -> None:  # type: ignore[no-untyped-def]
     prefill, decode = fleet.get("serve-prefill"), fleet.get("serve-decode")
     assert isinstance(prefill, ServeProcess) and isinstance(decode, ServeProcess)
-    proxy = PDProxy(prefill.base_url, decode.base_url).start()
+    proxy = PDProxy([prefill.base_url], [decode.base_url]).start()
     try:
         text = words(prompt(95, 5 * BLOCK_SIZE) + prompt(96, 10))  # 5 full blocks and 10 tokens
         before = layerkv_counters(decode)
@@ -76,7 +76,7 @@ def test_a_request_through_the_proxy_is_decoded_from_the_pool(fleet) -> None:  #
 def test_without_its_prefill_server_the_proxy_still_answers(fleet) -> None:  # type: ignore[no-untyped-def]
     decode = fleet.get("serve-decode")
     nowhere = f"http://127.0.0.1:{MasterPorts.pick().rpc_port}"  # a free port: nobody listens
-    proxy = PDProxy(nowhere, decode.base_url, timeout_s=30).start()
+    proxy = PDProxy([nowhere], [decode.base_url], ProxyConfig(upstream_timeout_s=30)).start()
     try:
         text = words(prompt(97, 3 * BLOCK_SIZE))
         got, headers, _ = _complete(proxy.url, text)
