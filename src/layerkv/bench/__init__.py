@@ -12,6 +12,7 @@ reads the suite names from here).
     network/   suite network: the reference engine and vLLM engines across namespace hosts
     vllm/      real vLLM engines as child processes (offline engine host, `vllm serve`), the model
     cluster/   network-namespace hosts and a Mooncake pool over them (also the cluster test tier's)
+    proxy/     suite proxy: `layerkv pd-proxy`'s cost per request, fake vLLM servers (also its tests')
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ SUITES: tuple[str, ...] = ("datapath", "plans", "descriptors", "lookup", "object
 # Run only when named: `serving`, `pd` (prefill/decode) and `load` (`vllm serve` under vLLM's
 # benchmark client) drive real vLLM engines under another venv's Python; `network` needs root
 # (a namespace cluster of hosts); `decode` drives vLLM's own scheduler and worker hooks in this
-# process (vllm installed here; its Mooncake contenders in a private network namespace).
-OPT_IN_SUITES: tuple[str, ...] = ("serving", "network", "pd", "load", "decode")
+# process (vllm installed here; its Mooncake contenders in a private network namespace); `proxy`
+# measures `layerkv pd-proxy` in front of fake servers (aiohttp).
+OPT_IN_SUITES: tuple[str, ...] = ("serving", "network", "pd", "load", "decode", "proxy")
 
 # The module whose `run(options, progress) -> SuiteResult` runs each suite (imported lazily).
 SUITE_MODULES: dict[str, str] = {
@@ -31,4 +33,5 @@ SUITE_MODULES: dict[str, str] = {
     "load": "layerkv.bench.load.suite",
     "decode": "layerkv.bench.decode.suite",
     "network": "layerkv.bench.network.suite",
+    "proxy": "layerkv.bench.proxy.suite",
 }

@@ -77,7 +77,8 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         "serving (real vLLM engines, see --engine-python), pd (prefill/decode, real vLLM engines), "
         "network (hosts as network namespaces: needs root), "
         "load (`vllm serve` servers under vLLM's benchmark client; see the load options), "
-        "decode (a connector's host cost per decode step under vLLM's real scheduler and hooks)",
+        "decode (a connector's host cost per decode step under vLLM's real scheduler and hooks), "
+        "proxy (`layerkv pd-proxy`'s added latency per request, in front of fake vLLM servers)",
     )
     p.add_argument(
         "--quick",
