@@ -150,13 +150,15 @@ def vllm_serve() -> list[str]:
 
 
 def pd_serve_argv(role: str) -> list[str]:
-    """The prefill ("prefill") or decode ("decode") `vllm serve ...` command of docs/vllm.md's
-    prefill/decode section, as argv, without its --port."""
+    """The first prefill ("prefill": kv_producer) or decode ("decode": kv_consumer) `vllm serve ...`
+    command of docs/vllm.md's prefill/decode section (2 of each), as argv, without its --port."""
     section = DOCS_VLLM.read_text().split("## Prefill/decode disaggregation", 1)[1].split("\n## ", 1)[0]
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "layerkv pd-proxy" in b]
     commands = [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.startswith("vllm serve")]
-    assert len(commands) == 2, commands
-    argv = commands[0 if role == "prefill" else 1]
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    chosen = [argv for argv in commands if f'"kv_role": "{kv_role}"' in " ".join(argv)]
+    assert len(commands) == 4 and len(chosen) == 2, commands  # 2 prefill x 2 decode servers
+    argv = chosen[0]  # the tier runs one of each
     port = argv.index("--port")
     return argv[:port] + argv[port + 2 :]
 
