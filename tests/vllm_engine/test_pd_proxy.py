@@ -1,9 +1,9 @@
-"""Prefill/decode through `layerkv pd-proxy` (layerkv.integrations.pd_proxy) in front of two
-`vllm serve` servers on one `layerkv master`, started with docs/vllm.md's two command lines: a
-prefill server (kv_producer, TP=2) and a decode server (kv_consumer, TP=1), both store_shards=2,
-with the `openai` client. The decode server loads the prompt's full blocks from the pool right
-after the prefill server answered; a prefill server that cannot be reached costs only the prefill
-(the decode server computes the prompt).
+"""Prefill/decode through `layerkv pd-proxy` (layerkv.integrations.pd_proxy) in front of two `vllm
+serve` servers on one `layerkv master`, started with the first prefill and the first decode command
+line of docs/vllm.md's 2 x 2: a prefill server (kv_producer, TP=2) and a decode server
+(kv_consumer, TP=1), both store_shards=2, with the `openai` client. The decode server loads the
+prompt's full blocks from the pool right after the prefill server answered; a prefill server that
+cannot be reached costs only the prefill (the decode server computes the prompt).
 
 The decode server continues KV computed at TP=2, which differs from its own by the rounding of the
 all-reduce, so its answer is compared with the prefill server's own (one server, the prompt from
