@@ -118,7 +118,9 @@ def test_a_decode_server_that_fails_before_answering_is_retried_once_on_another(
 
 def test_a_hanging_decode_server_times_out_and_the_other_answers(fleet: FakeFleet) -> None:
     fleet["decode-0"].mode = Mode.HANG
-    config = ProxyConfig(upstream_timeout_s=0.5, backoff_s=30, max_backoff_s=30)
+    # the hanging call is given up after this; the prefill and decode-1 calls must fit in it too
+    # (5 ms of service each), with room for a busy machine
+    config = ProxyConfig(upstream_timeout_s=3.0, backoff_s=30, max_backoff_s=30)
     proxy = PDProxy(urls(fleet, "prefill"), urls(fleet, "decode"), config).start()
     try:
         answer = rig.completion(proxy.port)
