@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 import layerkv
+from layerkv.bench.vllm.engines import stop_group
 
 START_TIMEOUT_S = 60.0  # the CLI imports aiohttp on a busy 2-core machine
 
@@ -34,7 +35,9 @@ class ProxyProcess:
         argv += [a for name, value in limits.items() for a in ("--" + name.replace("_", "-"), str(value))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(layerkv.__file__).parents[1]), *sys.path])}
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=self._log, env=env, start_new_session=True
+        )  # its own process group: stop_group ends it
         self.url = self._listening_url()
 
     def _listening_url(self) -> str:
@@ -57,13 +60,7 @@ class ProxyProcess:
         raise AssertionError("no VmRSS")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
+        stop_group(self.proc, 15)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from layerkv.bench.common import BenchOptions, Progress, SuiteResult
+from layerkv.bench.vllm.engines import stop_group
 from layerkv.integrations.pd_proxy.bodies import decode_body, prefill_body
 
 NAME = "proxy"
@@ -97,7 +98,9 @@ class _Processes:
 
     def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (self._tmp / f"{len(self._procs)}.log").open("wb")
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        proc = subprocess.Popen(  # each leads its own process group: stop_group ends it
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True
+        )
         self._procs.append(proc)
         return proc
 
@@ -111,12 +114,7 @@ class _Processes:
 
     def __exit__(self, *exc: object) -> None:
         for proc in reversed(self._procs):
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(15)
+            stop_group(proc, 15)
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None:
                     pipe.close()
