@@ -61,9 +61,16 @@ class Deployment:
     # storage_role); 0: one per KV head group of this deployment (min(tp_size, num_kv_heads)).
     # Servers of different TP sizes share objects when they split alike (config store_shards).
     store_shards: int = 0
+    # Decode context parallelism (vLLM's decode_context_parallel_size; it reuses TP ranks): each of
+    # `dcp_size` CP ranks holds an interleaved share of every block (runs of `cp_interleave` tokens
+    # in turn), so an engine's block (what it hashes) is `block_size * dcp_size` tokens while each
+    # rank's cache block is `block_size`. `dcp_rank` is this worker's share (vLLM: tp_rank % dcp_size).
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    cp_interleave: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_kv_heads", "tp_size", "pp_size"):
+        for name in ("block_size", "num_kv_heads", "tp_size", "pp_size", "dcp_size", "cp_interleave"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"Deployment.{name}={value!r} must be an int >= 1")
@@ -71,6 +78,21 @@ class Deployment:
             raise ConfigError(f"Deployment.store_shards={self.store_shards!r} must be an int >= 0")
         if not self.model_id:
             raise ConfigError("Deployment.model_id must not be empty")
+        if isinstance(self.dcp_rank, bool) or not isinstance(self.dcp_rank, int):
+            raise ConfigError(f"Deployment.dcp_rank={self.dcp_rank!r} must be an int")
+        if not 0 <= self.dcp_rank < self.dcp_size:
+            raise ConfigError(f"Deployment.dcp_rank={self.dcp_rank} must be 0 <= dcp_rank < dcp_size={self.dcp_size}")
+        if self.dcp_size > 1 and (self.cp_interleave > self.block_size or self.block_size % self.cp_interleave):
+            raise ConfigError(
+                f"Deployment.cp_interleave={self.cp_interleave} must divide block_size={self.block_size} "
+                f"(vLLM's cp_kv_cache_interleave_size)"
+            )
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens per engine block (what one block hash covers): `block_size` on each of the
+        `dcp_size` context-parallel ranks."""
+        return self.block_size * self.dcp_size
 
 
 @dataclass(frozen=True, slots=True)

@@ -258,6 +258,7 @@ def _listing(
                 "tenant": manifest.get("tenant"),
                 "digest": manifest.get("digest"),
                 "pp_rank": manifest.get("pp_rank"),
+                "cp_rank": manifest.get("cp_rank"),
                 "settings": manifest.get("settings"),
                 "created_at": manifest.get("created_at"),
                 "num_objects": group.num_objects,
@@ -324,6 +325,8 @@ def _settings(row: dict[str, Any]) -> str:
     ]
     if (s.get("pp_size") or 1) > 1:
         parts.append(f"pp {row.get('pp_rank')}/{s.get('pp_size')}")
+    if (s.get("dcp_size") or 1) > 1:
+        parts.append(f"dcp {row.get('cp_rank')}/{s.get('dcp_size')} interleave {s.get('cp_interleave')}")
     parts += [name for name in ("keyed", "encrypted") if s.get(name)]
     return ", ".join(parts)
 

@@ -1,11 +1,10 @@
 """Pool lookups for the scheduler side (connector/scheduler.py): which of a request's blocks the
-pool can serve now. A block counts only if the object of every pipeline stage's namespace and
-every storage rank is COMPLETE; older tenant keys (kept after a rotation) are asked only for the
-blocks the newer ones miss; a request's run of hits is asked one window at a time, stopping at
-the first window with a miss. Scheduler thread only; no locks. Never raises because of the
-store (CheckedStore answers a code per key): an answer outside {0, 1} is an error, counted,
-logged and taken as a miss, never a hit.
-"""
+pool can serve now. A block counts only if the object of every share's namespace (pipeline stage
+x decode context parallel rank) and every storage rank is COMPLETE; older tenant keys (kept
+after a rotation) are asked only for the blocks the newer ones miss; a request's run of hits is
+asked one window at a time, stopping at the first window with a miss. Scheduler thread only; no
+locks. Never raises because of the store (CheckedStore answers a code per key): an answer
+outside {0, 1} is an error, counted, logged and taken as a miss, never a hit."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ class PoolLookup:
     """Asks the store which blocks are readable: a block counts only if every storage rank's
     key is COMPLETE. Results outside {0, 1} are errors, never hits.
 
-    `generations[g]`: the pipeline stages' namespaces under tenant key g (0: the current key,
+    `generations[g]`: the shares' namespaces (pipeline stage x CP rank) under tenant key g (0: the current key,
     higher: older keys kept after a rotation, asked only for what the newer ones miss)."""
 
     def __init__(
@@ -38,7 +37,7 @@ class PoolLookup:
         stats: SchedulerStats,
     ) -> None:
         self._store = store
-        # every (pipeline stage namespace, storage rank) pair must hold a block for a hit
+        # every (share namespace, storage rank) pair must hold a block for a hit
         self._ranks = [[(ns, rank) for ns in stages for rank in range(num_storage_ranks)] for stages in generations]
         assert self._ranks, "at least the current key's namespaces"
         self._window_blocks = window_blocks

@@ -8,7 +8,6 @@ block that failed to load). Runs on the engine's scheduler thread only; no locks
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import secrets
@@ -24,7 +23,7 @@ from layerkv.connector.saved import SavedBlocks
 from layerkv.connector.stats import LOOKUP_S, Samples, SchedulerStats
 from layerkv.messages import BlockHash, Deployment, ReqId, RequestView, SchedulerStep, WorkerReport
 from layerkv.metadata import BlockSpec, StepPlan
-from layerkv.objects.keys import storage_role, tenant_namespace, tenant_namespaces, with_store_shards
+from layerkv.objects.keys import share_deployment, storage_role, tenant_namespace, tenant_namespaces, with_store_shards
 from layerkv.objects.manifest import ManifestInfo, ManifestWriter
 from layerkv.objects.tenant_key import tenant_keys
 from layerkv.store.checked import CheckedStore
@@ -63,7 +62,7 @@ class SchedulerConnector:
         self._manifest_task: Task[None] | None = None
         self._epoch = ""  # a new one at each reset_cache: the namespaces' and the plans'
         self._name_objects()
-        self._block_size = deployment.block_size
+        self._block_size = deployment.scheduler_block_size  # tokens per block hash
         self._live: set[ReqId] = set()  # requests scheduled and not ended
         self._before_reset: set[ReqId] = set()  # live at a reset_cache: KV of the old weights, never saved
         self._matched: dict[ReqId, _PendingLoad] = {}  # from get_num_new_matched_tokens
@@ -84,11 +83,12 @@ class SchedulerConnector:
         self.namespace = tenant_namespace(
             deployment, config.tenant, config.model_fingerprint, keys, config.encrypt_objects, self._epoch
         )
-        # with pipeline parallelism each stage writes its own layers under its own namespace
-        # after a key rotation, each older key's namespaces too (read, never written)
-        stages = [
+        # with pipeline parallelism each stage writes its own layers under its own namespace, with
+        # decode context parallelism each CP rank its share of the tokens: one namespace per (stage,
+        # CP rank), stage-major; after a key rotation each older key's too (read, never written)
+        shares = [
             tenant_namespaces(
-                dataclasses.replace(deployment, pp_rank=s),
+                share_deployment(deployment, s, c),
                 config.tenant,
                 config.model_fingerprint,
                 keys,
@@ -96,11 +96,12 @@ class SchedulerConnector:
                 self._epoch,
             )
             for s in range(deployment.pp_size)
+            for c in range(deployment.dcp_size)
         ]
-        self._writing = tuple(generations[0] for generations in stages)  # each stage's current-key namespace
+        self._writing = tuple(generations[0] for generations in shares)  # each share's current-key namespace
         role = storage_role(deployment)
         self._lookup = PoolLookup(
-            self.store, list(zip(*stages)), role.num_storage_ranks, config.exists_window_blocks, self._stats
+            self.store, list(zip(*shares)), role.num_storage_ranks, config.exists_window_blocks, self._stats
         )
 
     def reset_cache(self) -> bool:

@@ -50,7 +50,7 @@ class StorageRole:
 
     put_step: int
     storage_ranks: tuple[int, ...]  # the shards this rank loads (and writes, if `writes`), ascending
-    writes: bool  # tp_rank % put_step == 0
+    writes: bool  # the first of the put_step ranks holding the same heads (and, under DCP, the same CP share)
     num_storage_ranks: int  # shards per block; every one must be COMPLETE for a block to count as a hit
 
     @property
@@ -85,19 +85,19 @@ def storage_role(deployment: Deployment) -> StorageRole:
     """Which rank stores what. KV heads split over TP ranks form `min(tp_size, num_kv_heads)`
     head groups (MLA: one latent, one group; only tp_rank 0 of a group's ranks writes); the block's
     shards (`deployment.store_shards`, 0: one per head group) split the heads evenly, a whole
-    number of them inside each group. Raises ConfigError for out-of-range ranks,
+    number of them inside each group. With decode context parallelism (dcp_size > 1) the replicas of a
+    head group hold `dcp_size` different token shares (CP rank tp_rank % dcp_size, in the namespace):
+    the first rank of each share writes. Raises ConfigError for out-of-range ranks,
     UnsupportedSetupError for splits that do not divide."""
     d = deployment
-    if d.tp_size < 1 or not 0 <= d.tp_rank < d.tp_size:
-        raise ConfigError(f"tp_rank={d.tp_rank} must be 0 <= tp_rank < tp_size={d.tp_size} (and tp_size >= 1)")
-    if d.pp_size < 1 or not 0 <= d.pp_rank < d.pp_size:
-        raise ConfigError(f"pp_rank={d.pp_rank} must be 0 <= pp_rank < pp_size={d.pp_size} (and pp_size >= 1)")
+    _check_ranks(d)
     if d.is_mla:
         if d.store_shards > 1:
             raise UnsupportedSetupError(
                 f"store_shards={d.store_shards}: an MLA latent is one head for every rank (store_shards must be 0 or 1)"
             )
-        return StorageRole(d.tp_size, (0,), d.tp_rank == 0, 1)
+        # the latent's replicas that hold the same CP share: ranks dcp_size apart; the first of each writes
+        return StorageRole(d.tp_size, (0,), d.tp_rank < d.dcp_size, 1)
     if d.num_kv_heads < 1:
         raise ConfigError(f"num_kv_heads={d.num_kv_heads} must be >= 1 (MLA: set is_mla=True)")
     if d.num_kv_heads >= d.tp_size:
@@ -114,6 +114,12 @@ def storage_role(deployment: Deployment) -> StorageRole:
                 f"replicated KV heads must be shared by equal groups of ranks"
             )
         put_step = d.tp_size // d.num_kv_heads
+    if put_step % d.dcp_size:
+        raise UnsupportedSetupError(
+            f"decode context parallel size {d.dcp_size} with tp_size={d.tp_size} and num_kv_heads="
+            f"{d.num_kv_heads}: DCP shards tokens over the ranks that replicate a KV head, so "
+            f"tp_size // num_kv_heads must be a multiple of it (vLLM's own rule)"
+        )
     groups = d.tp_size // put_step
     shards = d.store_shards or groups
     if d.num_kv_heads % shards or shards % groups:
@@ -122,10 +128,38 @@ def storage_role(deployment: Deployment) -> StorageRole:
             f"deployment's {groups} KV head groups (min(tp_size={d.tp_size}, num_kv_heads)): set it to the "
             f"largest such TP size among the servers that share the pool"
         )
+    if d.dcp_size > 1 and shards != groups:
+        raise UnsupportedSetupError(
+            f"store_shards={shards} with decode context parallelism: a rank holds one CP share of "
+            f"its KV heads, so the split must be this deployment's {groups} KV head groups (store_shards 0)"
+        )
     per_group, group = shards // groups, d.tp_rank // put_step
-    return StorageRole(
-        put_step, tuple(range(group * per_group, (group + 1) * per_group)), d.tp_rank % put_step == 0, shards
-    )
+    # of a head group's put_step replicas, ranks dcp_size apart hold the same CP share: the first writes
+    writes = (d.tp_rank % put_step) // d.dcp_size == 0
+    return StorageRole(put_step, tuple(range(group * per_group, (group + 1) * per_group)), writes, shards)
+
+
+def share_deployment(deployment: Deployment, pp_rank: int, cp_rank: int) -> Deployment:
+    """`deployment` as the worker of pipeline stage `pp_rank` and CP share `cp_rank` that names
+    its objects (tp_rank `cp_rank`: the first TP rank holding that share; the scheduler side names
+    every share's objects with it)."""
+    return dataclasses.replace(deployment, pp_rank=pp_rank, tp_rank=cp_rank, dcp_rank=cp_rank)
+
+
+def _check_ranks(d: Deployment) -> None:
+    if d.tp_size < 1 or not 0 <= d.tp_rank < d.tp_size:
+        raise ConfigError(f"tp_rank={d.tp_rank} must be 0 <= tp_rank < tp_size={d.tp_size} (and tp_size >= 1)")
+    if d.pp_size < 1 or not 0 <= d.pp_rank < d.pp_size:
+        raise ConfigError(f"pp_rank={d.pp_rank} must be 0 <= pp_rank < pp_size={d.pp_size} (and pp_size >= 1)")
+    if d.dcp_rank != d.tp_rank % d.dcp_size:
+        raise ConfigError(
+            f"dcp_rank={d.dcp_rank} must be tp_rank % dcp_size = {d.tp_rank % d.dcp_size} (vLLM's DCP groups "
+            f"without prefill context parallelism are consecutive TP ranks)"
+        )
+    if d.dcp_size > 1 and d.tp_size % d.dcp_size:
+        raise UnsupportedSetupError(
+            f"decode context parallel size {d.dcp_size} must divide tp_size={d.tp_size} (DCP reuses TP ranks)"
+        )
 
 
 def with_store_shards(deployment: Deployment, store_shards: int) -> Deployment:
@@ -162,8 +196,25 @@ def namespace_for(
         deployment = dataclasses.replace(deployment, model_fingerprint=model_fingerprint)
     if not tenant or "@" in tenant:
         raise ConfigError(f"tenant={tenant!r} must be a non-empty string without '@'")
+    fields = _namespace_fields(deployment, tenant, layout, role.num_storage_ranks)
+    if encrypted:  # only then: the names of unencrypted objects stay what they were
+        fields["encrypted"] = True
+    if epoch:  # only after a reset: names before any reset stay what they were
+        fields["epoch"] = epoch
+    canonical = json.dumps(fields, sort_keys=True).encode()
+    if names_key is None:
+        digest = hashlib.sha256(canonical).digest()[:DIGEST_NBYTES]
+    else:
+        digest = blake3.blake3(b"N" + canonical, key=names_key).digest(DIGEST_NBYTES)
+    return Namespace(f"{model_basename(deployment.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest, names_key)
+
+
+def _namespace_fields(
+    deployment: Deployment, tenant: str, layout: CacheLayout | None, num_storage_ranks: int
+) -> dict[str, object]:
+    """What names a namespace (namespace_for's canonical JSON, less the encrypted and epoch marks)."""
     d = deployment
-    fields = {
+    fields: dict[str, object] = {
         "schema_version": SCHEMA_VERSION,
         "tenant": tenant,
         "model_id": d.model_id,
@@ -174,7 +225,7 @@ def namespace_for(
         "kv_signature": _kv_signature(deployment, layout),
         "num_kv_heads": d.num_kv_heads,
         "is_mla": d.is_mla,
-        "store_shards": role.num_storage_ranks,
+        "store_shards": num_storage_ranks,
         # TP-private objects unless the split is chosen (config store_shards): KV computed at another TP
         # size differs from this server's own by the rounding of the TP reductions, so sharing
         # across TP sizes is what an operator opts into (a P/D deployment continues the prefill's KV)
@@ -182,16 +233,10 @@ def namespace_for(
         "pp_size": d.pp_size,
         "pp_rank": d.pp_rank,  # each pipeline stage holds different layers
     }
-    if encrypted:  # only then: the names of unencrypted objects stay what they were
-        fields["encrypted"] = True
-    if epoch:  # only after a reset: names before any reset stay what they were
-        fields["epoch"] = epoch
-    canonical = json.dumps(fields, sort_keys=True).encode()
-    if names_key is None:
-        digest = hashlib.sha256(canonical).digest()[:DIGEST_NBYTES]
-    else:
-        digest = blake3.blake3(b"N" + canonical, key=names_key).digest(DIGEST_NBYTES)
-    return Namespace(f"{model_basename(d.model_id)}-{digest.hex()[:_SHORT_DIGEST_HEX]}", digest, names_key)
+    if d.dcp_size > 1:  # only then: names without context parallelism stay what they were
+        # each CP rank holds its own interleaved share of a block's tokens
+        fields.update(dcp_size=d.dcp_size, cp_interleave=d.cp_interleave, cp_rank=d.dcp_rank)
+    return fields
 
 
 def tenant_namespace(

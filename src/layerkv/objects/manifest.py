@@ -61,6 +61,8 @@ class ManifestInfo:
     pp_size: int
     keyed: bool = False  # names keyed with a tenant key (config tenant_key_file)
     encrypted: bool = False  # config encrypt_objects
+    dcp_size: int = 1  # decode context parallel ranks (each namespace holds one rank's share)
+    cp_interleave: int = 1
 
     @classmethod
     def from_deployment(
@@ -79,14 +81,18 @@ class ManifestInfo:
             d.pp_size,
             keyed,
             encrypted,
+            d.dcp_size,
+            d.cp_interleave,
         )
 
     def settings(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("model", "tenant")}
+        skip = {"model", "tenant"} | ({"dcp_size", "cp_interleave"} if self.dcp_size == 1 else set())
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
 
 
-def manifest_body(namespace: Namespace, info: ManifestInfo, pp_rank: int, created_at: float) -> bytes:
-    """The manifest's bytes (compact JSON, at most MANIFEST_MAX_BYTES). `created_at`: Unix s."""
+def manifest_body(namespace: Namespace, info: ManifestInfo, pp_rank: int, created_at: float, cp_rank: int = 0) -> bytes:
+    """The manifest's bytes (compact JSON, at most MANIFEST_MAX_BYTES). `created_at`: Unix s;
+    `cp_rank` recorded only with decode context parallelism (info.dcp_size > 1)."""
     stamp = datetime.datetime.fromtimestamp(created_at, datetime.UTC).isoformat(timespec="seconds")
     body = {
         "format": MANIFEST_FORMAT,
@@ -98,6 +104,8 @@ def manifest_body(namespace: Namespace, info: ManifestInfo, pp_rank: int, create
         "settings": info.settings(),
         "created_at": stamp,
     }
+    if info.dcp_size > 1:
+        body["cp_rank"] = cp_rank
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     assert len(raw) <= MANIFEST_MAX_BYTES, f"manifest of {namespace.name} is {len(raw)} bytes"
     return raw
@@ -150,9 +158,10 @@ class ManifestWriter:
 
     def ensure(self, namespaces: Sequence[Namespace]) -> None:
         """Make sure every namespace's manifest is in the pool; `namespaces[i]` is pipeline
-        stage i's. Cheap once they are (a set lookup each); after a failure it tries again at
-        most once per `retry_interval_s`. Never raises: a failure logs a warning."""
-        pending = [(stage, ns) for stage, ns in enumerate(namespaces) if ns.name not in self._done]
+        stage i // dcp_size's, CP rank i % dcp_size's (stage-major). Cheap once they are (a set
+        lookup each); after a failure it tries again at most once per `retry_interval_s`. Never
+        raises: a failure logs a warning."""
+        pending = [(i, ns) for i, ns in enumerate(namespaces) if ns.name not in self._done]
         if not pending or self._clock() < self._next_try:
             return
         try:
@@ -171,19 +180,20 @@ class ManifestWriter:
         keys = [manifest_key(ns) for _, ns in pending]
         found = self._store.batch_is_exist(keys)
         absent = []
-        for (stage, ns), code in zip(pending, found):
+        for (i, ns), code in zip(pending, found):
             if code == _EXISTS:
                 self._done.add(ns.name)
                 self.stats.existed += 1
             elif code == _ABSENT:
-                absent.append((stage, ns))
+                absent.append((i, ns))
         problems = [f"exists {code_name(code)}" for code in found if code not in (_EXISTS, _ABSENT)]
         if absent:
             problems += self._put(absent)
         return ", ".join(problems)
 
     def _put(self, absent: list[tuple[int, Namespace]]) -> list[str]:
-        bodies = [manifest_body(ns, self.info, stage, self._wall_clock()) for stage, ns in absent]
+        dcp = self.info.dcp_size
+        bodies = [manifest_body(ns, self.info, i // dcp, self._wall_clock(), i % dcp) for i, ns in absent]
         offsets = np.cumsum([0] + [len(b) for b in bodies])
         buffer = np.frombuffer(b"".join(bodies), dtype=np.uint8).copy()  # [total bytes], writable, registered
         base = buffer.ctypes.data
