@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from layerkv.messages import Deployment
-from layerkv.objects.keys import block_key, namespace_for, with_store_shards
+from layerkv.objects.keys import block_key, namespace_for, share_deployment, with_store_shards
 from layerkv.objects.manifest import (
     MANIFEST_MAX_BYTES,
     ManifestInfo,
@@ -208,3 +208,22 @@ def test_a_failed_put_is_retried() -> None:
     clock.now += 10.0
     writer.ensure([ns])
     assert writer.stats.written == 1
+
+
+def test_each_cp_share_gets_its_manifest_naming_stage_and_cp_rank() -> None:
+    """Decode context parallelism: one namespace per (stage, CP rank), stage-major; each manifest
+    names its stage and CP rank, the settings the CP size and interleave."""
+    cp = Deployment(
+        model_id="org/Model-7B", kv_dtype="bfloat16", block_size=16, num_kv_heads=1, tp_size=2, is_mla=True,
+        pp_size=2, dcp_size=2, cp_interleave=4, kv_signature="mla",
+    )  # fmt: skip
+    shares = [namespace_for(share_deployment(cp, s, c), "team-a") for s in (0, 1) for c in (0, 1)]
+    assert len({ns.name for ns in shares}) == 4
+    root = EmbeddedStore(16 << 20, strict_buffers=True)
+    writer = ManifestWriter(CheckedStore(root.client(), max_batch_keys=64), info(cp), wall_clock=lambda: CREATED_AT)
+    writer.ensure(shares)
+    bodies = [parse_manifest(read_object(root, manifest_key(ns))) for ns in shares]
+    assert [(b["pp_rank"], b["cp_rank"]) for b in bodies if b] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {(b["settings"]["dcp_size"], b["settings"]["cp_interleave"]) for b in bodies if b} == {(2, 4)}
+    plain = parse_manifest(manifest_body(namespace_for(DEPLOYMENT, "team-a"), info(), 0, CREATED_AT))
+    assert plain is not None and "cp_rank" not in plain and "dcp_size" not in plain["settings"]
