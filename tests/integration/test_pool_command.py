@@ -209,3 +209,19 @@ def test_an_unknown_namespace_is_an_error_naming_the_known_ones(pool: Pool) -> N
         known = ", ".join(sorted([pool.a.name, pool.b.name]))
         assert f"layerkv pool: namespace {name!r} is not in the pool (its namespaces: {known})" in done.stderr
     assert pool.listing()["num_keys"] == 9
+
+
+def test_a_cp_share_row_names_its_cp_rank_size_and_interleave() -> None:
+    """A namespace of one decode-context-parallel share: the table shows which share it holds."""
+    from layerkv.commands.pool import render
+
+    cp = Deployment(
+        model_id="org/mla", kv_dtype="bfloat16", block_size=16, num_kv_heads=1, is_mla=True, tp_size=2,
+        dcp_size=2, dcp_rank=1, tp_rank=1, cp_interleave=8, kv_signature="mla",
+    )  # fmt: skip
+    ns = namespace_for(cp, "t")
+    manifest = json.loads(manifest_body(ns, ManifestInfo.from_deployment(cp, "t"), 0, CREATED_AT, cp_rank=1))
+    row = {"namespace": ns.name, "num_objects": 3, "nbytes": 3072, **manifest}
+    listing = {"master": "m", "metrics_url": "u", "capacity_bytes": 1 << 20, "used_bytes": 3072, "num_keys": 3}
+    text = render({**listing, "num_listed": 3, "namespaces": [row]})
+    assert "block 16, bfloat16, 1 shard, tp 2, dcp 1/2 interleave 8" in text
