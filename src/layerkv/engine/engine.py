@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from layerkv.connector.hooks import NullScheduler, NullWorker, SchedulerHooks, WorkerHooks
+from layerkv.engine.context_parallel import check_dcp
 from layerkv.engine.model import ModelConfig, Weights, check_tp, init_weights
 from layerkv.engine.request import Request, RequestOutput, StepRecord, StepRequestRecord
 from layerkv.engine.runner import ModelRunner
@@ -26,7 +27,7 @@ from layerkv.objects.fingerprint import settings_digest
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    block_size: int = 4  # tokens per KV block
+    block_size: int = 4  # tokens per KV cache block of one rank (an engine block: block_size * dcp_size)
     num_blocks: int = 64  # KV blocks per rank (the same block ids on every rank)
     max_num_batched_tokens: int = 64  # token budget per step
     max_num_seqs: int = 8  # running requests at most
@@ -38,9 +39,23 @@ class EngineConfig:
     # block, config store_shards, needs it). The tensors are [2, num_blocks, block_size, heads, head_dim] either way.
     kv_layout: str = "NHD"
     device: str = "cpu"  # where weights, KV caches and the forward live ("cuda", "cuda:1"; logits return to the host)
+    # Decode context parallelism (vLLM's decode_context_parallel_size): each group of dcp_size consecutive
+    # TP ranks caches an interleaved share of every engine block's tokens, runs of cp_interleave
+    # tokens per rank in turn (vLLM's cp_kv_cache_interleave_size; it divides block_size)
+    dcp_size: int = 1
+    cp_interleave: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs", "tp_size", "pp_size"):
+        for name in (
+            "block_size",
+            "num_blocks",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "tp_size",
+            "pp_size",
+            "dcp_size",
+            "cp_interleave",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be a positive int")
@@ -48,6 +63,19 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.kv_layout={self.kv_layout!r} must be 'NHD' or 'HND'")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ConfigError(f"EngineConfig.device={self.device!r} must be 'cpu' or 'cuda' ('cuda:N')")
+        if self.tp_size % self.dcp_size:
+            raise ConfigError(
+                f"EngineConfig.dcp_size={self.dcp_size} must divide tp_size={self.tp_size} (DCP reuses the TP ranks)"
+            )
+        if self.block_size % self.cp_interleave:
+            raise ConfigError(
+                f"EngineConfig.cp_interleave={self.cp_interleave} must divide block_size={self.block_size}"
+            )
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens per engine block (what the scheduler allocates and one block hash covers)."""
+        return self.block_size * self.dcp_size
 
 
 def make_deployment(
@@ -68,12 +96,15 @@ def make_deployment(
         is_mla=model_config.is_mla,
         role=role,
         kv_signature=kv_signature(model_config, engine_config),
+        dcp_size=engine_config.dcp_size,
+        dcp_rank=tp_rank % engine_config.dcp_size,  # vLLM: DCP groups are consecutive TP ranks
+        cp_interleave=engine_config.cp_interleave,
     )
 
 
 def kv_signature(model_config: ModelConfig, engine_config: EngineConfig) -> str:
-    """Per-layer cache shapes of the whole model (every KV head; the namespace adds the split), as
-    the scheduler side can compute them (no tensors)."""
+    """Per-layer cache shapes of the whole model (every KV head; the namespace adds the split and
+    the DCP share), as the scheduler side can compute them (no tensors); block_size per rank."""
     m, bs = model_config, engine_config.block_size
     if m.is_mla:
         attn = f"mla[{bs},{m.mla_latent_dim}]"
@@ -95,6 +126,7 @@ class Engine:
         self.model_config = model_config
         self.config = engine_config = engine_config or EngineConfig()
         check_tp(model_config, engine_config.tp_size)
+        check_dcp(model_config, engine_config.tp_size, engine_config.dcp_size)
         num_workers = engine_config.tp_size * engine_config.pp_size
         if worker_hooks is not None and len(worker_hooks) != num_workers:
             raise ConfigError(
@@ -104,7 +136,7 @@ class Engine:
         self.scheduler = Scheduler(
             scheduler_hooks or NullScheduler(),
             engine_config.num_blocks,
-            engine_config.block_size,
+            engine_config.scheduler_block_size,
             engine_config.max_num_batched_tokens,
             engine_config.max_num_seqs,
         )
@@ -118,6 +150,8 @@ class Engine:
             engine_config.pp_size,
             kv_layout=engine_config.kv_layout,
             device=engine_config.device,
+            dcp_size=engine_config.dcp_size,
+            cp_interleave=engine_config.cp_interleave,
         )
         self.steps: list[StepRecord] = []  # every step since construction
         self._req_counter = itertools.count()
@@ -190,14 +224,19 @@ class Engine:
             raise ValueError(f"prompt must be non-empty token ids in [0, {vocab}); got {list(prompt)[:8]}...")
         if max_tokens <= 0:
             raise ValueError(f"max_tokens={max_tokens} must be >= 1")
-        num_blocks_needed = -(-(len(prompt) + max_tokens) // cfg.block_size)
+        num_blocks_needed = -(-(len(prompt) + max_tokens) // cfg.scheduler_block_size)
         if num_blocks_needed > cfg.num_blocks:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens + max_tokens={max_tokens} needs {num_blocks_needed} blocks; "
                 f"num_blocks={cfg.num_blocks}"
             )
         return Request(
-            f"req-{next(self._req_counter)}", tuple(prompt), max_tokens, salt, cfg.block_size, kv_transfer_params
+            f"req-{next(self._req_counter)}",
+            tuple(prompt),
+            max_tokens,
+            salt,
+            cfg.scheduler_block_size,
+            kv_transfer_params,
         )
 
     def step(self) -> StepRecord:

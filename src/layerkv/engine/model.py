@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from layerkv.engine.paged_cache import RankKVCache
+from layerkv.engine.paged_cache import CPShare, RankKVCache
 from layerkv.errors import ConfigError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -313,9 +313,10 @@ class CacheContext:
     """Where one request's tokens of this step live in one rank's paged cache."""
 
     cache: RankKVCache
-    slots: torch.Tensor  # [n] flat slots of this step's tokens
+    slots: torch.Tensor  # [n] flat slots of this step's tokens (PAD_SLOT: another CP rank's)
     block_ids: tuple[int, ...]  # all of the request's blocks
     num_tokens: int  # context length including this step's tokens
+    share: CPShare = CPShare()  # the rank's share of every block (the whole block without DCP)
 
 
 class SharedParams:

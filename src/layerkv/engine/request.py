@@ -40,7 +40,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.salt = salt
-        self.block_size = block_size
+        self.block_size = block_size  # tokens per engine block (one block hash; block_size * dcp_size per rank)
         self.output_token_ids: list[int] = []
         self.output_logits: list[torch.Tensor] = []
         self.draft_logits: list[torch.Tensor] = []  # MTP models: the draft layer's row per token

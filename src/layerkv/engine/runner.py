@@ -9,6 +9,12 @@ Per step and rank (vLLM's order):  bind_connector_metadata -> start_load_kv
   per layer: for each rank: wait_for_layer_load(name) -> attention on that rank -> save_kv_layer(name)
   then:      wait_for_save -> get_finished -> get_block_ids_with_load_errors -> report_steps
              -> clear_connector_metadata; the engine unions invalid blocks and reported steps
+
+With decode context parallelism (dcp_size > 1) a rank's attention reads the caches of every member
+of its DCP group (dcp_size consecutive TP ranks; in vLLM a collective inside attention joins them),
+so per layer and group: every member's wait_for_layer_load -> every member caches its share of
+this step's tokens -> every member's attention -> every member's save_kv_layer. Each rank still
+sees wait -> attention -> save, and no rank's attention reads a cache whose load is not done.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from typing import Any
 import torch
 
 from layerkv.connector.hooks import WorkerHooks
+from layerkv.engine.context_parallel import attend_shares, write_share
 from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedParams, Weights, cache_shapes, rms_norm
-from layerkv.engine.paged_cache import RankKVCache, slot_mapping
+from layerkv.engine.paged_cache import CPShare, RankKVCache, cp_slot_mapping
 from layerkv.engine.scheduler import ScheduledChunk
 from layerkv.errors import ConfigError
 from layerkv.messages import ReqId
@@ -67,16 +74,22 @@ class ModelRunner:
         pp_size: int = 1,
         kv_layout: str = "NHD",
         device: str = "cpu",
+        dcp_size: int = 1,
+        cp_interleave: int = 1,
     ) -> None:
         """`worker_hooks[stage * tp_size + rank]` serves TP rank `rank` of pipeline stage `stage`;
-        `kv_layout`, `device`: EngineConfig's (weights, caches and the forward on `device`;
-        logits come back on the host)."""
+        `kv_layout`, `device`, `dcp_size`, `cp_interleave`: EngineConfig's (weights, caches and the
+        forward on `device`; logits come back on the host). `block_size`: tokens per cache block of
+        one rank (an engine block is block_size * dcp_size tokens)."""
         assert len(worker_hooks) == tp_size * pp_size
         self.cfg = cfg
         self.device = device
         weights = {name: w.to(device) for name, w in weights.items()} if device != "cpu" else weights
         self.block_size = block_size
         self.tp_size = tp_size
+        # CP rank of TP rank r: r % dcp_size; a DCP group: dcp_size consecutive TP ranks (vLLM's layout)
+        self.shares = [CPShare(dcp_size, r % dcp_size, cp_interleave) for r in range(tp_size)]
+        self.dcp_groups = [tuple(range(g, g + dcp_size)) for g in range(0, tp_size, dcp_size)]
         self.layer_names = cfg.layer_names
         self.stage_of_layer = stage_of_layers(cfg, pp_size)
         self.shared = SharedParams(cfg, weights)
@@ -140,11 +153,13 @@ class ModelRunner:
             c.req_id: [
                 CacheContext(
                     cache=cache,
-                    slots=slot_mapping(c.block_ids, c.start_token, c.start_token + len(c.token_ids), self.block_size),
+                    slots=cp_slot_mapping(c.block_ids, positions[c.req_id], self.block_size, self.shares[rank]),
                     block_ids=c.block_ids,
                     num_tokens=c.start_token + len(c.token_ids),
+                    share=self.shares[rank],
                 )
-                for cache in self.caches
+                for worker, cache in enumerate(self.caches)
+                for rank in [worker % self.tp_size]
             ]
             for c in chunks
         }
@@ -165,19 +180,44 @@ class ModelRunner:
         contexts: dict[ReqId, list[CacheContext]],
     ) -> dict[ReqId, torch.Tensor]:
         """One decoder layer for every request (each in its own slice), with the worker hooks."""
-        shared, eps, name = self.shared, self.cfg.rms_eps, self.layer_names[layer_idx]
+        shared, eps = self.shared, self.cfg.rms_eps
         x = {rid: rms_norm(hr, shared.input_norms[layer_idx], eps) for rid, hr in h.items()}
-        partial: dict[ReqId, list[torch.Tensor]] = {rid: [] for rid in h}
-        first = self.stage_of_layer[layer_idx] * self.tp_size  # this stage's workers
-        for rank, shard in enumerate(self.shards):
-            hooks = self.worker_hooks[first + rank]
-            hooks.wait_for_layer_load(name)
-            for rid in h:
-                partial[rid].append(shard.attention(layer_idx, x[rid], positions[rid], contexts[rid][first + rank]))
-            hooks.save_kv_layer(name)
+        partial = self._attention(layer_idx, x, positions, contexts)
         out = {}
         for rid, hr in h.items():
             hr = hr + reduce_ranks(partial[rid])
             x_mlp = rms_norm(hr, shared.post_norms[layer_idx], eps)
             out[rid] = hr + reduce_ranks([shard.mlp(layer_idx, x_mlp) for shard in self.shards])
         return out
+
+    def _attention(
+        self,
+        layer_idx: int,
+        x: dict[ReqId, torch.Tensor],
+        positions: dict[ReqId, torch.Tensor],
+        contexts: dict[ReqId, list[CacheContext]],
+    ) -> dict[ReqId, list[torch.Tensor]]:
+        """Every rank's partial o_proj output per request, in rank order, each rank's attention
+        between its worker's wait_for_layer_load and save_kv_layer (the module docstring's order)."""
+        name = self.layer_names[layer_idx]
+        first = self.stage_of_layer[layer_idx] * self.tp_size  # this stage's workers
+        partial: dict[ReqId, list[torch.Tensor]] = {rid: [] for rid in x}
+        for group in self.dcp_groups:  # (rank,) each without DCP
+            for rank in group:
+                self.worker_hooks[first + rank].wait_for_layer_load(name)
+            if len(group) > 1:
+                for rank in group:
+                    for rid in x:
+                        write_share(self.shards[rank], layer_idx, x[rid], positions[rid], contexts[rid][first + rank])
+            for rank in group:
+                shard = self.shards[rank]
+                for rid in x:
+                    ctxs = contexts[rid]
+                    if len(group) == 1:
+                        partial[rid].append(shard.attention(layer_idx, x[rid], positions[rid], ctxs[first + rank]))
+                    else:
+                        members = [ctxs[first + m] for m in group]
+                        partial[rid].append(attend_shares(shard, layer_idx, x[rid], positions[rid], members))
+            for rank in group:
+                self.worker_hooks[first + rank].save_kv_layer(name)
+        return partial

@@ -51,7 +51,7 @@ class Scheduler:
     ) -> None:
         self.hooks = hooks
         self.block_pool = BlockPool(num_blocks)
-        self.block_size = block_size
+        self.block_size = block_size  # tokens per engine block (one block hash; block_size * dcp_size per rank)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[ReqId, Request] = {}
