@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from layerkv.engine import ModelConfig, block_hashes
 from layerkv.messages import KVRole
-from layerkv.objects.header import NONCE_OFFSET
 from layerkv.objects.keys import block_keys
-from layerkv.store.base import Code, KVStore
+from layerkv.store.base import Code
 from layerkv.store.faults import GET_RANGES, GET_START, FaultyStore
 from tests.backends import BOTH_BACKENDS, EmbeddedBackend
 from tests.e2e.harness import (
@@ -47,6 +45,7 @@ from tests.e2e.harness import (
     serve,
     small_engine,
 )
+from tests.e2e.pool_contents import pool_objects
 
 ATOL = RTOL = 1e-4
 BUDGET = 12
@@ -107,41 +106,6 @@ def _engine(topology: Topology):  # type: ignore[no-untyped-def]
     return small_engine(tp_size=topology.tp_size, pp_size=topology.pp_size, max_num_batched_tokens=BUDGET)
 
 
-def _pool_objects(client: KVStore, run, prompts) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
-    """What every readable object of `prompts`' full blocks holds, for every (stage namespace,
-    storage rank) of `run`: its header's fixed fields and every layer's bytes (the write's
-    nonce, and the header MAC and tags that depend on it, differ between writes)."""
-    found: dict[str, bytes] = {}
-    for worker in run.workers:
-        keys = [
-            k
-            for prompt in prompts
-            for k in block_keys(worker.namespace, _hashes(prompt), worker.storage_role.storage_rank)
-        ]
-        objects = _objects(client, sorted(set(keys) - set(found)), worker.layout.object_nbytes)
-        found.update({k: content(v, worker.layout.header_nbytes) for k, v in objects.items()})
-    return found
-
-
-def _objects(client: KVStore, keys: list[str], nbytes: int) -> dict[str, bytes]:
-    present = [k for k, e in zip(keys, client.batch_is_exist(keys)) if e == 1]
-    if not present:
-        return {}
-    buf = np.zeros((len(present), nbytes), dtype=np.uint8)  # [objects, object bytes]
-    client.register_buffer(buf.ctypes.data, buf.nbytes)
-    try:
-        got = client.batch_get_into(present, [buf[i].ctypes.data for i in range(len(present))], [nbytes] * len(present))
-    finally:
-        client.unregister_buffer(buf.ctypes.data)
-    assert all(n == nbytes for n in got), f"whole-object reads returned {sorted(set(got))}"
-    return {k: buf[i].tobytes() for i, k in enumerate(present)}
-
-
-def content(obj: bytes, header_nbytes: int) -> bytes:
-    """An object without what each write makes new: the header's nonce, MAC and tags."""
-    return obj[:NONCE_OFFSET] + obj[header_nbytes:]
-
-
 def _hashes(prompt: list[int]) -> list[bytes]:
     return block_hashes(list(prompt), BLOCK_SIZE)
 
@@ -157,7 +121,7 @@ def _clean_pool(tag: str, topology: Topology, resume: int, **layerkv: Any) -> di
     try:
         producer = oracle.pooled()
         serve(producer.engine, [PRODUCER_PROMPT], MAX_TOKENS)
-        produced = _pool_objects(backend.client(), producer, [PRODUCER_PROMPT])
+        produced = pool_objects(backend.client(), producer, [PRODUCER_PROMPT])
         # block ids as the keys name them (keyed: each stage namespace's keyed hash, not the engine's)
         late = {
             w.namespace.block_id(h).hex()
@@ -167,7 +131,7 @@ def _clean_pool(tag: str, topology: Topology, resume: int, **layerkv: Any) -> di
         backend.remove([k for k in produced if k.split("@")[1] in late])
         consumer = oracle.pooled()
         serve(consumer.engine, [CONSUMER_PROMPT], MAX_TOKENS)
-        consumed = _pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
+        consumed = pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
         for key in set(produced) & set(consumed):
             assert produced[key] == consumed[key], f"clean producer and clean consumer disagree on {key}"
         return {**produced, **consumed}
@@ -222,7 +186,7 @@ def test_one_workers_load_fault_poisons_nothing(
     assert_identical([got], [matched])
 
     # every object left in the pool is what a clean run with this schedule writes
-    pool = _pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
+    pool = pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
     clean = _clean_pool(backend.tag, topo, resume, **key)
     assert set(pool) == set(clean), (
         f"objects only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
