@@ -82,7 +82,7 @@ class PooledRun:
         """Object keys of `prompt`'s full blocks (or of `blocks`) on `storage_rank`."""
         from layerkv.engine import block_hashes
 
-        hashes = block_hashes(list(prompt), self.engine.config.block_size)
+        hashes = block_hashes(list(prompt), self.engine.config.scheduler_block_size)
         picked = hashes if blocks is None else [hashes[i] for i in blocks]
         return block_keys(self.workers[0].namespace, picked, storage_rank)
 

@@ -8,6 +8,7 @@ written to $LAYERKV_GPU_REPORT (JSON lines) when set: figures, never asserted.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -159,6 +160,33 @@ def test_a_step_that_loads_and_saves_at_once(make_oracle) -> None:
     assert_identical(got, want)
     assert_identical(again, serve(local, longer, MAX_TOKENS))  # the 8 blocks from its own prefix cache
     assert_loaded(fresh, again, 8 * BLOCK)
+
+
+# MLA under decode context parallelism: per-rank blocks of 16 tokens, engine blocks of 32 (HIT: 3 of them)
+DCP_MODEL = dataclasses.replace(MODEL, mla_latent_dim=128, seed=12)
+
+
+@pytest.mark.parametrize("interleave", [1, BLOCK])
+def test_dcp_mla_pool_equals_local_compute_and_one_cp_ranks_fault_recomputes(make_oracle, interleave) -> None:
+    """MLA tp2/dcp2: the consumer's logits equal a local DCP engine's; then a layer-3 read fails
+    on CP rank 1 only and the prompt is recomputed whole, identical to a fresh local engine."""
+    config = engine(tp_size=2, dcp_size=2, cp_interleave=interleave)
+    oracle = make_oracle(model=DCP_MODEL, engine_config=config, **POOL)
+    producer_prompts, consumer_prompts = docs(seed=41)
+    serve(oracle.pooled().engine, producer_prompts, MAX_TOKENS)
+    consumer = oracle.pooled()
+    got = serve(consumer.engine, consumer_prompts, MAX_TOKENS)
+    assert_identical(got, local_oracle(oracle.local(), producer_prompts, consumer_prompts, MAX_TOKENS))
+    assert_loaded(consumer, got, HIT)
+    faulty = oracle.pooled()
+    failed = faulty.rank_faults(1).fail(GET_RANGES, layer_idx=3, times=1)
+    out = serve(faulty.engine, consumer_prompts, MAX_TOKENS)[0]
+    assert faulty.rank_faults(1).fired(failed) == 1 and faulty.workers[0].stats().load_failed_blocks == 0
+    assert faulty.workers[1].stats().load_failed_blocks == HIT // config.scheduler_block_size
+    local = oracle.local()
+    want = serve(local, consumer_prompts, MAX_TOKENS)[0]
+    assert computed_chunks(faulty.engine, out.req_id) == computed_chunks(local, want.req_id)  # all recomputed
+    assert_identical([out], [want])
 
 
 def test_the_demo_on_the_device_serves_identical_outputs(device_path) -> None:
