@@ -134,8 +134,9 @@ def test_each_rank_caches_only_its_share(model: ModelConfig, tp_size: int) -> No
         assert written[mine].all() and int(written.sum()) == len(mine), f"rank {rank}"
 
 
-def test_a_dcp_groups_loads_all_end_before_its_attention() -> None:
-    """Per layer and DCP group: every member's wait_for_layer_load, then every member's save."""
+def test_hook_order_waits_for_every_member_of_a_dcp_group_then_saves() -> None:
+    """Per layer and DCP group: every member's wait_for_layer_load, then every member's save (that
+    the attention runs between them is what the copied-KV test below proves)."""
     calls: list = []
     workers = [RecordingWorker(r, calls) for r in range(4)]
     engine = Engine(GQA, engine_config(4, dcp_size=2), RecordingScheduler(calls), workers)
