@@ -190,11 +190,13 @@ def test_non_attention_spec_rejected(doubles):
         LayerKVConnector(make_vllm_config(), KVConnectorRole.WORKER, make_kv_cache_config(16, [chunked]))
 
 
-@pytest.mark.parametrize("name", ["prefill_context_parallel_size", "decode_context_parallel_size"])
-def test_context_parallel_rejected(doubles, name):
+def test_prefill_context_parallel_rejected(doubles):
+    """Decode context parallelism is accepted (tests/vllm/test_vllm_context_parallel.py); PCP is not."""
     vllm_config = make_vllm_config()
-    object.__setattr__(vllm_config.parallel_config, name, 2)
-    with pytest.raises(UnsupportedSetupError, match=f"context parallel: {name}=2; layerkv supports only 1"):
+    object.__setattr__(vllm_config.parallel_config, "prefill_context_parallel_size", 2)
+    with pytest.raises(
+        UnsupportedSetupError, match="prefill context parallel: prefill_context_parallel_size=2; layerkv"
+    ):
         LayerKVConnector(vllm_config, KVConnectorRole.SCHEDULER, make_kv_cache_config(16))
 
 

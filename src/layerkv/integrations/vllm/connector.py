@@ -110,8 +110,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._promise_key = pool_promise_key(pool_identity(config))  # one key per pool (integrations/vllm/pools.py)
         deployments = group_deployments(self.deployment, kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
-        # a running request concerns the connector only in a step where it completes a block
-        self._steps = StepTranslator(len(deployments), math.gcd(*(d.block_size for d in deployments)))
+        # a running request concerns the connector only in a step where it completes a block (an
+        # engine block: block_size x decode_context_parallel_size tokens, what a block hash covers)
+        self._steps = StepTranslator(len(deployments), math.gcd(*(d.scheduler_block_size for d in deployments)))
         # several groups: vLLM recovers a failed load only for a request waiting for it (connector/async_loads.py)
         load_async = len(deployments) > 1
         self._scheduler: GroupedScheduler | None = None
@@ -122,7 +123,9 @@ class LayerKVConnector(KVConnectorBase_V1, SupportsHMA):
         events_on = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
         # what the pool holds, for KV-aware routers (integrations/vllm/events.py), when vLLM publishes events
         self._events = (
-            VllmPoolEvents(self.deployment.block_size) if events_on and role is KVConnectorRole.SCHEDULER else None
+            VllmPoolEvents(self.deployment.scheduler_block_size)
+            if events_on and role is KVConnectorRole.SCHEDULER
+            else None
         )
         self._store: CheckedStore | None = sides.OPEN_STORE(config)
         try:

@@ -50,6 +50,8 @@ class VllmPoolEvents:
     """Notes planned saves (`note`) and turns the core's events into vLLM's (`events`)."""
 
     def __init__(self, block_size: int) -> None:
+        # tokens per block hash: the engine block (block_size x decode_context_parallel_size), as
+        # vLLM's own BlockStored events count it
         self._block_size = block_size
         self._noted: OrderedDict[tuple[int, BlockHash], _Noted] = OrderedDict()  # (group, hash) -> its tokens
 

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import layerkv.integrations.vllm.version  # noqa: F401  (refuses an unsupported vLLM first)
 from layerkv.errors import ConfigError, UnsupportedSetupError
 from layerkv.integrations.vllm.model_identity import model_fingerprint_of, model_settings_of
+from layerkv.integrations.vllm.parallel import context_parallel_problems, cp_interleave_of, parallel_ranks
 from layerkv.messages import Deployment, KVRole
 from layerkv.store.base import PoolScope
 from layerkv.store.registry import backend_class
@@ -43,6 +44,7 @@ _SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """Raise `UnsupportedSetupError` naming every setup the neutral connector cannot express."""
     problems = _kv_cache_problems(vllm_config, kv_cache_config) + _execution_problems(vllm_config)
+    problems += context_parallel_problems(vllm_config, kv_cache_config)
     layout_problem = _layout_problem(vllm_config, kv_cache_config)
     if layout_problem:
         problems.append(layout_problem)
@@ -90,25 +92,38 @@ def _kv_cache_problems(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
                 "vLLM's scheduler sees only one of them, so layerkv cannot name the objects"
             )
     if groups:
-        block_size = groups[0].kv_cache_spec.block_size
-        hash_block_size = kv_cache_config.hash_block_size
-        if hash_block_size not in (None, block_size):
-            problems.append(
-                f"hash_block_size={hash_block_size} differs from the KV block size {block_size}; "
-                "layerkv keys one object per KV block"
-            )
+        problems += _hash_block_problems(vllm_config, kv_cache_config)
     return problems
 
 
+def _hash_block_problems(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> list[str]:
+    """layerkv keys one object per block hash: vLLM must hash each engine block, which under
+    decode context parallelism spans `dcp` ranks' cache blocks (vLLM's resolve_kv_cache_block_sizes)."""
+    block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    hash_block_size = kv_cache_config.hash_block_size
+    if hash_block_size in (None, block_size * dcp):  # None: a hand-made config (vLLM always records it)
+        return []
+    engine_block = f"{block_size}" if dcp == 1 else f"{block_size} x decode_context_parallel_size {dcp}"
+    return [
+        f"hash_block_size={hash_block_size} differs from the KV block size {engine_block}; "
+        "layerkv keys one object per KV block"
+    ]
+
+
 def _execution_problems(vllm_config: VllmConfig) -> list[str]:
-    """How vLLM would run the model that layerkv's per-layer hooks cannot follow: context
+    """How vLLM would run the model that layerkv's per-layer hooks cannot follow: prefill context
     parallelism, micro-batching, an encoder-decoder model."""
     problems: list[str] = []
     parallel = vllm_config.parallel_config
-    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
-        size = getattr(parallel, name, 1)
-        if size > 1:
-            problems.append(f"context parallel: {name}={size}; layerkv supports only 1")
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        problems.append(
+            f"prefill context parallel: prefill_context_parallel_size={pcp}; layerkv supports only 1 (PCP needs "
+            "vLLM's V2 GPU model runner and at least 2 GPUs, and layerkv has not verified that the PCP KV "
+            "all-gather precedes save_kv_layer): run with --prefill-context-parallel-size 1 (decode context "
+            "parallelism is supported)"
+        )
     if getattr(parallel, "use_ubatching", False):
         problems.append(
             f"micro-batching (enable_dbo={getattr(parallel, 'enable_dbo', False)}, ubatch_size="
@@ -287,24 +302,6 @@ def kv_signature_of(kv_cache_config: KVCacheConfig, total_kv_heads: int, group: 
     return text
 
 
-def _parallel_ranks(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
-    """(tp_rank, pp_rank) of this worker; the scheduler has no rank and reports (0, 0)."""
-    parallel = vllm_config.parallel_config
-    if role is KVConnectorRole.SCHEDULER:
-        return 0, 0
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise UnsupportedSetupError(
-            "the layerkv worker connector was built before vLLM's model-parallel groups "
-            f"(tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}): its rank is unknown"
-        )
-    return 0, 0
-
-
 def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole) -> Deployment:
     """The neutral `Deployment` of this vLLM instance (call after `check_supported`)."""
     model = vllm_config.model_config
@@ -313,7 +310,8 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
     # "auto" means the model dtype; an explicit fp8 name says more than torch.uint8 would.
     model_dtype = spec.dtype  # type: ignore[attr-defined]
     kv_dtype = str(model_dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
-    tp_rank, pp_rank = _parallel_ranks(vllm_config, role)
+    tp_rank, pp_rank, dcp_rank = parallel_ranks(vllm_config, role)
+    dcp_size = vllm_config.parallel_config.decode_context_parallel_size
     assert vllm_config.kv_transfer_config is not None  # a connector exists only with a transfer config
     kv_role = vllm_config.kv_transfer_config.kv_role
     return Deployment(
@@ -330,6 +328,9 @@ def deployment_from(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rol
         is_mla=bool(model.use_mla),
         role=KVRole(kv_role),
         kv_signature=kv_signature_of(kv_cache_config, 1 if model.use_mla else model.get_total_num_kv_heads()),
+        dcp_size=dcp_size,
+        dcp_rank=dcp_rank,
+        cp_interleave=cp_interleave_of(vllm_config) if dcp_size > 1 else 1,
     )
 
 
