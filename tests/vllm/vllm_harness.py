@@ -66,6 +66,7 @@ def make_vllm_config(
     model_kwargs: dict | None = None,
     kv_events: bool = False,
     scheduler_kwargs: dict | None = None,
+    parallel_kwargs: dict | None = None,
 ):
     """A VllmConfig for the tiny model with the layerkv connector (`multi_connector`: True, as the
     only child of vLLM's MultiConnector; a list: these children, `layerkv_child` entries and
@@ -73,7 +74,8 @@ def make_vllm_config(
     process, as in these tests (the embedded store needs it). `model_kwargs`: more ModelConfig
     arguments (revision, hf_overrides, quantization, ...). `kv_events`: KV cache events on, vLLM's
     null publisher (a test swaps in its own recorder). `scheduler_kwargs`: more SchedulerConfig
-    arguments (max_num_seqs, max_num_inflight_kv_loads, ...)."""
+    arguments (max_num_seqs, max_num_inflight_kv_loads, ...). `parallel_kwargs`: more ParallelConfig
+    arguments (tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size, ...)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.config.kv_events import KVEventsConfig
 
@@ -97,7 +99,7 @@ def make_vllm_config(
                 block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
             ),
             kv_transfer_config=transfer,
-            parallel_config=ParallelConfig(distributed_executor_backend=executor),
+            parallel_config=ParallelConfig(distributed_executor_backend=executor, **(parallel_kwargs or {})),
             device_config=DeviceConfig("cpu"),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
         )
@@ -141,8 +143,10 @@ FULL_SPEC_ARGS = dict(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16)
 def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config: Any = None, layout: str = "LBHNC"):
     """One full-attention group over LAYERS planned by vLLM's own `get_kv_cache_configs` for the
     physical `layout` (default LBHNC, what the CPU attention backend asks for: one backing buffer,
-    layer-outermost), recorded as the engine core records it; with `specs`, one hand-made group
-    per spec (for the setups the facade rejects)."""
+    layer-outermost), recorded as the engine core records it (one rank's spec: its share of the
+    KV heads under TP, `BLOCK_SIZE` tokens per block; `hash_block_size` from vLLM's own
+    `resolve_kv_cache_block_sizes`: BLOCK_SIZE x decode_context_parallel_size); with `specs`, one
+    hand-made group per spec (for the setups the facade rejects)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
@@ -152,10 +156,13 @@ def make_kv_cache_config(num_blocks: int, specs: list | None = None, vllm_config
         vllm_config = vllm_config or make_vllm_config(max_model_len=min(1024, (num_blocks - 1) * BLOCK_SIZE))
         vllm_config.cache_config.kv_cache_layout = layout  # resolve_kv_cache_layout's result
         vllm_config.cache_config.num_gpu_blocks_override = num_blocks
-        layer_specs = {name: FullAttentionSpec(**FULL_SPEC_ARGS, dtype=torch.float16) for name in LAYERS}
+        heads = max(1, vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config))  # this rank's
+        spec_args = {**FULL_SPEC_ARGS, "num_kv_heads": heads}
+        layer_specs = {name: FullAttentionSpec(**spec_args, dtype=torch.float16) for name in LAYERS}
         groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
         (config,) = get_kv_cache_configs(vllm_config, [layer_specs], [1 << 30], groups)
         config.kv_cache_layout = layout  # what the engine core hands the scheduler and the workers
+        config.hash_block_size = scheduler_block_sizes(vllm_config, config)[1]
         return config
     groups = [KVCacheGroupSpec(list(LAYERS) if len(specs) == 1 else [LAYERS[i]], s) for i, s in enumerate(specs)]
     page = specs[0].page_size_bytes
@@ -187,14 +194,24 @@ def make_engine(
 
         vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
         vllm_config.model_config.enforce_eager = False
+    block_size, hash_block_size = scheduler_block_sizes(vllm_config, kv_cache_config)
     scheduler = Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
     )
     return Engine(vllm_config, kv_cache_config, scheduler)
+
+
+def scheduler_block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
+    """(scheduler block size, hash block size) as vLLM's engine core resolves them for its
+    Scheduler: BLOCK_SIZE x decode_context_parallel_size for one group of sharded attention."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
 
 
 def make_request(
@@ -203,7 +220,10 @@ def make_request(
     max_tokens: int = 2,
     kv_transfer_params: dict | None = None,
     prompt_logprobs: int | None = None,
+    hash_block_size: int = BLOCK_SIZE,
 ):
+    """A vLLM Request whose block hashes cover `hash_block_size` tokens each (the engine block:
+    BLOCK_SIZE x decode_context_parallel_size)."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -223,5 +243,5 @@ def make_request(
         sampling_params=params,
         pooling_params=None,
         mm_features=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        block_hasher=get_request_block_hasher(hash_block_size, sha256),
     )

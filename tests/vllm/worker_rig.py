@@ -88,7 +88,10 @@ class WorkerRig:
         return output
 
 
-def make_worker(engine: Engine) -> WorkerRig:
+def make_worker(engine: Engine, ranks: Any = None) -> WorkerRig:
+    """The worker of rank `ranks` (parallel.ParallelRanks: tp, pp and dcp rank; None: the only
+    rank). vLLM's model-parallel groups do not exist in this process, so a rig of several ranks
+    hands each worker its ranks through parallel.WORKER_RANKS while vLLM's factory builds it."""
     import torch
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -97,7 +100,17 @@ def make_worker(engine: Engine) -> WorkerRig:
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    connector = KVConnectorFactory.create_connector(engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config)
+    import layerkv.integrations.vllm.parallel as parallel
+
+    seam = parallel.WORKER_RANKS
+    if ranks is not None:
+        parallel.WORKER_RANKS = lambda _config: ranks
+    try:
+        connector = KVConnectorFactory.create_connector(
+            engine.vllm_config, KVConnectorRole.WORKER, engine.kv_cache_config
+        )
+    finally:
+        parallel.WORKER_RANKS = seam
     kv_transfer_state._KV_CONNECTOR_AGENT = connector  # what ensure_kv_transfer_initialized sets
     layout = KVCacheLayout[engine.kv_cache_config.kv_cache_layout]
     kv_caches = allocate_kv_cache(engine.kv_cache_config, torch.device("cpu"), layout)  # vLLM's own views
