@@ -351,8 +351,9 @@ def _refused(vllm_config, kv_cache_config=None) -> str:
 
 
 def test_prefill_context_parallelism_is_refused_with_its_reason(doubles):
-    pcp = dict(tensor_parallel_size=2, prefill_context_parallel_size=2)
-    vllm_config = make_vllm_config(parallel_kwargs=pcp, max_model_len=128)
+    # set after construction: vLLM 0.33 refuses PCP in its config already under model runner V1 (its default)
+    vllm_config = make_vllm_config(parallel_kwargs=dict(tensor_parallel_size=2), max_model_len=128)
+    object.__setattr__(vllm_config.parallel_config, "prefill_context_parallel_size", 2)
     assert "prefill_context_parallel_size=2; layerkv supports only 1 (PCP needs vLLM's V2 GPU model runner and " in (
         _refused(vllm_config)
     )
