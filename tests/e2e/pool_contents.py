@@ -53,3 +53,12 @@ def read_objects(client: KVStore, keys: list[str], nbytes: int) -> dict[str, byt
 def content(obj: bytes, header_nbytes: int) -> bytes:
     """An object without what each write makes new: the header's nonce, MAC and tags."""
     return obj[:NONCE_OFFSET] + obj[header_nbytes:]
+
+
+def assert_pool_is_clean(pool: dict[str, bytes], clean: dict[str, bytes]) -> None:
+    """The same objects as a clean run left (`pool_objects` of each), each holding the same bytes."""
+    assert set(pool) == set(clean), (
+        f"objects only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
+    )
+    poisoned = [k for k in pool if pool[k] != clean[k]]
+    assert not poisoned, f"{len(poisoned)} objects differ from a clean run's: {poisoned[:2]}"

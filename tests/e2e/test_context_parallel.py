@@ -7,11 +7,12 @@ taints the request and poisons nothing; one CP share missing ends the hit at its
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from layerkv.engine import ModelConfig, block_hashes
+from layerkv.engine import block_hashes
 from layerkv.messages import KVRole
 from layerkv.objects.keys import block_keys
 from layerkv.store.base import Code
@@ -19,6 +20,7 @@ from layerkv.store.faults import GET_RANGES, GET_START
 from tests.backends import BOTH_BACKENDS, EmbeddedBackend
 from tests.e2e.harness import (
     MAX_TOKENS,
+    MLA_MODEL,
     MODEL,
     Oracle,
     PooledRun,
@@ -33,23 +35,13 @@ from tests.e2e.harness import (
     serve,
     small_engine,
 )
-from tests.e2e.pool_contents import pool_objects
+from tests.e2e.pool_contents import assert_pool_is_clean, pool_objects
 
 DCP = 2
 ENGINE_BLOCK = 4 * DCP  # tokens per block hash (harness block_size 4 per rank)
 HIT_TOKENS = 40  # the 5 full engine blocks a 44-token prefix gives
 # MLA with an MTP layer (it runs like any attention layer under DCP); no indexer: refused with DCP
-MLA_DCP_MODEL = ModelConfig(
-    num_layers=4,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    seed=8,
-    mla_latent_dim=24,
-    num_mtp_layers=1,
-)
+MLA_DCP_MODEL = dataclasses.replace(MLA_MODEL, index_dim=0)
 
 
 def dcp_engine(tp_size: int, cp_interleave: int = 1, **changes: int):  # type: ignore[no-untyped-def]
@@ -184,12 +176,7 @@ def test_one_cp_ranks_load_fault_poisons_nothing(make_oracle, backend, fault: st
     assert_identical([got], [matched])
 
     pool = pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
-    clean = _clean_pool(backend.tag, resume)
-    assert set(pool) == set(clean), (
-        f"only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
-    )
-    poisoned = [k for k in pool if pool[k] != clean[k]]
-    assert not poisoned, f"{len(poisoned)} objects differ from a clean run's: {poisoned[:2]}"
+    assert_pool_is_clean(pool, _clean_pool(backend.tag, resume))
     again = serve(oracle.pooled(role=KVRole.CONSUMER).engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
     assert again.token_ids == got.token_ids
 

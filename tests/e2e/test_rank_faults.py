@@ -45,7 +45,7 @@ from tests.e2e.harness import (
     serve,
     small_engine,
 )
-from tests.e2e.pool_contents import pool_objects
+from tests.e2e.pool_contents import assert_pool_is_clean, pool_objects
 
 ATOL = RTOL = 1e-4
 BUDGET = 12
@@ -187,12 +187,7 @@ def test_one_workers_load_fault_poisons_nothing(
 
     # every object left in the pool is what a clean run with this schedule writes
     pool = pool_objects(backend.client(), consumer, [PRODUCER_PROMPT, CONSUMER_PROMPT])
-    clean = _clean_pool(backend.tag, topo, resume, **key)
-    assert set(pool) == set(clean), (
-        f"objects only here: {sorted(set(pool) - set(clean))[:2]}, only clean: {sorted(set(clean) - set(pool))[:2]}"
-    )
-    poisoned = [k for k in pool if pool[k] != clean[k]]
-    assert not poisoned, f"{len(poisoned)} objects differ from a clean run's: {poisoned[:2]}"
+    assert_pool_is_clean(pool, _clean_pool(backend.tag, topo, resume, **key))
     verifier = oracle.pooled(role=KVRole.CONSUMER)
     again = serve(verifier.engine, [CONSUMER_PROMPT], MAX_TOKENS)[0]
     assert again.token_ids == got.token_ids

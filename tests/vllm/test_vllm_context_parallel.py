@@ -37,6 +37,7 @@ from layerkv.integrations.vllm.parallel import ParallelRanks  # noqa: E402
 from layerkv.objects.keys import block_keys  # noqa: E402
 from tests.tokens import prompt  # noqa: E402
 from tests.vllm.pool_rig import SAMPLED_TOKEN, StandInModel, kv_rows  # noqa: E402
+from tests.vllm.test_vllm_events import Recorder  # noqa: E402
 from tests.vllm.worker_rig import WorkerRig, make_worker  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -261,16 +262,6 @@ def test_a_block_missing_one_cp_share_ends_the_hit(cp_nodes, cp_rank):
 def test_pool_events_count_engine_blocks(cp_nodes):
     """The pool's BlockStored events carry engine blocks (BLOCK_SIZE x DCP tokens), as vLLM's own."""
     from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
-
-    class Recorder:
-        def __init__(self) -> None:
-            self.events: list = []
-
-        def publish(self, batch) -> None:
-            self.events.extend(batch.events)
-
-        def shutdown(self) -> None:
-            return None
 
     producer = cp_nodes(kv_events=True)
     recorder = Recorder()
