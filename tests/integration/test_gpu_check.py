@@ -23,7 +23,7 @@ def test_the_gpu_check_dry_run_passes_every_gpu_test_and_reports_ttft_and_decode
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     summary = [line for line in lines if line.startswith("gpu_check: pytest exit 0")]
-    assert summary and " 11 passed" in summary[0] and "failed" not in summary[0], run.stdout[-2000:]
+    assert summary and " 13 passed" in summary[0] and "failed" not in summary[0], run.stdout[-2000:]
     reported = [json.loads(line) for line in (tmp_path / "gpu-report.jsonl").read_text().splitlines()]
     ttft, itl = ([f for f in reported if key in f] for key in ("recompute_ms", "itl_none_ms"))
     assert len(ttft) == len(itl) == 1 and all(f["device"] == "cpu" and f["dtype"] == "bfloat16" for f in reported)
