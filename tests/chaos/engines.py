@@ -134,8 +134,9 @@ class ChaosEngine:
             ),
             "has_work": self.engine.has_work(),
             "slow_calls": list(self.gate.slow_calls),
-            "staging_nbytes": [
-                w._staging.nbytes() if hasattr(getattr(w, "_staging", None), "nbytes") else None for w in self.workers
+            # staging bytes still lent to unfinished jobs (None on a layerkv without gauges)
+            "staging_bytes_in_use": [
+                w.gauges()["staging_bytes_in_use"] if hasattr(w, "gauges") else None for w in self.workers
             ],
         }
 

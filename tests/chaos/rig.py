@@ -193,8 +193,9 @@ class Rig:
             self.outputs.append((engine.name, out))
 
     def check_no_leaks(self, ignore: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
-        """Every live engine idle (no put waiting for a verdict, no job running) and no key any
-        of them put-started is PROCESSING (but `ignore`). Returns each engine's status."""
+        """Every live engine idle (no put waiting for a verdict, no job running, no staging slot
+        lent) and no key any of them put-started is PROCESSING (but `ignore`). Returns each
+        engine's status."""
         statuses = {engine.name: engine.status() for engine in self.engines}
         where = f"round {self.name} seed {self.seed}"
         for name, status in statuses.items():
@@ -202,6 +203,8 @@ class Rig:
             assert all(idle is not False for idle in status["idle"]), (
                 f"{where}: {name} sessions left: {status['open_sessions']}"
             )
+            lent = [b for b in status["staging_bytes_in_use"] if b]
+            assert not lent, f"{where}: {name} staging bytes still lent to jobs: {status['staging_bytes_in_use']}"
         keys = sorted({k for s in statuses.values() for k in s["put_keys"]} - set(ignore))
         stuck = processing_keys(self.probe, keys)
         assert not stuck, f"{where}: {len(stuck)} objects left PROCESSING: {stuck[:3]}"
