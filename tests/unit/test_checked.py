@@ -222,6 +222,31 @@ def test_outage_short_circuits_metadata_calls_until_the_retry_interval() -> None
     assert store.batch_put_session_start(["a"], [4096]) == [0]
 
 
+def test_a_put_start_is_never_the_probe_after_an_outage() -> None:
+    """A put start Mooncake's client answers -901 may be executed when the master resumes, with
+    no session left to revoke it: after an outage an exists call probes first, and the put start
+    goes out only once an answer cleared the outage."""
+    from layerkv.store.faults import IS_EXIST, PUT_START, FaultyStore
+
+    now = [100.0]
+    faulty = FaultyStore(EmbeddedStore(32 << 20))
+    store = CheckedStore(faulty, max_batch_keys=4, retry_interval_s=5.0, clock=lambda: now[0])
+    assert store.batch_put_session_start(["a"], [4096]) == [0] and faulty.calls(IS_EXIST) == []  # no probe
+    assert store.batch_put_session_revoke(["a"]) == [0]
+    outage = faulty.fail([IS_EXIST, PUT_START], code=int(Code.RPC_TIMEOUT))
+    assert store.batch_put_session_start(["b"], [4096]) == [-901]  # the call that meets the hang
+    now[0] += 5.0  # the interval passed: the next put start's probe is an exists call, and it meets the hang
+    assert store.batch_put_session_start(["c"], [4096]) == [NOT_SENT]
+    assert [list(c.keys) for c in faulty.calls(PUT_START)] == [["a"], ["b"]] and len(faulty.calls(IS_EXIST)) == 1
+    assert store.is_down()
+    faulty.remove(outage)
+    now[0] += 5.0
+    assert store.batch_put_session_start(["c"], [4096]) == [0]  # probed (answered), then sent
+    assert len(faulty.calls(IS_EXIST)) == 2 and not store.is_down()
+    assert store.batch_put_session_start(["d"], [4096]) == [0] and len(faulty.calls(IS_EXIST)) == 2
+    assert store.batch_put_session_revoke(["c", "d"]) == [0, 0]
+
+
 def test_a_single_failing_key_is_not_an_outage() -> None:
     from layerkv.store.faults import IS_EXIST, FaultyStore
 

@@ -9,9 +9,12 @@ hung), metadata calls (exists, put/get start, put end, whole-object calls, remov
 NOT_SENT at once for `retry_interval_s` instead of reaching the backend (nothing to undo) — Mooncake spends ~4.4 s
 reconnecting on each such call while its master is down, ~30 s when it is hung. Range calls on
 open sessions and session releases still go through. After the interval one call probes the
-backend again. The engine meanwhile serves without the pool: misses, no saves. Every outage
-answer bumps `outage_epoch`: jobs stop using sessions opened before it (they may touch memory a
-restarted master gave to other objects).
+backend again, never a put: until an answer clears the outage, a put start (or whole-object put)
+is preceded by an exists call of a probe key, and answered NOT_SENT if that meets the outage
+again (a put start Mooncake's client answers -901 itself may still be executed once the master
+resumes, and no session is held to revoke it). The engine meanwhile serves without the pool:
+misses, no saves. Every outage answer bumps `outage_epoch`: jobs stop using sessions opened
+before it (they may touch memory a restarted master gave to other objects).
 
 Bounds: with `call_timeout_s`, every call that talks to the master (all but the range calls) runs
 on a bounded pool thread and answers RPC_TIMEOUT after that many seconds; what such a call does
@@ -134,7 +137,8 @@ class CheckedStore:
         for start in range(0, len(keys), self.max_batch_keys):
             part = slice(start, start + self.max_batch_keys)
             chunk = keys[part]
-            if call in _NEEDS_MASTER and self.is_down():  # answered here: nothing reached the store
+            down = call in _NEEDS_MASTER and self.is_down()
+            if down or (call in _PUTS and not self._probed()):  # answered here: nothing reached the store
                 self._count(call, len(chunk), 0, len(chunk))
                 results.extend([_NOT_SENT] * len(chunk))
                 continue
@@ -222,6 +226,17 @@ class CheckedStore:
         """True while metadata calls short-circuit after an RPC failure of a whole chunk."""
         with self._stats_lock:
             return self._clock() < self._down_until
+
+    def _probed(self) -> bool:
+        """May a put go out? Yes unless an outage was met and no answer cleared it since: then an
+        exists call of a probe key asks first (a put is never the probe), and the answer decides."""
+        with self._stats_lock:
+            cleared = self._down_until == 0.0
+        if cleared:
+            return True
+        got = self._chunk("batch_is_exist", self.backend.batch_is_exist, ([_PROBE_KEY],), {})
+        self._count("batch_is_exist", 1, 0, sum(1 for r in got if r < 0))
+        return not self.is_down()
 
     def _note_health(self, call: str, got: list[int]) -> None:
         down = bool(got) and all(code in OUTAGE_CODES for code in got)
@@ -364,6 +379,8 @@ class CheckedStore:
 _NEEDS_MASTER = frozenset(name for name, call in STORE_CALLS.items() if call.needs_master)
 _BOUNDED = frozenset(name for name, call in STORE_CALLS.items() if call.bounded)
 _OUTAGE_CHECKED = frozenset(name for name, call in STORE_CALLS.items() if call.talks_to_master)
+_PUTS = frozenset({"batch_put_session_start", "batch_put_from"})  # what a -901 answer can leave unrevocable
+_PROBE_KEY = "layerkv-outage-probe"  # asked after an outage (never written)
 
 
 def _positive(got: list[int], part: slice) -> int:
