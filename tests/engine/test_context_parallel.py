@@ -64,8 +64,11 @@ def test_cp_slot_mapping_is_vllms_formula(dcp: int, interleave: int) -> None:
 
 
 def test_without_dcp_the_slot_mapping_is_the_plain_one() -> None:
-    table = [3, 1, 2]
-    assert torch.equal(cp_slot_mapping(table, torch.arange(2, 11), BS, CPShare()), slot_mapping(table, 2, 11, BS))
+    """block_id * block_size + offset of every position, none padded."""
+    table, bs = [3, 1, 2], 4
+    want = [3 * bs + 2, 3 * bs + 3, 1 * bs, 1 * bs + 1, 1 * bs + 2, 1 * bs + 3, 2 * bs, 2 * bs + 1, 2 * bs + 2]
+    assert cp_slot_mapping(table, torch.arange(2, 11), bs, CPShare()).tolist() == want
+    assert slot_mapping(table, 2, 11, bs).tolist() == want
 
 
 def _qkv(n: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

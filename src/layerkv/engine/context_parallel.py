@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from layerkv.engine.model import CacheContext, LayerShard, ModelConfig, RankShard, apply_rope, rope_cos_sin
-from layerkv.engine.paged_cache import PAD_SLOT, local_slots
+from layerkv.engine.paged_cache import PAD_SLOT
 from layerkv.errors import ConfigError
 
 
@@ -108,7 +108,8 @@ def attend_shares(
 def _share_kv(shard: RankShard, lw: LayerShard, ctx: CacheContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K, V [t, hkv, d] of the context tokens one member's cache holds, and their positions [t]
     (MLA: that member's latent up-projected with this rank's heads' weights)."""
-    slots, k_positions = local_slots(ctx.block_ids, ctx.num_tokens, ctx.cache.block_size, ctx.share)
+    assert ctx.held is not None, "a DCP context carries the slots its share holds (runner._forward)"
+    slots, k_positions = ctx.held
     if lw.w_dkv is None:
         k, v = ctx.cache.gather_kv_slots(lw.name, slots)
         return k, v, k_positions

@@ -317,6 +317,9 @@ class CacheContext:
     block_ids: tuple[int, ...]  # all of the request's blocks
     num_tokens: int  # context length including this step's tokens
     share: CPShare = CPShare()  # the rank's share of every block (the whole block without DCP)
+    # DCP: (slots [t], positions [t]) of the context tokens this share's cache holds (paged_cache.local_slots),
+    # computed once per step for every layer; None without DCP
+    held: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SharedParams:

@@ -35,10 +35,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, heads_outer: bool, device
 
 
 def slot_mapping(block_ids: Sequence[int], start_token: int, end_token: int, block_size: int) -> torch.Tensor:
-    """Flat slot (block_id * block_size + offset) of each token position in [start, end)."""
-    positions = torch.arange(start_token, end_token)  # [n]
-    blocks = torch.as_tensor(list(block_ids), dtype=torch.long)[positions // block_size]
-    return blocks * block_size + positions % block_size
+    """Flat slot (block_id * block_size + offset) of each token position in [start, end): the
+    mapping without context parallelism."""
+    return cp_slot_mapping(block_ids, torch.arange(start_token, end_token), block_size, CPShare())
 
 
 def cp_slot_mapping(block_ids: Sequence[int], positions: torch.Tensor, block_size: int, share: CPShare) -> torch.Tensor:

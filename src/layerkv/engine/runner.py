@@ -30,7 +30,7 @@ import torch
 from layerkv.connector.hooks import WorkerHooks
 from layerkv.engine.context_parallel import attend_shares, write_share
 from layerkv.engine.model import CacheContext, ModelConfig, RankShard, SharedParams, Weights, cache_shapes, rms_norm
-from layerkv.engine.paged_cache import CPShare, RankKVCache, cp_slot_mapping
+from layerkv.engine.paged_cache import CPShare, RankKVCache, cp_slot_mapping, local_slots
 from layerkv.engine.scheduler import ScheduledChunk
 from layerkv.errors import ConfigError
 from layerkv.messages import ReqId
@@ -149,20 +149,7 @@ class ModelRunner:
         shared = self.shared
         h = {c.req_id: shared.embed[torch.as_tensor(c.token_ids)] for c in chunks}  # [n, H] each
         positions = {c.req_id: torch.arange(c.start_token, c.start_token + len(c.token_ids)) for c in chunks}
-        contexts = {
-            c.req_id: [
-                CacheContext(
-                    cache=cache,
-                    slots=cp_slot_mapping(c.block_ids, positions[c.req_id], self.block_size, self.shares[rank]),
-                    block_ids=c.block_ids,
-                    num_tokens=c.start_token + len(c.token_ids),
-                    share=self.shares[rank],
-                )
-                for worker, cache in enumerate(self.caches)
-                for rank in [worker % self.tp_size]
-            ]
-            for c in chunks
-        }
+        contexts = {c.req_id: self._contexts(c, positions[c.req_id]) for c in chunks}
         for layer_idx in range(self.cfg.num_layers):
             h = self._layer(layer_idx, h, positions, contexts)
         logits = {rid: shared.logits(x[-1]).cpu() for rid, x in h.items()}
@@ -171,6 +158,18 @@ class ModelRunner:
             h = self._layer(layer_idx, h, positions, contexts)
         draft = {rid: shared.logits(x[-1]).cpu() for rid, x in h.items()} if self.cfg.num_mtp_layers else {}
         return logits, draft
+
+    def _contexts(self, chunk: ScheduledChunk, positions: torch.Tensor) -> list[CacheContext]:
+        """Where `chunk`'s tokens go in every worker's cache, and under DCP which context tokens each
+        worker's share holds (once per step: the same for every layer)."""
+        num_tokens = chunk.start_token + len(chunk.token_ids)
+        contexts = []
+        for worker, cache in enumerate(self.caches):
+            share = self.shares[worker % self.tp_size]
+            held = local_slots(chunk.block_ids, num_tokens, self.block_size, share) if share.size > 1 else None
+            slots = cp_slot_mapping(chunk.block_ids, positions, self.block_size, share)
+            contexts.append(CacheContext(cache, slots, chunk.block_ids, num_tokens, share, held))
+        return contexts
 
     def _layer(
         self,
