@@ -34,7 +34,9 @@ def test_a_stuck_background_write_does_not_pile_up_staging(make_rig) -> None:
         _serve(rig, Req(f"r{i}", block_tokens(4, BLOCK_SIZE, base=100 * i)))
     assert worker._areas is areas and areas.nbytes() == held  # fixed at start-up: never grows
     assert areas.saves.slots_in_use() <= MAX_SAVES_IN_FLIGHT  # the saves in flight hold one slot each
-    assert worker.stats().save_skipped_steps >= 25 - MAX_SAVES_IN_FLIGHT - 1  # all but those in flight behind the write
+    stats = worker.stats()
+    assert stats.save_skipped_steps >= 25 - MAX_SAVES_IN_FLIGHT - 1  # all but those in flight behind the write
+    assert stats.save_skipped_keys == stats.save_skipped_steps  # one block per step
     # held behind the write: the saves in flight and their settle jobs, not one job per step
     assert worker.open_sessions()["running_jobs"] <= 2 * MAX_SAVES_IN_FLIGHT, worker.open_sessions()
     # the six verdict-only steps: the first waits save_timeout_s for its commits (stuck behind

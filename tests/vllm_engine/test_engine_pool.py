@@ -11,6 +11,8 @@ prefill in chunks of 64 tokens.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from tests.vllm_engine.tier import BLOCK_SIZE, pool_diagnosis, same_bits
@@ -79,6 +81,9 @@ def test_consumer_role_writes_nothing(pair):
 
 
 MAX_TOKENS = 200
+# What a producer counts when a block it computed is not saved: an overloaded host skips saves
+# rather than stall the engine (docs/data-safety.md §4), e.g. MAX_SAVES_IN_FLIGHT saves still writing.
+DROPPED_SAVES = ("save_skipped_keys", "save_skipped_staging", "save_failed_keys", "revoked_unsettled")
 
 
 def test_preempted_requests_resume_and_save_what_they_computed(pair):
@@ -93,6 +98,7 @@ def test_preempted_requests_resume_and_save_what_they_computed(pair):
     assert after["num_preemptions"] > before["num_preemptions"], "the scenario must preempt"
     # 15 blocks at first scheduling; a request resumed after its cached prefix was evicted loads again
     assert after["layerkv"]["load_blocks"] - before["layerkv"].get("load_blocks", 0) > 15
+    dropped = {name: after["layerkv"].get(name, 0) - before["layerkv"].get(name, 0) for name in DROPPED_SAVES}
 
     for i, request in enumerate(requests):
         assert preempted[i]["num_cached_tokens"] == 5 * BLOCK_SIZE  # first scheduled with the pool hit
@@ -105,7 +111,14 @@ def test_preempted_requests_resume_and_save_what_they_computed(pair):
         (local,) = consumer.generate([sequence], max_tokens=3)  # blocks the consumer computed alone
         (pooled,) = consumer.generate([sequence], max_tokens=3, reset_prefix_cache=True)
         full_blocks = (len(sequence) - 1) // BLOCK_SIZE * BLOCK_SIZE
-        assert local["num_cached_tokens"] == pooled["num_cached_tokens"] == full_blocks
+        hit = f"request {i}: {pooled['num_cached_tokens']} of {full_blocks} tokens from the pool; dropped: {dropped}"
+        assert local["num_cached_tokens"] == full_blocks
+        if any(dropped.values()):  # the hit ends at the first block not saved; the blocks before it still agree
+            assert 5 * BLOCK_SIZE <= pooled["num_cached_tokens"] <= full_blocks, f"{hit}\n{pool_diagnosis(*pair)}"
+            if pooled["num_cached_tokens"] < full_blocks:
+                warnings.warn(f"{hit}: an overloaded host skipped saves (counted); only those loaded are checked")
+        else:
+            assert pooled["num_cached_tokens"] == full_blocks, f"{hit}\n{pool_diagnosis(*pair)}"
         # Local blocks were decoded alone, pool blocks in a batch of 3 around preemptions: the same
         # KV up to float rounding (~3e-6 in logprob here); a wrong block moves it by ~1.
         assert pooled["token_ids"] == local["token_ids"]

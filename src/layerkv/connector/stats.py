@@ -74,7 +74,10 @@ class WorkerStats:
     save_failed_keys: int = 0  # put start failed, or revoked by the save job (write failure, incomplete step)
     save_timeouts: int = 0
     save_copy_s: float = 0.0  # send thread: copying the cache into staging images (and their tags)
-    save_skipped_steps: int = 0  # steps whose saves were skipped: an earlier save stuck, or the store down
+    # steps whose saves were skipped: an earlier save stuck, the store down, or MAX_SAVES_IN_FLIGHT saves
+    # of earlier steps still writing (overload: the engine never waits for the store); and their keys
+    save_skipped_steps: int = 0
+    save_skipped_keys: int = 0
     save_skipped_staging: int = 0  # keys not saved: no free staging slot (the staging area is full)
     save_incomplete_steps: int = 0  # saving steps handed fewer than all layers: nothing saved
     save_after_forward_steps: int = (
