@@ -146,6 +146,23 @@ def test_with_every_decode_server_failing_a_502_then_503_until_one_returns(fleet
     assert rig.sample(proxy.port, "layerkv_pd_proxy_requests_total", outcome="upstream_failed") >= 1
 
 
+def test_a_503_says_when_to_ask_again(fleet: FakeFleet) -> None:
+    """With every decode server out of rotation, the proxy's 503 (a completion's and /health's)
+    carries Retry-After: whole seconds until the first may be probed back."""
+    fleet["decode-0"].mode = fleet["decode-1"].mode = Mode.FAIL
+    config = ProxyConfig(backoff_s=30.0, max_backoff_s=30.0, probe_interval_s=PROBE_INTERVAL_S)  # none returns here
+    proxy = PDProxy(urls(fleet, "prefill"), urls(fleet, "decode"), config).start()
+    try:
+        assert rig.completion(proxy.port).status == 502  # both tried, both out of rotation
+        refused, health = rig.completion(proxy.port), rig.call(proxy.port, rig.request_bytes("/health"))
+        assert refused.status == health.status == 503, refused.body
+        for answer in (refused, health):  # ~30 s of back-off left, then one probe interval
+            assert 20 <= int(answer.headers["retry-after"]) <= 31, answer.headers
+        assert "no decode server in rotation" in refused.json()["error"]["message"]
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_decode_answer_that_breaks_off_is_cut_never_retried(fleet: FakeFleet, proxy: PDProxy, stream: bool) -> None:
     fleet["decode-0"].mode = Mode.BREAK

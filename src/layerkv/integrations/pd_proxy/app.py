@@ -28,6 +28,7 @@ from layerkv.integrations.pd_proxy.bodies import (
     error_response,
     prefill_body,
     read_body,
+    retry_after,
 )
 from layerkv.integrations.pd_proxy.config import ProxyConfig
 from layerkv.integrations.pd_proxy.metrics import Outcome, ProxyMetrics
@@ -66,7 +67,8 @@ class ProxyApp:
         try:
             response, outcome = await self._route(request)
         except ProxyError as exc:
-            response, outcome = error_response(exc.status, exc.message, exc.param), _OUTCOME_OF_STATUS[exc.status]
+            response = error_response(exc.status, exc.message, exc.param, retry_after_s=exc.retry_after_s)
+            outcome = _OUTCOME_OF_STATUS[exc.status]
         except (asyncio.CancelledError, ConnectionError):
             self.metrics.count(Outcome.CLIENT_GONE)
             raise
@@ -91,10 +93,13 @@ class ProxyApp:
         return await self._decode(request, payload, {"X-LayerKV-Prefill": prefilled})
 
     def _health(self) -> web.Response:
-        """200 while a decode server is in rotation (the proxy can answer), else 503."""
+        """200 while a decode server is in rotation (the proxy can answer), else 503 with Retry-After."""
         up = {pool.role.value: [u.url for u in pool.upstreams if u.in_rotation] for pool in (self.prefill, self.decode)}
-        status = "ok" if up["decode"] else "no decode server in rotation"
-        return web.json_response({"status": status, "in_rotation": up}, status=200 if up["decode"] else 503)
+        if up["decode"]:
+            return web.json_response({"status": "ok", "in_rotation": up})
+        body = {"status": "no decode server in rotation", "in_rotation": up}
+        headers = {"Retry-After": retry_after(self.decode.seconds_until_return())}
+        return web.json_response(body, status=503, headers=headers)
 
     async def _prefill(self, request: web.BaseRequest, body: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         """The prefill's kv_transfer_params (None if it gave none) and "ok", or None and "failed"."""
@@ -148,7 +153,8 @@ class ProxyApp:
                 self._upstream_failed(self.decode, upstream, str(exc))
         if not tried:
             wait_s = self.decode.seconds_until_return()
-            raise ProxyError(503, f"no decode server in rotation; the first may return in {wait_s:.1f} s")
+            message = f"no decode server in rotation; the first may return in {wait_s:.1f} s"
+            raise ProxyError(503, message, retry_after_s=wait_s)
         raise ProxyError(502, f"the decode server failed ({reason})")
 
     async def _stream(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -24,11 +25,14 @@ _TYPES = {400: "BadRequestError", 408: "RequestTimeout", 413: "PayloadTooLarge",
 
 
 class ProxyError(Exception):
-    """An answer the proxy gives itself: `status`, a message, the request field at fault."""
+    """An answer the proxy gives itself: `status`, a message, the request field at fault, and
+    for a 503 when to ask again (`retry_after_s`, sent as Retry-After)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, *, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -36,12 +40,21 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": f"pd-proxy: {message}", "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    """The JSON error; a 4xx that may leave a body unread closes the connection after it."""
-    response = web.json_response(error_body(status, message, param), status=status)
+def error_response(
+    status: int, message: str, param: str | None = None, *, retry_after_s: float | None = None
+) -> web.Response:
+    """The JSON error; a 4xx that may leave a body unread closes the connection after it. With
+    `retry_after_s`, a Retry-After header (whole seconds, at least 1: RFC 9110 §10.2.3)."""
+    headers = None if retry_after_s is None else {"Retry-After": retry_after(retry_after_s)}
+    response = web.json_response(error_body(status, message, param), status=status, headers=headers)
     if status in (408, 413):
         response.force_close()
     return response
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After value: `seconds` rounded up to a whole second, at least 1."""
+    return str(max(1, math.ceil(seconds)))
 
 
 async def read_body(request: web.BaseRequest, max_nbytes: int, timeout_s: float) -> bytes:
