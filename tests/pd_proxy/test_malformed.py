@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,3 +167,14 @@ def test_the_limits_are_checked_at_start(tmp_path: Path) -> None:
         rig.ProxyProcess(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], tmp_path / "log", read_timeout_s=0)
     assert "read_timeout_s=0.0 must be a number of seconds > 0" in (tmp_path / "log").read_text()
     assert info.value is not None
+
+
+@pytest.mark.parametrize("missing", ["aiohttp", "prometheus_client"])
+def test_without_its_dependencies_it_says_what_to_install(missing: str) -> None:
+    """On a host without vLLM (so without aiohttp or prometheus_client): a message and exit 2, no traceback."""
+    code = f"import sys; sys.modules[{missing!r}] = None; from layerkv.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"]
+    done = subprocess.run([sys.executable, "-c", code, "pd-proxy", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"({missing} is not installed)" in done.stderr and "pip install 'layerkv[proxy]'" in done.stderr
+    assert "Traceback" not in done.stderr

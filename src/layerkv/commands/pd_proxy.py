@@ -24,6 +24,9 @@ _HELP = {
 }
 
 
+_NEEDS = ("aiohttp", "prometheus_client")  # the `proxy` extra
+
+
 def add_parser(subparsers: Any) -> None:
     from layerkv.integrations.pd_proxy.config import ProxyConfig  # light: stdlib and layerkv.errors
 
@@ -53,8 +56,17 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from layerkv.integrations.pd_proxy import PDProxy, ProxyConfig
+    from layerkv.errors import ConfigError
 
+    try:
+        from layerkv.integrations.pd_proxy import PDProxy, ProxyConfig
+    except ModuleNotFoundError as exc:
+        if exc.name not in _NEEDS:
+            raise
+        raise ConfigError(
+            f"needs {' and '.join(_NEEDS)} ({exc.name} is not installed): vLLM's own dependencies bring both; "
+            "on a host without vLLM: pip install 'layerkv[proxy]'"
+        ) from None
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(message)s", stream=sys.stderr)
     config = ProxyConfig(host=args.host, port=args.port, **{name: getattr(args, name) for name in _HELP})
     proxy = PDProxy(args.prefill, args.decode, config)

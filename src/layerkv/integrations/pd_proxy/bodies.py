@@ -16,7 +16,6 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 # the fields a prefill server must not get: it answers one token, not streamed
 # (min_tokens above its max_tokens 1 would be a 400 of the prefill server's)
@@ -73,7 +72,7 @@ async def read_body(request: web.BaseRequest, max_nbytes: int, timeout_s: float)
                 chunks.append(chunk)
     except TimeoutError:
         raise ProxyError(408, f"the body did not arrive within {timeout_s:g} s") from None
-    except RequestPayloadError as exc:  # a malformed chunked body, a length the connection's end cut short
+    except web.RequestPayloadError as exc:  # a malformed chunked body, a length the connection's end cut short
         raise ProxyError(400, f"the body could not be read: {exc}") from None
     return b"".join(chunks)
 
