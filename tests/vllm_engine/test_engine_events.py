@@ -52,13 +52,23 @@ def test_the_pool_s_blocks_reach_vllm_s_event_stream(fleet):
                     assert len(e.block_hashes) == 1, e
             return list(first.values())
 
-        # a SUB socket misses what is sent before it joined, and a block committed after the engine's last
-        # step is announced at its next step (on a loaded machine the commits of the last steps land after
-        # the request has finished): generate again until all three have come, never past the deadline
-        while len(pool_blocks(events)) < 3 and time.monotonic() < deadline:
+        def complete(events: list) -> bool:
+            """The pool's three blocks, and vLLM's own event for each of their hashes."""
+            local = {
+                h for e in events if isinstance(e, BlockStored) and e.medium != MEDIUM_STORAGE for h in e.block_hashes
+            }
+            pool = pool_blocks(events)
+            return len(pool) >= 3 and all(e.block_hashes[0] in local for e in pool)
+
+        # a SUB socket misses what is sent before it joined (on a loaded machine, vLLM's own events of
+        # the first request may go by before it has), and a block committed after the engine's last step
+        # is announced at its next step (the commits of the last steps may land after the request has
+        # finished): generate again (each announces its blocks anew after the reset) until both have come,
+        # never past the deadline
+        while not complete(events) and time.monotonic() < deadline:
             engine.generate([tokens], reset_prefix_cache=True)  # computed (or loaded), saved, committed
             decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-            events += _events_until(socket, decoder, lambda got: len(pool_blocks(events + got)) >= 3, timeout_s=10)
+            events += _events_until(socket, decoder, lambda got: complete(events + got), timeout_s=10)
         by_block = {
             i: e
             for e in pool_blocks(events)
