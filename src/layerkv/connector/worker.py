@@ -376,7 +376,7 @@ class WorkerConnector:
         the store is down or MAX_SAVES_IN_FLIGHT saves of earlier steps still write."""
         if self._ledger.stuck(SaveJob) or self.store.is_down() or self._ledger.saves_in_flight() >= MAX_SAVES_IN_FLIGHT:
             self._stats.save_skipped_steps += 1
-            self._stats.save_skipped_keys += sum(len(spec.block_hashes) for spec in plan.saves)
+            self._stats.save_skipped_keys += sum(map(len, plan.saves))
             return
         assert self._jobs is not None
         job = self._step.save = self._jobs.start_saves(plan.step_seq, plan.saves)

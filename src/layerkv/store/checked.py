@@ -137,8 +137,7 @@ class CheckedStore:
         for start in range(0, len(keys), self.max_batch_keys):
             part = slice(start, start + self.max_batch_keys)
             chunk = keys[part]
-            down = call in _NEEDS_MASTER and self.is_down()
-            if down or (call in _PUTS and not self._probed()):  # answered here: nothing reached the store
+            if not self._may_send(call):  # answered here: nothing reached the store
                 self._count(call, len(chunk), 0, len(chunk))
                 results.extend([_NOT_SENT] * len(chunk))
                 continue
@@ -227,12 +226,17 @@ class CheckedStore:
         with self._stats_lock:
             return self._clock() < self._down_until
 
-    def _probed(self) -> bool:
-        """May a put go out? Yes unless an outage was met and no answer cleared it since: then an
-        exists call of a probe key asks first (a put is never the probe), and the answer decides."""
+    def _may_send(self, call: str) -> bool:
+        """No while an outage short-circuits `call`. A put after an outage that no answer has
+        cleared yet: an exists call of a probe key asks first (a put is never the probe), and its
+        answer decides. Range calls on open sessions always go (no lock taken: the per-layer path)."""
+        if call not in _GATED:
+            return True
         with self._stats_lock:
-            cleared = self._down_until == 0.0
-        if cleared:
+            down_until = self._down_until
+        if call in _NEEDS_MASTER and self._clock() < down_until:
+            return False
+        if call not in _PUTS or down_until == 0.0:
             return True
         got = self._chunk("batch_is_exist", self.backend.batch_is_exist, ([_PROBE_KEY],), {})
         self._count("batch_is_exist", 1, 0, sum(1 for r in got if r < 0))
@@ -380,6 +384,7 @@ _NEEDS_MASTER = frozenset(name for name, call in STORE_CALLS.items() if call.nee
 _BOUNDED = frozenset(name for name, call in STORE_CALLS.items() if call.bounded)
 _OUTAGE_CHECKED = frozenset(name for name, call in STORE_CALLS.items() if call.talks_to_master)
 _PUTS = frozenset({"batch_put_session_start", "batch_put_from"})  # what a -901 answer can leave unrevocable
+_GATED = _NEEDS_MASTER | _PUTS
 _PROBE_KEY = "layerkv-outage-probe"  # asked after an outage (never written)
 
 
